@@ -1,0 +1,1 @@
+"""Benchmarks reachable as ``kvbridge bench ...`` (scripts in ``benchmarks/`` call these)."""

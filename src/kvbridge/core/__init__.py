@@ -1,0 +1,21 @@
+"""kvbridge's small, stable centre. Imports nothing from plugins or state handlers."""
+
+from .hookspecs import hookimpl
+from .layout import KVArgs, IndexSpace, Region, Shard
+from .plan import PlanError, TransferPlan, coalesce_runs, plan_pages
+from .records import BackendCapabilities, BackendSpec, StateHandlerSpec
+
+__all__ = [
+    "hookimpl",
+    "KVArgs",
+    "IndexSpace",
+    "Region",
+    "Shard",
+    "PlanError",
+    "TransferPlan",
+    "coalesce_runs",
+    "plan_pages",
+    "BackendCapabilities",
+    "BackendSpec",
+    "StateHandlerSpec",
+]

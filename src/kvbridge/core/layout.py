@@ -1,0 +1,240 @@
+"""The memory description: what a rank registers, described once.
+
+A rank describes its transferable memory as a list of :class:`Region` records
+inside a :class:`KVArgs`. Everything else (transfer plans, bounds checks,
+pairing of regions between prefill and decode) is derived from it. The records
+are msgspec Structs so the decode side's description travels in the handshake
+unchanged.
+
+Vocabulary:
+
+- **index space**: a named set of equally sized items addressed by an integer
+  index: KV pages (``kv_page``), sliding-window pages (``swa_page``), request
+  slots (``slot``), metadata rows (``metadata_row``), ...
+- **region**: one contiguous buffer whose item ``i`` lives at
+  ``addr + i * stride`` (one layer's K buffer, one layer's conv state, the
+  metadata buffer, ...).
+- **shard**: how one item is split across tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+__all__ = ["ROLES", "MEMORY_KINDS", "IndexSpace", "Shard", "Region", "KVArgs"]
+
+#: What a region holds. A role outside this set is rejected: pairing and
+#: slicing rules are keyed on it, so a typo must not pass silently.
+ROLES: frozenset[str] = frozenset(
+    {"k", "v", "kv", "conv", "temporal", "indexer", "scale", "state", "metadata"}
+)
+
+MemoryKind = Literal["dram", "vram"]
+MEMORY_KINDS: frozenset[str] = frozenset({"dram", "vram"})
+
+
+class IndexSpace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A named set of ``count`` items addressed by index ``0 .. count-1``.
+
+    ``tokens`` is how many tokens one index covers (the page size for KV
+    pages, 1 for request slots and metadata rows).
+    """
+
+    name: str
+    count: int
+    tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("index space has an empty name")
+        if self.count <= 0:
+            raise ValueError(f"index space {self.name!r}: count must be > 0, got {self.count}")
+        if self.tokens <= 0:
+            raise ValueError(f"index space {self.name!r}: tokens must be > 0, got {self.tokens}")
+
+
+class Shard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How one item is split across tensor-parallel ranks.
+
+    An item is viewed as ``outer x dim x unit_nbytes`` bytes, where ``dim`` is
+    this rank's share of the TP-sharded dimension (KV heads, channels) and
+    ``outer`` counts the rows in front of it. Token-major pages (NHD) have
+    ``outer = tokens per page``; head-major pages (HND) have ``outer = 1`` and
+    the tokens folded into ``unit_nbytes``. ``groups`` splits ``dim`` into
+    sub-blocks that are each sharded on their own (the q|k|v parts of a
+    gated-delta-net conv state); empty means one group.
+
+    ``kind="replicated"`` means every rank holds the whole item (MLA latent
+    cache, indexer caches, metadata); the other fields are then unused.
+    """
+
+    kind: Literal["replicated", "split"] = "replicated"
+    outer: int = 1
+    dim: int = 0
+    unit_nbytes: int = 0
+    groups: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind == "split":
+            if self.outer <= 0 or self.dim <= 0 or self.unit_nbytes <= 0:
+                raise ValueError(
+                    f"split shard needs outer, dim and unit_nbytes > 0, got "
+                    f"outer={self.outer} dim={self.dim} unit_nbytes={self.unit_nbytes}"
+                )
+            if self.groups and (sum(self.groups) != self.dim or min(self.groups) <= 0):
+                raise ValueError(
+                    f"shard groups {list(self.groups)} must be positive and sum to dim={self.dim}"
+                )
+
+    @property
+    def item_nbytes(self) -> int:
+        """Bytes of one item as this shard describes it (split shards only)."""
+        return self.outer * self.dim * self.unit_nbytes
+
+
+class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered buffer: item ``i`` of ``index_space`` is at ``addr + i * stride``.
+
+    Regions pair between prefill and decode by :attr:`key` (state type, role,
+    layer, draft), never by position.
+    """
+
+    name: str
+    addr: int
+    nbytes: int
+    stride: int
+    role: str
+    index_space: str
+    layer: int = -1
+    state_type: str = "kv"
+    draft: bool = False
+    mem: MemoryKind = "dram"
+    device: int = 0
+    shard: Shard = Shard()
+
+    def __post_init__(self) -> None:
+        where = f"region {self.name!r}"
+        if not self.name:
+            raise ValueError("a region has an empty name")
+        if self.role not in ROLES:
+            raise ValueError(
+                f"{where}: unknown role {self.role!r}; known roles: {', '.join(sorted(ROLES))}"
+            )
+        if self.mem not in MEMORY_KINDS:
+            raise ValueError(f"{where}: unknown memory kind {self.mem!r}; use 'dram' or 'vram'")
+        if self.addr <= 0:
+            raise ValueError(f"{where}: address must be > 0, got {self.addr:#x}")
+        if self.nbytes <= 0:
+            raise ValueError(f"{where}: size must be > 0, got {self.nbytes}")
+        if self.stride <= 0:
+            raise ValueError(f"{where}: stride must be > 0, got {self.stride}")
+        if self.stride > self.nbytes:
+            raise ValueError(
+                f"{where}: stride {self.stride} is larger than the region ({self.nbytes} bytes)"
+            )
+        if self.shard.kind == "split" and self.shard.item_nbytes != self.stride:
+            raise ValueError(
+                f"{where}: shard describes {self.shard.item_nbytes}-byte items "
+                f"(outer {self.shard.outer} x dim {self.shard.dim} x {self.shard.unit_nbytes} B) "
+                f"but the stride is {self.stride}"
+            )
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.nbytes
+
+    @property
+    def key(self) -> tuple[str, str, int, bool]:
+        """What pairs this region with its peer on the other side."""
+        return (self.state_type, self.role, self.layer, self.draft)
+
+
+class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything one rank registers, plus the model facts both sides must share.
+
+    Validated on construction (and on decoding from the wire): region names
+    and keys are unique, regions do not overlap in memory, every region's
+    index space is declared and fits inside it.
+    """
+
+    regions: tuple[Region, ...]
+    index_spaces: tuple[IndexSpace, ...]
+    dtype: str
+    page_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be > 0, got {self.page_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank {self.pp_rank} is outside pp_size {self.pp_size}")
+        spaces: dict[str, IndexSpace] = {}
+        for space in self.index_spaces:
+            if space.name in spaces:
+                raise ValueError(f"index space {space.name!r} is declared twice")
+            spaces[space.name] = space
+        names: set[str] = set()
+        keys: dict[tuple[str, str, int, bool], str] = {}
+        for r in self.regions:
+            if r.name in names:
+                raise ValueError(f"region name {r.name!r} is used twice")
+            names.add(r.name)
+            if r.key in keys:
+                raise ValueError(
+                    f"regions {keys[r.key]!r} and {r.name!r} have the same "
+                    f"(state_type, role, layer, draft) = {r.key}; each must be unique"
+                )
+            keys[r.key] = r.name
+            space = spaces.get(r.index_space)
+            if space is None:
+                raise ValueError(
+                    f"region {r.name!r}: index space {r.index_space!r} is not declared "
+                    f"(declared: {', '.join(sorted(spaces)) or 'none'})"
+                )
+            if space.count * r.stride > r.nbytes:
+                raise ValueError(
+                    f"region {r.name!r}: index space {space.name!r} has {space.count} items "
+                    f"of {r.stride} B = {space.count * r.stride} B, but the region holds "
+                    f"only {r.nbytes} B"
+                )
+        _check_no_overlap(self.regions)
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(f"no region named {name!r}")
+
+    def index_space(self, name: str) -> IndexSpace:
+        for s in self.index_spaces:
+            if s.name == name:
+                return s
+        raise KeyError(f"no index space named {name!r}")
+
+
+def _check_no_overlap(regions: tuple[Region, ...]) -> None:
+    """Regions of the same memory (kind, device) must not share a byte."""
+    by_memory: dict[tuple[str, int], list[Region]] = {}
+    for r in regions:
+        by_memory.setdefault((r.mem, r.device), []).append(r)
+    for group in by_memory.values():
+        if len(group) < 2:
+            continue
+        starts = np.array([r.addr for r in group], dtype=np.int64)
+        ends = np.array([r.end for r in group], dtype=np.int64)
+        order = np.argsort(starts, kind="stable")
+        clash = np.flatnonzero(ends[order][:-1] > starts[order][1:])
+        if clash.size:
+            a, b = group[order[clash[0]]], group[order[clash[0] + 1]]
+            raise ValueError(
+                f"region {b.name!r} [{b.addr:#x}, {b.end:#x}) overlaps region "
+                f"{a.name!r} [{a.addr:#x}, {a.end:#x})"
+            )

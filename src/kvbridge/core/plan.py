@@ -1,0 +1,274 @@
+"""Transfer plans: vectorised ``(src_addr, dst_addr, nbytes)`` descriptor arrays.
+
+Everything here works on whole numpy arrays; there is no Python loop per page,
+run or descriptor. A backend receives a :class:`TransferPlan` that has been
+bounds-checked against both sides' registered regions (:meth:`TransferPlan.validate`)
+and moves exactly those bytes, split to its own limits with
+:meth:`TransferPlan.batches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from .layout import Region
+
+__all__ = ["PlanError", "TransferPlan", "coalesce_runs", "plan_pages", "check_indices"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+class PlanError(ValueError):
+    """A plan cannot be built or would touch memory outside registered regions."""
+
+
+def _as_index_array(name: str, values: npt.ArrayLike) -> IntArray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise PlanError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_indices(name: str, idx: npt.ArrayLike, count: int | None = None, *, unique: bool = False) -> IntArray:
+    """Return ``idx`` as int64 after checking range and (optionally) uniqueness.
+
+    Raises :class:`PlanError` naming the first offending position and value.
+    """
+    arr = _as_index_array(name, idx)
+    if arr.size == 0:
+        return arr
+    bad = np.flatnonzero(arr < 0) if count is None else np.flatnonzero((arr < 0) | (arr >= count))
+    if bad.size:
+        i = int(bad[0])
+        limit = "must be >= 0" if count is None else f"valid range is 0..{count - 1}"
+        raise PlanError(f"{name}[{i}] = {int(arr[i])} is out of range ({limit})")
+    if unique and arr.size > 1:
+        # Sorted input (the common case) needs no sort to check.
+        d = np.diff(arr)
+        if not (d > 0).all():
+            s = np.sort(arr, kind="stable")
+            dup = np.flatnonzero(s[1:] == s[:-1])
+            if dup.size:
+                raise PlanError(
+                    f"{name} contains index {int(s[dup[0]])} more than once; "
+                    "every destination item may be written once per transfer"
+                )
+    return arr
+
+
+def coalesce_runs(src_idx: npt.ArrayLike, dst_idx: npt.ArrayLike) -> tuple[IntArray, IntArray, IntArray]:
+    """Split paired index lists into maximal runs contiguous on *both* sides.
+
+    Returns ``(src_start, dst_start, run_len)``: run ``r`` covers
+    ``src_start[r] + k -> dst_start[r] + k`` for ``k < run_len[r]``.
+    """
+    src = check_indices("src_idx", src_idx)
+    dst = check_indices("dst_idx", dst_idx)
+    if src.size != dst.size:
+        raise PlanError(
+            f"src_idx has {src.size} indices but dst_idx has {dst.size}; they are paired one to one"
+        )
+    n = src.size
+    if n == 0:
+        empty = np.empty(0, np.int64)
+        return empty, empty.copy(), empty.copy()
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    run_len = np.diff(np.concatenate((starts, [n])))
+    return src[starts], dst[starts], run_len
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Descriptors to move: ``nbytes[i]`` bytes from ``src_addr[i]`` to ``dst_addr[i]``.
+
+    The three arrays are int64 and of equal length; a plan never copies them
+    when sliced into batches.
+    """
+
+    src_addr: IntArray
+    dst_addr: IntArray
+    nbytes: IntArray
+
+    def __post_init__(self) -> None:
+        n = self.src_addr.shape
+        if self.dst_addr.shape != n or self.nbytes.shape != n or len(n) != 1:
+            raise PlanError(
+                f"plan arrays differ in shape: src {self.src_addr.shape}, "
+                f"dst {self.dst_addr.shape}, nbytes {self.nbytes.shape}"
+            )
+
+    @classmethod
+    def empty(cls) -> TransferPlan:
+        return cls(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+
+    @classmethod
+    def concat(cls, plans: Iterable[TransferPlan]) -> TransferPlan:
+        plans = [p for p in plans if len(p)]
+        if not plans:
+            return cls.empty()
+        if len(plans) == 1:
+            return plans[0]
+        return cls(
+            np.concatenate([p.src_addr for p in plans]),
+            np.concatenate([p.dst_addr for p in plans]),
+            np.concatenate([p.nbytes for p in plans]),
+        )
+
+    def __len__(self) -> int:
+        return int(self.nbytes.shape[0])
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def explain(self, limit: int = 8) -> str:
+        """A short human-readable summary, with the first ``limit`` descriptors."""
+        n = len(self)
+        if n == 0:
+            return "TransferPlan: empty (nothing to move)"
+        sizes = self.nbytes
+        lines = [
+            f"TransferPlan: {n} descriptors, {self.total_bytes} bytes "
+            f"({self.total_bytes / 2**20:.2f} MiB)",
+            f"  descriptor size: min {int(sizes.min())} B, median {int(np.median(sizes))} B, "
+            f"max {int(sizes.max())} B",
+        ]
+        for i in range(min(n, limit)):
+            lines.append(
+                f"  [{i}] {int(self.src_addr[i]):#x} -> {int(self.dst_addr[i]):#x}  {int(sizes[i])} B"
+            )
+        if n > limit:
+            lines.append(f"  ... {n - limit} more")
+        return "\n".join(lines)
+
+    def validate(self, src_regions: Sequence[Region], dst_regions: Sequence[Region]) -> None:
+        """Check every descriptor lies inside one registered region on each side.
+
+        Raises :class:`PlanError` naming the first offending descriptor before
+        anything has moved.
+        """
+        if len(self) == 0:
+            return
+        bad = np.flatnonzero(self.nbytes <= 0)
+        if bad.size:
+            i = int(bad[0])
+            raise PlanError(f"descriptor {i} has size {int(self.nbytes[i])}; sizes must be > 0")
+        for side, addrs, regions in (
+            ("source", self.src_addr, src_regions),
+            ("destination", self.dst_addr, dst_regions),
+        ):
+            inside = _inside_regions(addrs, self.nbytes, regions)
+            if not inside.all():
+                i = int(np.flatnonzero(~inside)[0])
+                a, n = int(addrs[i]), int(self.nbytes[i])
+                raise PlanError(
+                    f"descriptor {i} ({n} B at {side} {a:#x}..{a + n:#x}) is not inside "
+                    f"any registered {side} region{_nearest(a, regions)}"
+                )
+
+    def batches(self, max_descriptors: int | None = None, max_bytes: int | None = None) -> Iterator[TransferPlan]:
+        """Yield consecutive sub-plans within an engine's limits (views, no copies).
+
+        Each batch has at most ``max_descriptors`` descriptors and at most
+        ``max_bytes`` bytes, except that a single descriptor larger than
+        ``max_bytes`` forms a batch of its own (descriptors are never split).
+        """
+        n = len(self)
+        if n == 0:
+            return
+        if max_descriptors is not None and max_descriptors <= 0:
+            raise PlanError(f"max_descriptors must be > 0, got {max_descriptors}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise PlanError(f"max_bytes must be > 0, got {max_bytes}")
+        step = n if max_descriptors is None else max_descriptors
+        if max_bytes is None:
+            bounds = list(range(0, n, step)) + [n]
+        else:
+            bounds = _byte_bounds(self.nbytes, step, max_bytes)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            yield TransferPlan(self.src_addr[lo:hi], self.dst_addr[lo:hi], self.nbytes[lo:hi])
+
+
+def _byte_bounds(nbytes: IntArray, step: int, max_bytes: int) -> list[int]:
+    # One searchsorted per batch (not per descriptor) on the prefix sums.
+    cum = np.cumsum(nbytes)
+    n = nbytes.shape[0]
+    bounds = [0]
+    lo = 0
+    while lo < n:
+        base = int(cum[lo - 1]) if lo else 0
+        hi = int(np.searchsorted(cum, base + max_bytes, side="right"))
+        hi = min(max(hi, lo + 1), lo + step, n)
+        bounds.append(hi)
+        lo = hi
+    return bounds
+
+
+def _inside_regions(addrs: IntArray, nbytes: IntArray, regions: Sequence[Region]) -> npt.NDArray[np.bool_]:
+    if not regions:
+        return np.zeros(addrs.shape, dtype=bool)
+    starts = np.array([r.addr for r in regions], dtype=np.int64)
+    ends = np.array([r.end for r in regions], dtype=np.int64)
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    # Regions do not overlap (KVArgs checks), so the only candidate is the
+    # last region starting at or before the descriptor.
+    pos = np.searchsorted(starts, addrs, side="right") - 1
+    ok = pos >= 0
+    pos = np.where(ok, pos, 0)
+    return ok & (addrs + nbytes <= ends[pos])
+
+
+def _nearest(addr: int, regions: Sequence[Region]) -> str:
+    if not regions:
+        return " (no regions registered)"
+    r = min(regions, key=lambda r: min(abs(addr - r.addr), abs(addr - r.end)))
+    return f" (nearest: {r.name!r} [{r.addr:#x}, {r.end:#x}))"
+
+
+def plan_pages(
+    src_bases: npt.ArrayLike,
+    dst_bases: npt.ArrayLike,
+    item_nbytes: npt.ArrayLike,
+    src_idx: npt.ArrayLike,
+    dst_idx: npt.ArrayLike,
+) -> TransferPlan:
+    """One descriptor per coalesced run per region pair.
+
+    Region pair ``e`` moves item ``src_idx[k]`` of the source region based at
+    ``src_bases[e]`` to item ``dst_idx[k]`` of the destination region based at
+    ``dst_bases[e]``; both have items of ``item_nbytes[e]`` bytes. Descriptors
+    are ordered region pair by region pair. Destination indices must be
+    unique.
+    """
+    src_b = _as_index_array("src_bases", src_bases)
+    dst_b = _as_index_array("dst_bases", dst_bases)
+    item = _as_index_array("item_nbytes", item_nbytes)
+    if not (src_b.size == dst_b.size == item.size):
+        raise PlanError(
+            f"per-region arrays differ in length: src_bases {src_b.size}, "
+            f"dst_bases {dst_b.size}, item_nbytes {item.size}"
+        )
+    if item.size and (item <= 0).any():
+        e = int(np.flatnonzero(item <= 0)[0])
+        raise PlanError(f"item_nbytes[{e}] = {int(item[e])}; item sizes must be > 0")
+    check_indices("dst_idx", dst_idx, unique=True)
+    src_start, dst_start, run_len = coalesce_runs(src_idx, dst_idx)
+    if src_start.size == 0 or item.size == 0:
+        return TransferPlan.empty()
+    # Outer products: rows are region pairs, columns are runs.
+    src = (src_b[:, None] + src_start[None, :] * item[:, None]).ravel()
+    dst = (dst_b[:, None] + dst_start[None, :] * item[:, None]).ravel()
+    nbytes = (item[:, None] * run_len[None, :]).ravel()
+    return TransferPlan(src, dst, nbytes)

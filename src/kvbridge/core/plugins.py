@@ -1,0 +1,270 @@
+"""Plugin discovery: entry points, load errors, duplicates, listing, lazy loading.
+
+Every plugin, built-in or third-party, is an entry point in the ``kvbridge``
+group. Built-ins are the entry points of the ``kvbridge`` distribution itself;
+``KVBRIDGE_DISABLE_PLUGIN_AUTOLOAD=1`` loads those only. A plugin that fails to
+import, or whose hook raises or returns something other than records, is
+reported by name and the others still load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import importlib.util
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import pluggy
+
+from . import hookspecs
+from .records import BackendSpec, StateHandlerSpec
+from .state import StateResolver
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DISABLE_AUTOLOAD_ENV",
+    "PluginError",
+    "BackendUnavailableError",
+    "UnknownBackendError",
+    "Provider",
+    "Registered",
+    "LoadError",
+    "Registry",
+    "get_registry",
+]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "kvbridge"
+DISABLE_AUTOLOAD_ENV = "KVBRIDGE_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_DISTRIBUTION = "kvbridge"
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded, or two plugins claim one name."""
+
+
+class UnknownBackendError(PluginError, LookupError):
+    """No installed plugin provides the requested backend."""
+
+
+class BackendUnavailableError(PluginError, ImportError):
+    """The backend is registered but its engine package is not installed."""
+
+
+@dataclass(frozen=True)
+class Provider:
+    """Where a registration came from."""
+
+    plugin: str  # entry-point name
+    distribution: str
+    version: str
+    module: str
+
+    def __str__(self) -> str:
+        return f"{self.distribution} {self.version} (entry point {self.plugin!r}, {self.module})"
+
+
+Kind = Literal["backend", "state_handler"]
+
+
+@dataclass(frozen=True)
+class Registered:
+    kind: Kind
+    spec: BackendSpec | StateHandlerSpec
+    provider: Provider
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class LoadError:
+    """A plugin, or a name, that could not be used, and why."""
+
+    plugin: str
+    distribution: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"plugin {self.plugin!r} from {self.distribution}: {self.error}"
+
+
+@dataclass
+class Registry:
+    """What the installed plugins provide. Build it with :func:`get_registry`."""
+
+    backends: dict[str, Registered] = field(default_factory=dict)
+    state_handlers: dict[str, Registered] = field(default_factory=dict)
+    errors: list[LoadError] = field(default_factory=list)
+    #: name -> every provider, for names claimed more than once (unusable until fixed).
+    duplicates: dict[tuple[Kind, str], list[Provider]] = field(default_factory=dict)
+
+    # -- backends -----------------------------------------------------------
+    def backend_spec(self, name: str) -> BackendSpec:
+        """The registration of backend ``name``; a clear error if it is unknown."""
+        dup = self.duplicates.get(("backend", name))
+        if dup:
+            raise PluginError(_duplicate_message("backend", name, dup))
+        reg = self.backends.get(name)
+        if reg is None:
+            installed = ", ".join(sorted(self.backends)) or "none"
+            raise UnknownBackendError(
+                f"unknown transfer backend {name!r}; installed backends: {installed}. "
+                "If it comes from a separate package, that plugin may not be installed"
+                + (f" (plugin load errors: {'; '.join(map(str, self.errors))})" if self.errors else "")
+            )
+        assert isinstance(reg.spec, BackendSpec)
+        return reg.spec
+
+    def backend_available(self, name: str) -> bool:
+        return all(_module_installed(m) for m in self.backend_spec(name).requires)
+
+    def load_backend(self, name: str) -> Any:
+        """Import and return backend ``name``'s factory (the engine is imported only now)."""
+        spec = self.backend_spec(name)
+        missing = [m for m in spec.requires if not _module_installed(m)]
+        if missing:
+            how = f"`pip install kvbridge[{spec.extra}]`" if spec.extra else f"the module(s) {', '.join(missing)}"
+            raise BackendUnavailableError(
+                f"backend {name!r} needs {how} (missing: {', '.join(missing)})"
+            )
+        return _import_object(spec.factory, f"backend {name!r}")
+
+    # -- state handlers -----------------------------------------------------
+    def state_resolver(self) -> StateResolver[StateHandlerSpec]:
+        specs = [r.spec for r in self.state_handlers.values()]
+        return StateResolver.from_specs(s for s in specs if isinstance(s, StateHandlerSpec))
+
+    # -- listing ------------------------------------------------------------
+    def rows(self) -> list[dict[str, Any]]:
+        """One JSON-ready object per registration (``kvbridge plugins --json``)."""
+        out: list[dict[str, Any]] = []
+        for reg in [*self.backends.values(), *self.state_handlers.values()]:
+            spec = reg.spec
+            row: dict[str, Any] = {
+                "name": spec.name,
+                "kind": reg.kind,
+                "distribution": reg.provider.distribution,
+                "version": reg.provider.version,
+                "plugin": reg.provider.plugin,
+                "module": reg.provider.module,
+                "description": spec.description,
+            }
+            if isinstance(spec, BackendSpec):
+                row["capabilities"] = msgspec.to_builtins(spec.capabilities)
+                row["available"] = all(_module_installed(m) for m in spec.requires)
+                row["extra"] = spec.extra
+            else:
+                row["capabilities"] = dict(spec.capabilities)
+                row["pool_types"] = [
+                    t if isinstance(t, str) else f"{t.__module__}:{t.__qualname__}" for t in spec.pool_types
+                ]
+            out.append(row)
+        return sorted(out, key=lambda r: (r["kind"], r["name"]))
+
+
+def _module_installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _import_object(target: str, what: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PluginError(f"{what}: {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def _duplicate_message(kind: str, name: str, providers: list[Provider]) -> str:
+    listed = "; ".join(str(p) for p in providers)
+    return f"{kind.replace('_', ' ')} name {name!r} is registered by more than one plugin: {listed}. Uninstall or disable all but one."
+
+
+def _entry_points() -> list[md.EntryPoint]:
+    return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.dist.name if ep.dist else "", ep.name))
+
+
+def _autoload_disabled() -> bool:
+    return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, *, autoload: bool | None = None) -> Registry:
+    """Load plugins from entry points and collect their registrations."""
+    if autoload is None:
+        autoload = not _autoload_disabled()
+    eps = _entry_points() if entry_points is None else list(entry_points)
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    registry = Registry()
+    providers: dict[str, Provider] = {}
+    for ep in eps:
+        dist = ep.dist.name if ep.dist else "<unknown distribution>"
+        version = ep.dist.version if ep.dist else "?"
+        if not autoload and dist != BUILTIN_DISTRIBUTION:
+            log.debug("autoload disabled: skipping plugin %r from %s", ep.name, dist)
+            continue
+        try:
+            obj = ep.load()
+            plugin_id = f"{dist}:{ep.name}"
+            pm.register(obj, name=plugin_id)
+        except Exception as exc:  # a broken plugin must not take the others down
+            log.warning("kvbridge plugin %r from %s failed to load: %s", ep.name, dist, exc)
+            registry.errors.append(LoadError(ep.name, dist, f"{type(exc).__name__}: {exc}"))
+            continue
+        providers[plugin_id] = Provider(ep.name, dist, version, ep.value)
+
+    collected: dict[tuple[Kind, str], list[Registered]] = {}
+    for kind, hook, record_type in (
+        ("backend", pm.hook.kvbridge_register_backends, BackendSpec),
+        ("state_handler", pm.hook.kvbridge_register_state_handlers, StateHandlerSpec),
+    ):
+        for impl in hook.get_hookimpls():
+            provider = providers[impl.plugin_name]
+            try:
+                records = list(impl.function() or ())
+                for rec in records:
+                    if not isinstance(rec, record_type):
+                        raise TypeError(f"{hook.name} returned {type(rec).__name__}, expected {record_type.__name__}")
+            except Exception as exc:
+                log.warning("kvbridge plugin %s: %s failed: %s", provider, hook.name, exc)
+                registry.errors.append(
+                    LoadError(provider.plugin, provider.distribution, f"{hook.name}: {type(exc).__name__}: {exc}")
+                )
+                continue
+            for rec in records:
+                collected.setdefault((kind, rec.name), []).append(Registered(kind, rec, provider))
+
+    for (kind, name), regs in collected.items():
+        if len(regs) > 1:
+            provs = [r.provider for r in regs]
+            registry.duplicates[(kind, name)] = provs
+            registry.errors.append(LoadError(name, ", ".join(p.distribution for p in provs), _duplicate_message(kind, name, provs)))
+            continue
+        target = registry.backends if kind == "backend" else registry.state_handlers
+        target[name] = regs[0]
+    return registry
+
+
+_cached: Registry | None = None
+
+
+def get_registry(*, reload: bool = False) -> Registry:
+    """The process-wide registry, built on first use."""
+    global _cached
+    if _cached is None or reload:
+        _cached = build_registry()
+    return _cached

@@ -1,0 +1,3 @@
+"""Built-in transport plugins. Each is loaded through the ``kvbridge`` entry-point
+group exactly like a third-party backend, and imports only ``kvbridge.core`` and
+its own engine (lazily, when selected)."""

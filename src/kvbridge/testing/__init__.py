@@ -1,0 +1,1 @@
+"""Test helpers shipped in the wheel (the backend conformance suite lives here)."""

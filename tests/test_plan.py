@@ -1,0 +1,214 @@
+"""The planner, specified against a slow oracle written independently of it.
+
+The oracle expands every page to its own descriptor, then merges neighbours
+that are adjacent on both sides, in plain Python.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvbridge.core.layout import Region
+from kvbridge.core.plan import PlanError, TransferPlan, coalesce_runs, plan_pages
+
+
+def oracle_runs(src, dst):
+    runs = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return runs
+
+
+def oracle_descriptors(src_bases, dst_bases, items, src, dst):
+    out = []
+    for sb, db, it in zip(src_bases, dst_bases, items):
+        per_page = [(sb + s * it, db + d * it, it) for s, d in zip(src, dst)]
+        merged = []
+        for a, b, n in per_page:
+            if merged and merged[-1][0] + merged[-1][2] == a and merged[-1][1] + merged[-1][2] == b:
+                merged[-1][2] += n
+            else:
+                merged.append([a, b, n])
+        out.extend(tuple(m) for m in merged)
+    return out
+
+
+@st.composite
+def paired_indices(draw, max_len=200):
+    n = draw(st.integers(0, max_len))
+    space = draw(st.integers(max(n, 1), max(n, 1) * 4))
+    style = draw(st.sampled_from(["random", "sorted", "contiguous"]))
+    if style == "contiguous":
+        s0 = draw(st.integers(0, space))
+        d0 = draw(st.integers(0, space))
+        return list(range(s0, s0 + n)), list(range(d0, d0 + n))
+    src = draw(st.lists(st.integers(0, space), min_size=n, max_size=n))
+    dst = draw(st.permutations(range(space)))[:n]
+    if style == "sorted":
+        src, dst = sorted(src), sorted(dst)
+    return src, dst
+
+
+@given(paired_indices())
+@settings(max_examples=300, deadline=None)
+def test_coalesce_runs_matches_oracle(pair):
+    src, dst = pair
+    s, d, n = coalesce_runs(np.array(src, np.int32), np.array(dst, np.int32))
+    assert [list(t) for t in zip(s.tolist(), d.tolist(), n.tolist())] == oracle_runs(src, dst)
+
+
+@given(paired_indices(), st.integers(1, 4), st.data())
+@settings(max_examples=300, deadline=None)
+def test_plan_pages_matches_oracle(pair, entries, data):
+    src, dst = pair
+    items = data.draw(st.lists(st.integers(1, 4096), min_size=entries, max_size=entries))
+    src_bases = [(1 << 30) * (e + 1) for e in range(entries)]
+    dst_bases = [(1 << 40) + (1 << 30) * e for e in range(entries)]
+    plan = plan_pages(src_bases, dst_bases, items, np.array(src, np.int32), np.array(dst, np.int32))
+    got = list(zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.nbytes.tolist()))
+    assert got == oracle_descriptors(src_bases, dst_bases, items, src, dst)
+    assert plan.total_bytes == sum(items) * len(src)
+    for arr in (plan.src_addr, plan.dst_addr, plan.nbytes):
+        assert arr.dtype == np.int64
+
+
+def test_empty_input_gives_empty_plan():
+    plan = plan_pages([4096], [8192], [64], [], [])
+    assert len(plan) == 0 and plan.total_bytes == 0
+    assert "empty" in plan.explain()
+    assert list(plan.batches(10, 100)) == []
+
+
+def test_single_page():
+    plan = plan_pages([1000], [5000], [10], [3], [7])
+    assert (plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.nbytes.tolist()) == ([1030], [5070], [10])
+
+
+def test_fully_contiguous_is_one_descriptor_per_region():
+    plan = plan_pages([0x1000, 0x9000], [0x100000, 0x200000], [16, 32], np.arange(5, 105), np.arange(100))
+    assert plan.nbytes.tolist() == [1600, 3200]
+    assert plan.src_addr.tolist() == [0x1000 + 5 * 16, 0x9000 + 5 * 32]
+
+
+def test_fully_fragmented_is_one_descriptor_per_page_per_region():
+    src = np.arange(0, 40, 2)
+    dst = np.arange(0, 20)
+    plan = plan_pages([0x1000, 0x2000], [0x10000, 0x20000], [8, 8], src, dst)
+    assert len(plan) == 2 * 20
+    assert set(plan.nbytes.tolist()) == {8}
+
+
+def test_contiguous_on_one_side_only_is_not_merged():
+    s, d, n = coalesce_runs([0, 1, 2], [0, 2, 4])
+    assert n.tolist() == [1, 1, 1]
+
+
+def test_duplicate_destination_indices_are_rejected():
+    with pytest.raises(PlanError, match="index 4 more than once"):
+        plan_pages([4096], [8192], [8], [0, 1, 2], [4, 9, 4])
+
+
+def test_unequal_lengths_are_rejected():
+    with pytest.raises(PlanError, match="src_idx has 3 indices but dst_idx has 2"):
+        coalesce_runs([0, 1, 2], [0, 1])
+
+
+def test_negative_index_is_rejected_naming_position():
+    with pytest.raises(PlanError, match=r"dst_idx\[1\] = -3"):
+        coalesce_runs([0, 1], [0, -3])
+
+
+def test_non_integer_indices_are_rejected():
+    with pytest.raises(PlanError, match="integers"):
+        coalesce_runs(np.array([0.5]), np.array([1.0]))
+
+
+def test_per_region_arrays_must_agree():
+    with pytest.raises(PlanError, match="per-region arrays differ"):
+        plan_pages([1, 2], [3], [8, 8], [0], [0])
+
+
+def _region(name, addr, nbytes):
+    return Region(name=name, addr=addr, nbytes=nbytes, stride=8, role="kv", index_space="p", layer=0)
+
+
+def test_validate_accepts_descriptors_inside_regions():
+    plan = TransferPlan(np.array([0x1000, 0x1ff8]), np.array([0x8000, 0x9000]), np.array([8, 8]))
+    plan.validate([_region("s", 0x1000, 0x1000)], [_region("d", 0x8000, 0x2000)])
+
+
+@pytest.mark.parametrize(
+    "dst, n, what",
+    [
+        (0x9ff9, 8, "straddles the end"),
+        (0x7ff8, 16, "straddles the start"),
+        (0x20000, 8, "beyond every region"),
+        (0x100, 8, "before every region"),
+    ],
+)
+def test_validate_rejects_descriptor_outside_destination(dst, n, what):
+    plan = TransferPlan(np.array([0x1000, 0x1008]), np.array([0x8000, dst]), np.array([8, n]))
+    with pytest.raises(PlanError, match=r"descriptor 1 .* destination .* not inside any registered destination region"):
+        plan.validate([_region("s", 0x1000, 0x1000)], [_region("d", 0x8000, 0x2000)])
+
+
+def test_validate_rejects_descriptor_spanning_two_adjacent_regions():
+    # Adjacent registrations are separate buffers: one descriptor may not cross them.
+    regions = [_region("a", 0x1000, 0x100), _region("b", 0x1100, 0x100)]
+    plan = TransferPlan(np.array([0x10f8]), np.array([0x10f8]), np.array([16]))
+    with pytest.raises(PlanError, match="descriptor 0"):
+        plan.validate(regions, regions)
+
+
+def test_validate_rejects_source_outside_and_names_nearest_region():
+    plan = TransferPlan(np.array([0x5000]), np.array([0x8000]), np.array([8]))
+    with pytest.raises(PlanError, match=r"source .*nearest: 's'"):
+        plan.validate([_region("s", 0x1000, 0x1000)], [_region("d", 0x8000, 0x2000)])
+
+
+def test_validate_rejects_non_positive_sizes():
+    plan = TransferPlan(np.array([0x1000]), np.array([0x8000]), np.array([0]))
+    with pytest.raises(PlanError, match="descriptor 0 has size 0"):
+        plan.validate([_region("s", 0x1000, 0x1000)], [_region("d", 0x8000, 0x2000)])
+
+
+@given(
+    st.lists(st.integers(1, 1000), min_size=1, max_size=100),
+    st.one_of(st.none(), st.integers(1, 20)),
+    st.one_of(st.none(), st.integers(1, 3000)),
+)
+@settings(max_examples=200, deadline=None)
+def test_batches_cover_plan_in_order_within_limits(sizes, max_desc, max_bytes):
+    n = len(sizes)
+    plan = TransferPlan(np.arange(n) * 10**6, np.arange(n) * 10**6 + 7, np.array(sizes, np.int64))
+    batches = list(plan.batches(max_desc, max_bytes))
+    assert np.array_equal(np.concatenate([b.nbytes for b in batches]), plan.nbytes)
+    assert np.array_equal(np.concatenate([b.src_addr for b in batches]), plan.src_addr)
+    for b in batches:
+        assert len(b) >= 1
+        if max_desc is not None:
+            assert len(b) <= max_desc
+        if max_bytes is not None:
+            assert b.total_bytes <= max_bytes or len(b) == 1
+        assert np.shares_memory(b.nbytes, plan.nbytes)  # views, not copies
+    if max_bytes is not None:
+        # Greedy: a batch stops only when the next descriptor would not fit.
+        for b, nxt in zip(batches, batches[1:]):
+            if max_desc is None or len(b) < max_desc:
+                assert b.total_bytes + int(nxt.nbytes[0]) > max_bytes
+
+
+def test_batches_reject_non_positive_limits():
+    plan = TransferPlan(np.array([1]), np.array([2]), np.array([3]))
+    with pytest.raises(PlanError, match="max_descriptors"):
+        list(plan.batches(0))
+
+
+def test_explain_lists_counts_and_first_descriptors():
+    plan = plan_pages([0x1000], [0x8000], [64], [0, 2, 3], [0, 1, 2])
+    text = plan.explain()
+    assert "2 descriptors" in text and "192 bytes" in text
+    assert "0x1000 -> 0x8000  64 B" in text
