@@ -1,0 +1,98 @@
+"""The contract every transport implements (DESIGN.md rule 6).
+
+A backend only moves bytes it is told to move. It registers memory, exports
+its metadata for peers and imports theirs, writes a validated
+:class:`~kvbridge.core.plan.TransferPlan` into a peer (prefill pushes), split
+to its own limits, and closes. Planning, bounds checks, completion messages,
+timeouts, retries and policy live in core.
+
+Threading: core calls :meth:`Backend.write` from its own transfer worker
+threads (at most one write per peer at a time, so a backend that respects
+its per-call limits also respects per-peer in-flight limits), never from the
+host's scheduler thread. ``write`` blocks until every byte has landed at the
+destination or raises; it must return or raise by ``deadline``
+(``time.monotonic()`` seconds), shortening the engine's own timeouts to match.
+
+The destination learns about completion from core's control plane (core
+sends a ``Done`` message after ``write`` returns), so a backend whose engine
+has native notifications may use them but does not have to.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .layout import Region
+from .plan import TransferPlan
+from .records import BackendCapabilities
+
+__all__ = ["Backend", "BackendConfig", "TransferError", "TransferTimeout"]
+
+
+class TransferError(RuntimeError):
+    """A write failed. The message says what the engine reported."""
+
+
+class TransferTimeout(TransferError):
+    """A write did not complete by its deadline."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """What core tells a backend when creating it.
+
+    ``host`` is the address the engine should listen on and advertise
+    (127.0.0.1 in tests). ``transfer_timeout`` is kvbridge's per-write
+    deadline in seconds; engines with internal timeouts should not wait
+    longer. ``options`` are backend-specific ``KEY=VALUE`` settings.
+    """
+
+    host: str = "127.0.0.1"
+    name: str = ""
+    transfer_timeout: float = 30.0
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    """Base class of transports. Subclasses set :attr:`capabilities`."""
+
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register local memory so peers may read or write it. Called once, before :meth:`metadata`."""
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """This endpoint's connection metadata, sent to peers in the handshake."""
+
+    @abc.abstractmethod
+    def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
+        """Prepare to write to ``peer`` (its metadata and registered regions)."""
+
+    @abc.abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget ``peer``; later writes to it fail. Unknown peers are ignored."""
+
+    @abc.abstractmethod
+    def write(self, peer: str, plan: TransferPlan, deadline: float) -> None:
+        """Write ``plan`` into ``peer``'s memory; return once it has landed.
+
+        Raises :class:`TransferError` (or :class:`TransferTimeout` past
+        ``deadline``) on failure; bytes of a failed write may have partly
+        landed.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Deregister memory and release the engine. Idempotent."""
+
+    def describe(self) -> dict[str, Any]:
+        """Free-form facts for logs and ``explain`` output."""
+        return {}

@@ -1,0 +1,226 @@
+"""The control plane's messages: msgspec structs in one tagged union, versioned.
+
+Every message carries the protocol version ``v``. Decoding is strict (unknown
+fields, unknown types and wrong field types are rejected) and nothing is
+pickled. :func:`decode` raises :class:`ProtocolError` with a reason that the
+receiver sends back in a :class:`Reject`; a bad message never takes a server
+down.
+
+Index lists travel as little-endian int32 bytes (compact, and decoded with
+``numpy.frombuffer`` without a Python loop).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from .layout import KVArgs
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "RankInfo",
+    "Register",
+    "RegisterAck",
+    "Lookup",
+    "LookupReply",
+    "Hello",
+    "HelloAck",
+    "TransferRequest",
+    "ChunkDone",
+    "Done",
+    "Failed",
+    "Abort",
+    "Heartbeat",
+    "Reject",
+    "Message",
+    "encode",
+    "decode",
+    "pack_indices",
+    "unpack_indices",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A control message could not be accepted; the text says why."""
+
+
+class _Msg(msgspec.Struct, tag_field="type", kw_only=True, frozen=True, forbid_unknown_fields=True):
+    v: int = PROTOCOL_VERSION
+
+
+class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A prefill rank as registered with the bootstrap endpoint."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    control_addr: str
+    backend: str
+
+
+# -- bootstrap: prefill ranks register, decode ranks look them up -------------------
+
+
+class Register(_Msg, tag="register"):
+    rank: RankInfo
+
+
+class RegisterAck(_Msg, tag="register_ack"):
+    pass
+
+
+class Lookup(_Msg, tag="lookup"):
+    pass
+
+
+class LookupReply(_Msg, tag="lookup_reply"):
+    ranks: tuple[RankInfo, ...]
+
+
+# -- handshake: once per (decode rank, prefill rank) pair --------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    """Decode -> prefill: who I am, my memory, and how to reach it."""
+
+    peer_id: str
+    backend: str
+    backend_meta: bytes
+    kvargs: KVArgs
+
+
+class HelloAck(_Msg, tag="hello_ack"):
+    """Prefill -> decode: accepted; the prefill rank's own description."""
+
+    kvargs: KVArgs
+
+
+# -- per request ---------------------------------------------------------------------
+
+
+class TransferRequest(_Msg, tag="transfer_request"):
+    """Decode -> prefill: where a room's data goes.
+
+    ``indices`` maps an index-space name to destination indices (int32 bytes);
+    the ``kv_page`` list is consumed chunk by chunk, the others with the last
+    chunk. ``metadata_row`` is the destination row, written last.
+    """
+
+    room: int
+    indices: dict[str, bytes]
+    metadata_row: int
+
+
+class ChunkDone(_Msg, tag="chunk_done"):
+    """Prefill -> decode: chunk ``chunk`` of ``room`` has landed."""
+
+    room: int
+    chunk: int
+    last: bool
+
+
+class Done(_Msg, tag="done"):
+    """Prefill -> decode: everything for ``room``, metadata last, has landed."""
+
+    room: int
+
+
+class Failed(_Msg, tag="failed"):
+    room: int
+    reason: str
+
+
+class Abort(_Msg, tag="abort"):
+    """Either direction: the sender of this message gave up on ``room``."""
+
+    room: int
+    reason: str
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    pass
+
+
+class Reject(_Msg, tag="reject"):
+    """A message was refused. ``room`` is set when it concerned one."""
+
+    reason: str
+    room: int | None = None
+
+
+Message = Union[
+    Register,
+    RegisterAck,
+    Lookup,
+    LookupReply,
+    Hello,
+    HelloAck,
+    TransferRequest,
+    ChunkDone,
+    Done,
+    Failed,
+    Abort,
+    Heartbeat,
+    Reject,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+
+
+class _Envelope(msgspec.Struct):
+    """Just enough of any message to explain why it was refused."""
+
+    type: str = "?"
+    v: int = -1
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Decode one message strictly; :class:`ProtocolError` says what was wrong."""
+    try:
+        msg = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        try:
+            env = _envelope_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise ProtocolError(f"undecodable control message ({len(data)} bytes): {exc}") from None
+        if env.v != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {env.v} is not supported (this side speaks {PROTOCOL_VERSION}); "
+                "run the same kvbridge version on prefill and decode"
+            ) from None
+        raise ProtocolError(f"malformed {env.type!r} message: {exc}") from None
+    if msg.v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {msg.v} is not supported (this side speaks {PROTOCOL_VERSION}); "
+            "run the same kvbridge version on prefill and decode"
+        )
+    return msg
+
+
+def pack_indices(idx: npt.ArrayLike) -> bytes:
+    arr = np.asarray(idx)
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise ProtocolError("indices must lie in 0 .. 2**31-1 to travel as int32")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def unpack_indices(name: str, data: bytes) -> npt.NDArray[np.int64]:
+    if len(data) % 4:
+        raise ProtocolError(f"index list {name!r} has {len(data)} bytes, not a multiple of 4 (int32)")
+    return np.frombuffer(data, dtype="<i4").astype(np.int64)

@@ -1,0 +1,267 @@
+"""The Mooncake adapter on its own, with real engines in two processes on 127.0.0.1.
+
+The destination runs in a spawned process: it registers buffers filled with a
+sentinel, sends its metadata and regions through a Pipe, and on request sends
+its buffers back. The expected destination is computed with plain numpy
+slicing of the source, independently of the planner.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mooncake.engine")
+
+from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
+from kvbridge.core.layout import Region  # noqa: E402
+from kvbridge.core.plan import TransferPlan, plan_pages  # noqa: E402
+from kvbridge.plugins.mooncake import CAPABILITIES  # noqa: E402
+from kvbridge.plugins.mooncake.backend import MooncakeBackend  # noqa: E402
+
+SENTINEL = 0xA5
+PAGE_ITEMS = (4096, 1024, 256)  # item bytes of the three page regions (multiples of 4)
+SRC_PAGES, DST_PAGES = 64, 48
+ROW_BYTES, ROWS = 16, 10_000  # a region of small rows, for plans of thousands of descriptors
+WAIT = 20.0  # bound on every wait for the other process
+
+
+def _layout(pages: int) -> list[tuple[str, int, int, str]]:
+    """(name, item bytes, item count, index space) of every region on one side."""
+    regions = [(f"page{e}", item, pages, "kv_page") for e, item in enumerate(PAGE_ITEMS)]
+    return regions + [("rows", ROW_BYTES, ROWS, "row")]
+
+
+def _region(name: str, buf: np.ndarray, item: int, space: str, layer: int) -> Region:
+    return Region(name=name, addr=buf.ctypes.data, nbytes=buf.nbytes, stride=item,
+                  role="kv" if space == "kv_page" else "metadata", index_space=space, layer=layer)
+
+
+def _destination(conn: Any, layout: list[tuple[str, int, int, str]]) -> None:
+    """Child process: register sentinel-filled buffers, then serve fill/dump/quit requests."""
+    backend = MooncakeBackend(BackendConfig(host="127.0.0.1", name="decode", transfer_timeout=5.0))
+    bufs = [np.full(item * count, SENTINEL, np.uint8) for _, item, count, _ in layout]
+    regions = [_region(n, b, item, space, i) for i, (b, (n, item, _, space)) in enumerate(zip(bufs, layout))]
+    backend.register(regions)
+    conn.send((backend.metadata(), regions))
+    while conn.poll(60):  # exit on its own if the parent goes away
+        cmd = conn.recv()
+        if cmd == "fill":
+            for b in bufs:
+                b.fill(SENTINEL)
+            conn.send("ok")
+        elif cmd == "dump":
+            conn.send([b.tobytes() for b in bufs])
+        else:
+            break
+    backend.close()
+
+
+@dataclass
+class Destination:
+    process: Any
+    conn: Any
+    metadata: bytes
+    regions: list[Region]
+
+    def ask(self, cmd: str) -> Any:
+        self.conn.send(cmd)
+        assert self.conn.poll(WAIT), f"destination did not answer {cmd!r} within {WAIT} s"
+        return self.conn.recv()
+
+    def buffers(self) -> list[np.ndarray]:
+        return [np.frombuffer(b, np.uint8) for b in self.ask("dump")]
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send("quit")
+            except OSError:
+                pass
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def start_destination() -> Destination:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_destination, args=(child, _layout(DST_PAGES)), daemon=True)
+    proc.start()
+    child.close()
+    if not parent.poll(WAIT):
+        proc.kill()
+        pytest.fail(f"destination process sent no metadata within {WAIT} s (exit code {proc.exitcode})")
+    metadata, regions = parent.recv()
+    return Destination(proc, parent, metadata, regions)
+
+
+@dataclass
+class Source:
+    backend: MooncakeBackend
+    bufs: list[np.ndarray]
+    regions: list[Region]
+
+
+@pytest.fixture(scope="module")
+def source():
+    backend = MooncakeBackend(BackendConfig(host="127.0.0.1", name="prefill", transfer_timeout=5.0))
+    bufs, regions = [], []
+    for e, (name, item, count, space) in enumerate(_layout(SRC_PAGES)):
+        # Word w of region e holds (e+1) << 28 | w: every 4 bytes say which region and where.
+        words = np.arange(item * count // 4, dtype=np.uint32) | np.uint32((e + 1) << 28)
+        buf = words.view(np.uint8)
+        bufs.append(buf)
+        regions.append(_region(name, buf, item, space, e))
+    backend.register(regions)
+    yield Source(backend, bufs, regions)
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def dest_proc(source):
+    dest = start_destination()
+    source.backend.add_peer("decode", dest.metadata, dest.regions)
+    yield dest
+    dest.stop()
+
+
+@pytest.fixture
+def dest(dest_proc):
+    assert dest_proc.ask("fill") == "ok"
+    return dest_proc
+
+
+def page_plan(source: Source, dest: Destination, src_idx, dst_idx, which=slice(0, 3)) -> TransferPlan:
+    s, d = source.regions[which], dest.regions[which]
+    plan = plan_pages([r.addr for r in s], [r.addr for r in d], [r.stride for r in s], src_idx, dst_idx)
+    plan.validate(source.regions, dest.regions)
+    return plan
+
+
+def expected(source: Source, which: range, src_idx, dst_idx) -> list[np.ndarray]:
+    """Sentinel everywhere except the written items, copied by plain numpy indexing."""
+    out = []
+    for e in which:
+        item = _layout(DST_PAGES)[e][1]
+        exp = np.full(item * _layout(DST_PAGES)[e][2], SENTINEL, np.uint8)
+        exp.reshape(-1, item)[np.asarray(dst_idx)] = source.bufs[e].reshape(-1, item)[np.asarray(src_idx)]
+        out.append(exp)
+    return out
+
+
+FRAGMENTED = {
+    # Runs contiguous on both sides (5..8 -> 0..3, 33..34 -> 11..12, 0..2 -> 30..32),
+    # contiguous on one side only (20, 33 -> 10, 11), and single pages.
+    "hand": ([5, 6, 7, 8, 20, 33, 34, 60, 0, 1, 2, 41, 12], [0, 1, 2, 3, 10, 11, 12, 47, 30, 31, 32, 5, 20]),
+    "random": tuple(
+        np.random.default_rng(7).choice(n, 40, replace=False).tolist() for n in (SRC_PAGES, DST_PAGES)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FRAGMENTED))
+def test_fragmented_pages_land_byte_exact_in_every_region(source, dest, case):
+    src_idx, dst_idx = FRAGMENTED[case]
+    plan = page_plan(source, dest, src_idx, dst_idx)
+    source.backend.write("decode", plan, time.monotonic() + 10)
+    got = dest.buffers()
+    for e, exp in zip(range(3), expected(source, range(3), src_idx, dst_idx)):
+        np.testing.assert_array_equal(got[e], exp, err_msg=f"region {e}")
+        untouched = np.setdiff1d(np.arange(DST_PAGES), dst_idx)
+        assert (got[e].reshape(DST_PAGES, -1)[untouched] == SENTINEL).all(), f"region {e}: stray write"
+    assert (got[3] == SENTINEL).all(), "the rows region was not in the plan"
+
+
+def test_plan_beyond_the_in_flight_limit_is_split_and_the_peer_stays_usable(source, dest):
+    # Every other row on both sides: nothing coalesces, 5000 descriptors,
+    # more than twice Mooncake's per-peer limit (2048 would be the wedge point).
+    src_idx, dst_idx = np.arange(5000) * 2, np.arange(5000) * 2 + 1
+    plan = page_plan(source, dest, src_idx, dst_idx, which=slice(3, 4))
+    assert len(plan) == 5000 > 2 * CAPABILITIES.max_descriptors_in_flight
+    source.backend.write("decode", plan, time.monotonic() + 15)
+    # Then a small write to the same peer must still work (a wedged peer fails here).
+    source.backend.write("decode", page_plan(source, dest, [3], [7]), time.monotonic() + 5)
+    got = dest.buffers()
+    np.testing.assert_array_equal(got[3], expected(source, range(3, 4), src_idx, dst_idx)[0])
+    for e, exp in zip(range(3), expected(source, range(3), [3], [7])):
+        np.testing.assert_array_equal(got[e], exp)
+
+
+def test_write_after_the_deadline_raises_timeout_and_moves_nothing(source, dest):
+    plan = page_plan(source, dest, [1, 2], [1, 2])
+    with pytest.raises(TransferTimeout, match="deadline"):
+        source.backend.write("decode", plan, time.monotonic() - 1)
+    assert all((b == SENTINEL).all() for b in dest.buffers())
+
+
+def test_write_to_an_unknown_peer_raises_naming_it(source):
+    plan = TransferPlan(np.array([source.regions[0].addr]), np.array([source.regions[0].addr]), np.array([64]))
+    with pytest.raises(TransferError, match="unknown peer 'nobody'"):
+        source.backend.write("nobody", plan, time.monotonic() + 5)
+
+
+def test_removed_peer_is_unknown(source):
+    source.backend.add_peer("gone", b"127.0.0.1:1", [])
+    source.backend.remove_peer("gone")
+    source.backend.remove_peer("never-added")  # ignored
+    with pytest.raises(TransferError, match="unknown peer 'gone'"):
+        source.backend.write("gone", TransferPlan.empty(), time.monotonic() + 5)
+
+
+def test_malformed_peer_metadata_is_rejected(source):
+    with pytest.raises(TransferError, match="expected '<host>:<rpc_port>'"):
+        source.backend.add_peer("bad", b"not-a-session", [])
+
+
+def test_write_to_a_killed_destination_fails_within_seconds(source):
+    doomed = start_destination()
+    try:
+        source.backend.add_peer("doomed", doomed.metadata, doomed.regions)
+        plan = page_plan(source, doomed, [0, 1, 2], [4, 5, 6])
+        source.backend.write("doomed", plan, time.monotonic() + 5)  # connected and working
+        doomed.process.kill()
+        doomed.process.join(5)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="peer 'doomed'"):
+            source.backend.write("doomed", plan, time.monotonic() + 5)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        source.backend.remove_peer("doomed")
+        doomed.stop()
+
+
+def test_close_is_idempotent_and_later_writes_fail():
+    backend = MooncakeBackend(BackendConfig(host="127.0.0.1", transfer_timeout=5.0))
+    assert backend.metadata().startswith(b"127.0.0.1:")
+    backend.close()
+    backend.close()
+    with pytest.raises(TransferError, match="closed"):
+        backend.write("anyone", TransferPlan.empty(), time.monotonic() + 5)
+
+
+def test_registration_declares_the_backend_class_capabilities():
+    from kvbridge.plugins import mooncake
+
+    (spec,) = mooncake.kvbridge_register_backends()
+    assert spec.capabilities is MooncakeBackend.capabilities is CAPABILITIES
+    assert spec.factory == "kvbridge.plugins.mooncake.backend:MooncakeBackend"
+    assert spec.requires == ("mooncake",) and spec.extra == "mooncake"
+
+
+def test_listing_the_plugin_does_not_import_the_engine():
+    code = (
+        "import sys, kvbridge.plugins.mooncake as m; m.kvbridge_register_backends(); "
+        "print(sorted(k for k in sys.modules if k == 'mooncake' or k.startswith('mooncake.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
