@@ -70,7 +70,7 @@ class BootstrapServer:
 
 def request(address: str, msg: P.Message, timeout: float) -> P.Message:
     """One request/reply with the bootstrap endpoint, bounded by ``timeout`` seconds."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

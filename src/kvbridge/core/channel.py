@@ -25,7 +25,7 @@ Handler = Callable[[zmq.Socket, list[bytes]], None]
 
 class IOLoop:
     def __init__(self, name: str, tick: Callable[[], None] | None = None, tick_interval: float = 0.05) -> None:
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._poller = zmq.Poller()
         self._handlers: dict[zmq.Socket, Handler] = {}
         self._outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -84,7 +84,7 @@ class IOLoop:
         try:
             while not self._stop.is_set():
                 timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
-                events = dict(self._poller.poll(timeout_ms))
+                events = dict(self._poller.poll(int(timeout_ms)))
                 if self._wake_r in events:
                     try:
                         os.read(self._wake_r, 65536)

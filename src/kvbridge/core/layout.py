@@ -193,16 +193,16 @@ class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"(state_type, role, layer, draft) = {r.key}; each must be unique"
                 )
             keys[r.key] = r.name
-            space = spaces.get(r.index_space)
-            if space is None:
+            declared = spaces.get(r.index_space)
+            if declared is None:
                 raise ValueError(
                     f"region {r.name!r}: index space {r.index_space!r} is not declared "
                     f"(declared: {', '.join(sorted(spaces)) or 'none'})"
                 )
-            if space.count * r.stride > r.nbytes:
+            if declared.count * r.stride > r.nbytes:
                 raise ValueError(
-                    f"region {r.name!r}: index space {space.name!r} has {space.count} items "
-                    f"of {r.stride} B = {space.count * r.stride} B, but the region holds "
+                    f"region {r.name!r}: index space {declared.name!r} has {declared.count} items "
+                    f"of {r.stride} B = {declared.count * r.stride} B, but the region holds "
                     f"only {r.nbytes} B"
                 )
         _check_no_overlap(self.regions)

@@ -228,14 +228,15 @@ def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, *, autol
         providers[plugin_id] = Provider(ep.name, dist, version, ep.value)
 
     collected: dict[tuple[Kind, str], list[Registered]] = {}
-    for kind, hook, record_type in (
+    hooks: tuple[tuple[Kind, Any, type], ...] = (
         ("backend", pm.hook.kvbridge_register_backends, BackendSpec),
         ("state_handler", pm.hook.kvbridge_register_state_handlers, StateHandlerSpec),
-    ):
+    )
+    for kind, hook, record_type in hooks:
         for impl in hook.get_hookimpls():
             provider = providers[impl.plugin_name]
             try:
-                records = list(impl.function() or ())
+                records: list[Any] = list(impl.function() or ())  # type: ignore[call-overload]
                 for rec in records:
                     if not isinstance(rec, record_type):
                         raise TypeError(f"{hook.name} returned {type(rec).__name__}, expected {record_type.__name__}")

@@ -69,26 +69,26 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # -- bootstrap: prefill ranks register, decode ranks look them up -------------------
 
 
-class Register(_Msg, tag="register"):
+class Register(_Msg, tag="register", frozen=True):
     rank: RankInfo
 
 
-class RegisterAck(_Msg, tag="register_ack"):
+class RegisterAck(_Msg, tag="register_ack", frozen=True):
     pass
 
 
-class Lookup(_Msg, tag="lookup"):
+class Lookup(_Msg, tag="lookup", frozen=True):
     pass
 
 
-class LookupReply(_Msg, tag="lookup_reply"):
+class LookupReply(_Msg, tag="lookup_reply", frozen=True):
     ranks: tuple[RankInfo, ...]
 
 
 # -- handshake: once per (decode rank, prefill rank) pair --------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     """Decode -> prefill: who I am, my memory, and how to reach it."""
 
     peer_id: str
@@ -97,7 +97,7 @@ class Hello(_Msg, tag="hello"):
     kvargs: KVArgs
 
 
-class HelloAck(_Msg, tag="hello_ack"):
+class HelloAck(_Msg, tag="hello_ack", frozen=True):
     """Prefill -> decode: accepted; the prefill rank's own description."""
 
     kvargs: KVArgs
@@ -106,7 +106,7 @@ class HelloAck(_Msg, tag="hello_ack"):
 # -- per request ---------------------------------------------------------------------
 
 
-class TransferRequest(_Msg, tag="transfer_request"):
+class TransferRequest(_Msg, tag="transfer_request", frozen=True):
     """Decode -> prefill: where a room's data goes.
 
     ``indices`` maps an index-space name to destination indices (int32 bytes);
@@ -119,7 +119,7 @@ class TransferRequest(_Msg, tag="transfer_request"):
     metadata_row: int
 
 
-class ChunkDone(_Msg, tag="chunk_done"):
+class ChunkDone(_Msg, tag="chunk_done", frozen=True):
     """Prefill -> decode: chunk ``chunk`` of ``room`` has landed."""
 
     room: int
@@ -127,29 +127,29 @@ class ChunkDone(_Msg, tag="chunk_done"):
     last: bool
 
 
-class Done(_Msg, tag="done"):
+class Done(_Msg, tag="done", frozen=True):
     """Prefill -> decode: everything for ``room``, metadata last, has landed."""
 
     room: int
 
 
-class Failed(_Msg, tag="failed"):
+class Failed(_Msg, tag="failed", frozen=True):
     room: int
     reason: str
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, tag="abort", frozen=True):
     """Either direction: the sender of this message gave up on ``room``."""
 
     room: int
     reason: str
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     pass
 
 
-class Reject(_Msg, tag="reject"):
+class Reject(_Msg, tag="reject", frozen=True):
     """A message was refused. ``room`` is set when it concerned one."""
 
     reason: str

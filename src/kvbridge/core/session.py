@@ -570,6 +570,9 @@ class _PrefillRank:
         self.last_seen = time.monotonic()
         self.last_ping = 0.0
 
+    def socket(self) -> zmq.Socket | None:
+        return self.sock
+
     @property
     def label(self) -> str:
         return f"prefill tp{self.info.tp_rank}/pp{self.info.pp_rank} at {self.info.control_addr}"
@@ -655,8 +658,11 @@ class DecodeManager(TransferManager):
             sock.setsockopt(zmq.IDENTITY, self.peer_id.encode())
             sock.connect(f"tcp://{info.control_addr}")
             rank.sock = sock
-            self._loop.add_socket(sock, lambda s, f, server=server, rank=rank: self._on_prefill(server, rank, f))
+            self._loop.add_socket(sock, self._rank_handler(server, rank))
             sock.send(hello, zmq.NOBLOCK)
+
+    def _rank_handler(self, server: _PrefillServer, rank: _PrefillRank) -> Callable[[zmq.Socket, list[bytes]], None]:
+        return lambda _sock, frames: self._on_prefill(server, rank, frames)
 
     def _on_prefill(self, server: _PrefillServer, rank: _PrefillRank, frames: list[bytes]) -> None:
         try:
@@ -679,25 +685,25 @@ class DecodeManager(TransferManager):
                         if recv._server is server:
                             recv._on_ready()
             elif isinstance(msg, P.Reject):
-                recv = self._receivers.get(msg.room) if msg.room is not None else None
-                if recv is not None:
-                    self._finish(recv, Poll.FAILED, f"{rank.label} rejected the request: {msg.reason}")
+                rejected = self._receivers.get(msg.room) if msg.room is not None else None
+                if rejected is not None:
+                    self._finish(rejected, Poll.FAILED, f"{rank.label} rejected the request: {msg.reason}")
                 elif not rank.acked:
                     self._fail_server(server, f"{rank.label} rejected the handshake: {msg.reason}")
                 else:
                     log.warning("decode: %s rejected a message: %s", rank.label, msg.reason)
             elif isinstance(msg, (P.ChunkDone, P.Done, P.Failed, P.Abort)):
-                recv = self._receivers.get(msg.room)
-                if recv is None or recv._server is not server:
+                target = self._receivers.get(msg.room)
+                if target is None or target._server is not server:
                     return  # finished or aborted here already
                 if isinstance(msg, P.ChunkDone):
-                    recv._advance(Poll.TRANSFERRING)
+                    target._advance(Poll.TRANSFERRING)
                 elif isinstance(msg, P.Done):
-                    recv._done.add((rank.info.tp_rank, rank.info.pp_rank))
-                    if len(recv._done) == len(server.ranks):
-                        self._finish(recv, Poll.SUCCESS)
+                    target._done.add((rank.info.tp_rank, rank.info.pp_rank))
+                    if len(target._done) == len(server.ranks):
+                        self._finish(target, Poll.SUCCESS)
                 else:
-                    self._finish(recv, Poll.FAILED, f"{rank.label}: {msg.reason}")
+                    self._finish(target, Poll.FAILED, f"{rank.label}: {msg.reason}")
             # Heartbeat replies only refresh last_seen.
 
     def _fail_server(self, server: _PrefillServer, reason: str) -> None:
@@ -717,7 +723,7 @@ class DecodeManager(TransferManager):
     def _send_to_ranks(self, server: _PrefillServer, msg: P.Message) -> None:
         payload = P.encode(msg)
         for rank in server.ranks.values():
-            self._loop.send(lambda rank=rank: rank.sock, [payload])
+            self._loop.send(rank.socket, [payload])
 
     # -- timeouts, heartbeats (I/O thread) ---------------------------------------------
     def _tick(self) -> None:

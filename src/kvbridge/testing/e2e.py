@@ -6,8 +6,12 @@ destination byte against the pattern computed with plain numpy indexing of the
 source pages (never through the planner) and checks that pages no request
 wrote still hold the sentinel.
 
-Run as ``python -m kvbridge.testing.e2e prefill|decode --scenario JSON``.
+Run as ``python -m kvbridge.testing.e2e prefill|decode|hold --scenario JSON``.
 Prefill prints ``BOOTSTRAP host:port`` first; decode prints one JSON result line.
+``hold`` is a prefill rank for fault tests: it prints ``BOOTSTRAP host:port``,
+creates a sender for every room of the schedule and never sends, then prints
+one JSON line with each room's final state once every room has finished
+(aborted, timed out) or the deadline has passed.
 """
 
 from __future__ import annotations
@@ -208,6 +212,29 @@ def run_prefill(sc: Scenario) -> int:
     return 1 if failed else 0
 
 
+def hold(mgr: PrefillManager, sc: Scenario) -> dict[str, Any]:
+    """Create a sender for every room of ``sc``'s schedule, never send, and report how each ended."""
+    deadline = time.monotonic() + sc.deadline
+    senders = [Sender(mgr, req.room) for req in schedule(sc)]
+    while time.monotonic() < deadline and any(s.poll() not in (Poll.SUCCESS, Poll.FAILED) for s in senders):
+        time.sleep(0.01)
+    rooms = {str(s.room): {"state": s.poll().name, "reason": s.failure()} for s in senders}
+    return {"role": "hold", "rooms": rooms, "active_rooms": mgr.active_rooms()}
+
+
+def run_hold(sc: Scenario) -> int:
+    pools = prefill_pools(sc)
+    server = BootstrapServer("127.0.0.1")
+    print(f"BOOTSTRAP {server.address}", flush=True)
+    mgr = PrefillManager(pools.kvargs, sc.backend, bootstrap=server.address, config=sc.session_config())
+    try:
+        print(json.dumps(hold(mgr, sc)), flush=True)
+    finally:
+        mgr.close()
+        server.close()
+    return 0
+
+
 # -- decode ----------------------------------------------------------------------------------
 def run_decode(sc: Scenario, bootstrap: str) -> int:
     pools = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
@@ -264,13 +291,15 @@ def run_decode(sc: Scenario, bootstrap: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbridge.testing.e2e")
-    parser.add_argument("role", choices=["prefill", "decode"])
+    parser.add_argument("role", choices=["prefill", "decode", "hold"])
     parser.add_argument("--scenario", required=True, help="Scenario as JSON")
     parser.add_argument("--bootstrap", help="decode: the prefill bootstrap address")
     args = parser.parse_args(argv)
     sc = msgspec.json.decode(args.scenario, type=Scenario)
     if args.role == "prefill":
         return run_prefill(sc)
+    if args.role == "hold":
+        return run_hold(sc)
     if not args.bootstrap:
         parser.error("decode needs --bootstrap")
     return run_decode(sc, args.bootstrap)
