@@ -180,7 +180,7 @@ class _Envelope(msgspec.Struct):
     """Just enough of any message to explain why it was refused."""
 
     type: str = "?"
-    v: int = -1
+    v: int = PROTOCOL_VERSION  # absent on the wire means the current version, as in _Msg
 
 
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)

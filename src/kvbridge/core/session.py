@@ -322,7 +322,10 @@ class PrefillManager(TransferManager):
             elif isinstance(msg, P.TransferRequest):
                 self._on_request(peer, msg)
             elif isinstance(msg, P.Abort):
-                self._pending.pop(msg.room, None)
+                # A peer may abort only what it asked for.
+                pending = self._pending.get(msg.room)
+                if pending is not None and pending.peer == peer_id:
+                    del self._pending[msg.room]
                 sender = self._senders.get(msg.room)
                 if sender is not None and sender._peer == peer_id:
                     self._finish(sender, Poll.FAILED, f"aborted by decode: {msg.reason}")
@@ -369,7 +372,7 @@ class PrefillManager(TransferManager):
             reason = f"bad transfer request from decode {peer.peer_id!r}: {exc}"
             self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             sender = self._senders.get(msg.room)
-            if sender is not None:
+            if sender is not None and sender._peer in (None, peer.peer_id):  # not another peer's room
                 self._finish(sender, Poll.FAILED, reason)
             return
         req = _Request(peer.peer_id, indices, msg.metadata_row, time.monotonic())
