@@ -14,9 +14,10 @@ import time
 import msgspec
 import pytest
 
+from kvbridge.testing import available_backends
 from kvbridge.testing.e2e import Scenario
 
-BACKENDS = ["mooncake"]
+BACKENDS = available_backends()
 
 
 def run_pair(sc: Scenario, timeout: float = 240) -> tuple[dict, dict]:
@@ -52,3 +53,8 @@ def test_200_requests_64_in_flight_arrive_byte_exact(backend):
     assert decode["mismatched_regions"] == 0
     assert prefill["failed"] == 0
     assert prefill["active_rooms"] == 0 and decode["active_rooms"] == 0
+
+
+def test_every_builtin_backend_is_installed_so_none_is_silently_skipped():
+    # The end-to-end tests run over what is installed; CI installs every engine.
+    assert {"mooncake"} <= set(BACKENDS), f"installed backends: {BACKENDS}"

@@ -38,9 +38,10 @@ from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import KVArgs
 from kvbridge.core.plugins import PluginError, get_registry
 from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+from kvbridge.testing import available_backends
 from kvbridge.testing.e2e import SENTINEL, Pools, Scenario, meta_row_for, pattern, prefill_pools, schedule, serve
 
-BACKENDS = ["mooncake"]
+BACKENDS = available_backends()
 
 SLACK = 1.0  # seconds allowed past a configured deadline (tick granularity, a loaded 2-core box)
 START_WAIT = 30.0  # a driver process printing its bootstrap address
