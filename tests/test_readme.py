@@ -11,7 +11,7 @@ def test_readme_python_snippets_run(capsys):
     assert blocks, "README has no python snippets"
     for block in blocks:
         exec(compile(block, str(README), "exec"), {})
-    assert "4 descriptors" in capsys.readouterr().out
+    assert "4 descriptors" in capsys.readouterr().out  # the plan_pages snippet printed its plan
 
 
 def test_readme_test_command_is_what_ci_runs():

@@ -4,6 +4,8 @@ from .hookspecs import hookimpl
 from .layout import KVArgs, IndexSpace, Region, Shard
 from .plan import PlanError, TransferPlan, coalesce_runs, plan_pages
 from .records import BackendCapabilities, BackendSpec, StateHandlerSpec
+from .bootstrap import BootstrapServer
+from .session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 
 __all__ = [
     "hookimpl",
@@ -18,4 +20,11 @@ __all__ = [
     "BackendCapabilities",
     "BackendSpec",
     "StateHandlerSpec",
+    "BootstrapServer",
+    "DecodeManager",
+    "Poll",
+    "PrefillManager",
+    "Receiver",
+    "Sender",
+    "SessionConfig",
 ]
