@@ -370,10 +370,11 @@ class PrefillManager(TransferManager):
                 check_indices("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
         except (P.ProtocolError, PlanError) as exc:
             reason = f"bad transfer request from decode {peer.peer_id!r}: {exc}"
-            self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             sender = self._senders.get(msg.room)
             if sender is not None and sender._peer in (None, peer.peer_id):  # not another peer's room
                 self._finish(sender, Poll.FAILED, reason)
+            # Reply last: whoever reads the reply must find the room already failed.
+            self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             return
         req = _Request(peer.peer_id, indices, msg.metadata_row, time.monotonic())
         sender = self._senders.get(msg.room)
