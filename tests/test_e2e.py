@@ -57,4 +57,4 @@ def test_200_requests_64_in_flight_arrive_byte_exact(backend):
 
 def test_every_builtin_backend_is_installed_so_none_is_silently_skipped():
     # The end-to-end tests run over what is installed; CI installs every engine.
-    assert {"mooncake"} <= set(BACKENDS), f"installed backends: {BACKENDS}"
+    assert {"mooncake", "nixl", "ucx"} <= set(BACKENDS), f"installed backends: {BACKENDS}"

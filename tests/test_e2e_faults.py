@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.core import protocol as P
+from kvbridge.core.backend import BackendConfig
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import KVArgs
 from kvbridge.core.plugins import PluginError, get_registry
@@ -47,7 +48,7 @@ SLACK = 1.0  # seconds allowed past a configured deadline (tick granularity, a l
 START_WAIT = 30.0  # a driver process printing its bootstrap address
 EXIT_WAIT = 30.0  # a driver process finishing its schedule and closing its engine
 REPLY_WAIT = 3.0  # one control-message round trip
-HOSTILE_META = b"127.0.0.1:1"  # engine metadata of a peer nobody can reach
+HOSTILE_META = b"127.0.0.1:1"  # engine metadata in Hellos that are refused before the backend sees them
 
 BASE = Scenario(
     backend="?",
@@ -223,12 +224,20 @@ class RawClient:
     def send(self, msg: P.Message) -> None:
         self.sock.send(P.encode(msg))
 
-    def handshake(self, kvargs: KVArgs, backend: str) -> None:
-        reply = self.ask(P.Hello(peer_id=self.identity, backend=backend, backend_meta=HOSTILE_META, kvargs=kvargs))
+    def handshake(self, pools: Pools, backend: str) -> None:
+        # Real engine metadata for the memory it describes (kept alive with the
+        # client), so the prefill's backend accepts the peer: the hostility is in
+        # what this client sends afterwards. Nothing is ever written to it.
+        self.pools = pools
+        self.engine = get_registry().load_backend(backend)(BackendConfig(name=self.identity))
+        self.engine.register(pools.kvargs.regions)
+        reply = self.ask(P.Hello(peer_id=self.identity, backend=backend, backend_meta=self.engine.metadata(), kvargs=pools.kvargs))
         assert isinstance(reply, P.HelloAck), reply
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
 
 
 @pytest.fixture
@@ -302,7 +311,7 @@ def test_decode_killed_mid_transfer_fails_the_sender_in_time_and_the_prefill_ser
     sender = Sender(prefill.mgr, req.room)
     wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, START_WAIT, "decode's request")
     sender.send(np.arange(len(req.src_pages)) * 2, last=True)
-    time.sleep(0.1)
+    time.sleep(0.02)  # let the write start; the fastest backend here needs ~0.17 s for it all
     assert sender.poll() == Poll.TRANSFERRING, "the chunk finished before the kill; make it larger"
 
     doomed.kill()
@@ -387,7 +396,7 @@ def test_hostile_request_for_a_page_outside_the_pool_gets_failed_and_moves_no_by
     before = snapshot(prefill.pools)
     claimed = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)  # the memory the hostile client describes
     hostile = raw_clients(prefill.mgr.control_address, "hostile")
-    hostile.handshake(claimed.kvargs, backend)
+    hostile.handshake(claimed, backend)
     room, bad = 4242, sc.decode_pages + 5
     sender = Sender(prefill.mgr, room) if sender_first else None
 
@@ -419,7 +428,7 @@ def test_bad_request_from_another_decode_does_not_fail_a_room_it_does_not_own(
     wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, START_WAIT, "decode's request")
 
     hostile = raw_clients(prefill.mgr.control_address, "hostile")
-    hostile.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency).kvargs, backend)
+    hostile.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency), backend)
     reply = hostile.ask(P.TransferRequest(room=req.room, indices={"kv_page": b"\x01\x02\x03"}, metadata_row=0))
     assert isinstance(reply, P.Failed) and reply.room == req.room
     assert sender.poll() == Poll.WAITING_FOR_INPUT, f"the real decode's room was failed: {sender.failure()}"
@@ -442,7 +451,7 @@ def test_abort_from_another_decode_does_not_drop_a_pending_request_it_does_not_o
     wait_until(lambda: prefill.mgr.active_rooms() == 1, START_WAIT, "decode's request pending")
 
     hostile = raw_clients(prefill.mgr.control_address, "hostile")
-    hostile.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency).kvargs, backend)
+    hostile.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency), backend)
     hostile.send(P.Abort(room=req.room, reason="not mine to abort"))
     assert isinstance(hostile.ask(P.Heartbeat()), P.Heartbeat)  # the Abort has been handled
 
@@ -561,13 +570,13 @@ def test_garbage_control_messages_are_refused_and_the_prefill_keeps_serving(
     sc = scenario(backend)
     # A long heartbeat timeout keeps the hand-made peer's handshake alive through shrinking.
     prefill = local_prefill(sc, config=msgspec.structs.replace(sc, heartbeat_timeout=120.0).session_config())
-    claimed = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency).kvargs
+    claimed = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
     stranger = raw_clients(prefill.mgr.control_address, "stranger")  # never says Hello
     peer = raw_clients(prefill.mgr.control_address, "peer")
     peer.handshake(claimed, backend)
 
     @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(_probes(claimed, backend))
+    @given(_probes(claimed.kvargs, backend))
     def refused(probe: Probe) -> None:
         client = peer if probe.handshaken else stranger
         reply = client.ask_raw(probe.payload)

@@ -429,10 +429,16 @@ class PrefillManager(TransferManager):
 
     def _shutdown(self) -> None:
         with self._lock:
-            for peer in self._peers.values():
+            peers = list(self._peers.values())
+            for peer in peers:
                 peer.jobs.put(None)
             self._peers.clear()
             self._pending.clear()
+        # The engine closes next: let running writes end first (they honour their
+        # deadline, so this is bounded).
+        deadline = time.monotonic() + self.config.transfer_timeout
+        for peer in peers:
+            peer.worker.join(max(0.0, deadline - time.monotonic()))
 
 
 class Sender(_Room):
