@@ -381,11 +381,12 @@ class PrefillManager(TransferManager):
                 check_indices("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
         except (P.ProtocolError, PlanError) as exc:
             reason = f"bad transfer request from decode {peer.peer_id!r}: {exc}"
-            self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             # Fail the room only if nobody else has a valid request in it: one
             # decode must not be able to fail another decode's room.
             if sender is not None and not sender._requests:
                 self._finish(sender, Poll.FAILED, reason)
+            # Reply last: whoever reads the reply must find the room already failed.
+            self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             return
         dst = peer.route.dst
         req = _Request(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic())
