@@ -72,13 +72,31 @@ def test_draft_region_pairs_separately_from_target():
 
 
 def test_split_shard_must_describe_the_stride():
-    with pytest.raises(ValueError, match="shard describes 128-byte items"):
-        region(shard=Shard(kind="split", outer=16, dim=2, unit_nbytes=4))
+    # 16 tokens x (8 heads / TP 2) x 4 B = 256 B per page on each rank, not 0x100 + 1.
+    shard = Shard(kind="split", outer=16, totals=(8,), unit_nbytes=4)
+    KVArgs(regions=(region(shard=shard),), index_spaces=(IndexSpace("kv_page", 16, 16),), dtype="f32",
+           page_size=16, tp_rank=1, tp_size=2)
+    with pytest.raises(ValueError, match="region 'k0': its shard describes 256-byte items on TP rank 0 of 2"):
+        KVArgs(regions=(region(stride=0x80, shard=shard),), index_spaces=(IndexSpace("kv_page", 16, 16),),
+               dtype="f32", page_size=16, tp_rank=0, tp_size=2)
 
 
-def test_split_shard_groups_must_sum_to_dim():
-    with pytest.raises(ValueError, match="groups"):
-        Shard(kind="split", outer=1, dim=8, unit_nbytes=4, groups=(4, 2))
+def test_split_shard_needs_positive_totals():
+    with pytest.raises(ValueError, match="positive group totals"):
+        Shard(kind="split", outer=1, totals=(4, 0), unit_nbytes=4)
+
+
+def test_shard_that_cannot_split_across_the_tp_size_is_rejected():
+    shard = Shard(kind="split", outer=16, totals=(6,), unit_nbytes=4)
+    with pytest.raises(ValueError, match="region 'k0': a group of 6 cannot be split across TP 4"):
+        KVArgs(regions=(region(shard=shard),), index_spaces=(IndexSpace("kv_page", 16, 16),), dtype="f32",
+               page_size=16, tp_rank=0, tp_size=4)
+
+
+def test_local_slices_replicate_units_when_tp_exceeds_them():
+    shard = Shard(kind="split", outer=1, totals=(2, 8), unit_nbytes=4)
+    assert [shard.local(r, 4) for r in range(4)] == [[(0, 1), (0, 2)], [(0, 1), (2, 2)], [(1, 1), (4, 2)], [(1, 1), (6, 2)]]
+    assert [shard.owns(r, 4) for r in range(4)] == [[True, True], [False, True], [True, True], [False, True]]
 
 
 def test_tp_rank_outside_tp_size_is_rejected():

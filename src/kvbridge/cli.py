@@ -59,6 +59,12 @@ def _cmd_bench_plan(args: argparse.Namespace) -> int:
     return plan.run_from_args(args)
 
 
+def _cmd_bench_tp(args: argparse.Namespace) -> int:
+    from kvbridge.bench import tp
+
+    return tp.run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbridge", description=kvbridge.__doc__)
     parser.add_argument("--version", action="version", version=f"kvbridge {kvbridge.__version__}")
@@ -75,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bp)
     bp.set_defaults(func=_cmd_bench_plan)
+    bt = bench_sub.add_parser("tp", help="heterogeneous-TP plans: descriptors and time, NHD vs HND")
+    from kvbridge.bench.tp import add_arguments as add_tp_arguments
+
+    add_tp_arguments(bt)
+    bt.set_defaults(func=_cmd_bench_tp)
     return parser
 
 

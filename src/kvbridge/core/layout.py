@@ -24,13 +24,18 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-__all__ = ["ROLES", "MEMORY_KINDS", "IndexSpace", "Shard", "Region", "KVArgs"]
+__all__ = ["KV_PAGE_SPACE", "METADATA_SPACE", "ROLES", "MEMORY_KINDS", "IndexSpace", "Shard", "Region", "KVArgs"]
 
 #: What a region holds. A role outside this set is rejected: pairing and
 #: slicing rules are keyed on it, so a typo must not pass silently.
 ROLES: frozenset[str] = frozenset(
     {"k", "v", "kv", "conv", "temporal", "indexer", "scale", "state", "metadata"}
 )
+
+#: The index space consumed chunk by chunk (full KV pages).
+KV_PAGE_SPACE = "kv_page"
+#: The index space of the per-request metadata row, written last (the commit point).
+METADATA_SPACE = "metadata_row"
 
 MemoryKind = Literal["dram", "vram"]
 MEMORY_KINDS: frozenset[str] = frozenset({"dram", "vram"})
@@ -40,12 +45,16 @@ class IndexSpace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A named set of ``count`` items addressed by index ``0 .. count-1``.
 
     ``tokens`` is how many tokens one index covers (the page size for KV
-    pages, 1 for request slots and metadata rows).
+    pages, 1 for request slots and metadata rows). ``kind`` decides the
+    index-length mismatch policy: ``page`` lists may be trimmed to the
+    shorter side (with a warning); ``slot``, ``row`` and ``token`` lists
+    must match.
     """
 
     name: str
     count: int
     tokens: int = 1
+    kind: Literal["page", "slot", "row", "token"] = "page"
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -54,18 +63,26 @@ class IndexSpace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"index space {self.name!r}: count must be > 0, got {self.count}")
         if self.tokens <= 0:
             raise ValueError(f"index space {self.name!r}: tokens must be > 0, got {self.tokens}")
+        if self.kind not in ("page", "slot", "row", "token"):
+            raise ValueError(f"index space {self.name!r}: kind must be 'page', 'slot', 'row' or 'token', got {self.kind!r}")
 
 
 class Shard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How one item is split across tensor-parallel ranks.
 
-    An item is viewed as ``outer x dim x unit_nbytes`` bytes, where ``dim`` is
-    this rank's share of the TP-sharded dimension (KV heads, channels) and
-    ``outer`` counts the rows in front of it. Token-major pages (NHD) have
-    ``outer = tokens per page``; head-major pages (HND) have ``outer = 1`` and
-    the tokens folded into ``unit_nbytes``. ``groups`` splits ``dim`` into
-    sub-blocks that are each sharded on their own (the q|k|v parts of a
-    gated-delta-net conv state); empty means one group.
+    A split item is viewed as ``outer`` rows, each holding this rank's share of
+    the TP-sharded dimension (KV heads, channels) in ``unit_nbytes`` units.
+    ``totals`` are the *global* sizes of the groups of that dimension that are
+    sharded independently: ``(kv_heads,)`` for KV, ``(key_dim, key_dim,
+    value_dim)`` for a gated-delta-net conv state whose q|k|v sub-blocks are
+    each split on their own. Rank ``r`` of ``T`` holds units
+    ``[r*total//T, r*total//T + max(1, total//T))`` of every group (when
+    ``T > total`` each unit is replicated on ``T // total`` ranks).
+
+    Token-major pages (NHD, ``[tokens, heads, head_dim]``) have
+    ``outer = tokens per page``, ``unit_nbytes = head_dim * dtype``; head-major
+    pages (HND, ``[heads, tokens, head_dim]``) have ``outer = 1``,
+    ``unit_nbytes = tokens * head_dim * dtype``, so a head slice is contiguous.
 
     ``kind="replicated"`` means every rank holds the whole item (MLA latent
     cache, indexer caches, metadata); the other fields are then unused.
@@ -73,26 +90,37 @@ class Shard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     kind: Literal["replicated", "split"] = "replicated"
     outer: int = 1
-    dim: int = 0
+    totals: tuple[int, ...] = ()
     unit_nbytes: int = 0
-    groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind == "split":
-            if self.outer <= 0 or self.dim <= 0 or self.unit_nbytes <= 0:
+            if self.outer <= 0 or self.unit_nbytes <= 0 or not self.totals or min(self.totals) <= 0:
                 raise ValueError(
-                    f"split shard needs outer, dim and unit_nbytes > 0, got "
-                    f"outer={self.outer} dim={self.dim} unit_nbytes={self.unit_nbytes}"
-                )
-            if self.groups and (sum(self.groups) != self.dim or min(self.groups) <= 0):
-                raise ValueError(
-                    f"shard groups {list(self.groups)} must be positive and sum to dim={self.dim}"
+                    f"split shard needs outer > 0, unit_nbytes > 0 and positive group totals, got "
+                    f"outer={self.outer} totals={list(self.totals)} unit_nbytes={self.unit_nbytes}"
                 )
 
-    @property
-    def item_nbytes(self) -> int:
-        """Bytes of one item as this shard describes it (split shards only)."""
-        return self.outer * self.dim * self.unit_nbytes
+    def check_tp(self, tp_size: int) -> str | None:
+        """Why this shard cannot be split ``tp_size`` ways, or None."""
+        if self.kind != "split":
+            return None
+        for total in self.totals:
+            if total % tp_size and tp_size % total:
+                return f"a group of {total} cannot be split across TP {tp_size} (neither divides the other)"
+        return None
+
+    def local(self, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+        """``(global_start, count)`` of each group held by ``tp_rank``."""
+        return [((tp_rank * total) // tp_size, max(1, total // tp_size)) for total in self.totals]
+
+    def owns(self, tp_rank: int, tp_size: int) -> list[bool]:
+        """Per group: is ``tp_rank`` the one rank (of its replicas) that sends its units?"""
+        return [tp_rank % max(1, tp_size // total) == 0 for total in self.totals]
+
+    def item_nbytes(self, tp_rank: int, tp_size: int) -> int:
+        """Bytes of one item on ``tp_rank`` (split shards only)."""
+        return self.outer * sum(n for _, n in self.local(tp_rank, tp_size)) * self.unit_nbytes
 
 
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,12 +162,6 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.stride > self.nbytes:
             raise ValueError(
                 f"{where}: stride {self.stride} is larger than the region ({self.nbytes} bytes)"
-            )
-        if self.shard.kind == "split" and self.shard.item_nbytes != self.stride:
-            raise ValueError(
-                f"{where}: shard describes {self.shard.item_nbytes}-byte items "
-                f"(outer {self.shard.outer} x dim {self.shard.dim} x {self.shard.unit_nbytes} B) "
-                f"but the stride is {self.stride}"
             )
 
     @property
@@ -199,6 +221,18 @@ class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"region {r.name!r}: index space {r.index_space!r} is not declared "
                     f"(declared: {', '.join(sorted(spaces)) or 'none'})"
                 )
+            if r.shard.kind == "split":
+                why = r.shard.check_tp(self.tp_size)
+                if why:
+                    raise ValueError(f"region {r.name!r}: {why}")
+                want = r.shard.item_nbytes(self.tp_rank, self.tp_size)
+                if want != r.stride:
+                    raise ValueError(
+                        f"region {r.name!r}: its shard describes {want}-byte items on TP rank "
+                        f"{self.tp_rank} of {self.tp_size} (outer {r.shard.outer} x "
+                        f"{want // (r.shard.outer * r.shard.unit_nbytes)} units x {r.shard.unit_nbytes} B) "
+                        f"but the stride is {r.stride}"
+                    )
             if declared.count * r.stride > r.nbytes:
                 raise ValueError(
                     f"region {r.name!r}: index space {declared.name!r} has {declared.count} items "

@@ -1,15 +1,26 @@
 """Pairing two ranks' memory descriptions, once per peer at handshake.
 
 :func:`pair_layouts` checks that a prefill rank (source) and a decode rank
-(destination) can exchange data and precomputes, per index space, the region
-pairs as arrays. A :class:`Route` then turns a request's index lists into a
-bounds-checked :class:`~kvbridge.core.plan.TransferPlan` with no per-request
-pairing work.
+(destination) can exchange data and precomputes what moves between them. A
+:class:`Route` then turns a request's index lists into a bounds-checked
+:class:`~kvbridge.core.plan.TransferPlan` with no per-request pairing work.
 
 Regions pair by key (state type, role, layer, draft), never by position. A
 prefill pipeline stage holds a subset of the layers; the decode side (PP 1)
-holds all of them, so every prefill region must find its decode peer and
-the decode side may hold more.
+holds all of them, so every prefill region must find its decode peer and the
+decode side may hold more.
+
+Heterogeneous TP reduces to one question per region pair: which byte ranges
+of a source item land where in the destination item? The answer, a short
+list of **segments** ``(src_offset, dst_offset, nbytes)``, is computed here
+from the two regions' :class:`~kvbridge.core.layout.Shard` and TP positions:
+
+- equal TP: one whole-item segment (pages coalesce into runs);
+- split regions (MHA/GQA heads, Mamba channels, each conv sub-block on its
+  own): the intersection of the units each rank holds, per row; a unit held
+  by several source ranks (TP above the head count) is sent by one of them;
+- replicated regions (MLA, indexer caches, metadata): the whole item, sent
+  only by prefill rank ``decode_rank % prefill_tp``, so each page arrives once.
 """
 
 from __future__ import annotations
@@ -21,9 +32,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .layout import KVArgs, Region
-from .plan import PlanError, TransferPlan, check_indices, plan_pages
+from .plan import PlanError, TransferPlan, check_indices, plan_pages, plan_segments
 
-__all__ = ["IncompatibleLayoutError", "Route", "pair_layouts"]
+__all__ = ["IncompatibleLayoutError", "Route", "pair_layouts", "item_segments"]
 
 
 class IncompatibleLayoutError(ValueError):
@@ -31,21 +42,49 @@ class IncompatibleLayoutError(ValueError):
 
 
 @dataclass(frozen=True)
-class _SpacePairs:
+class _Group:
+    """Region pairs of one index space that share strides and segments."""
+
     src_bases: npt.NDArray[np.int64]
     dst_bases: npt.NDArray[np.int64]
-    item_nbytes: npt.NDArray[np.int64]
+    src_strides: npt.NDArray[np.int64]
+    dst_strides: npt.NDArray[np.int64]
+    segments: npt.NDArray[np.int64]  # (S, 3): src_offset, dst_offset, nbytes
+    whole_items: bool  # one segment covering equal-sized items: plan by coalesced runs
+
+    def plan(self, src_idx: npt.NDArray[np.int64], dst_idx: npt.NDArray[np.int64]) -> TransferPlan:
+        if self.whole_items:
+            return plan_pages(self.src_bases, self.dst_bases, self.src_strides, src_idx, dst_idx)
+        return plan_segments(
+            self.src_bases, self.dst_bases, self.src_strides, self.dst_strides, self.segments, src_idx, dst_idx
+        )
+
+
+@dataclass(frozen=True)
+class SpaceRoute:
+    """What moves for one index space (possibly nothing, e.g. MLA on a non-sending rank)."""
+
+    kind: str
     src_count: int
     dst_count: int
+    groups: tuple[_Group, ...]
+
+    @property
+    def sends(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def regions(self) -> int:
+        return sum(g.src_bases.size for g in self.groups)
 
 
 @dataclass(frozen=True)
 class Route:
-    """Precomputed region pairs from one source rank to one destination rank."""
+    """Precomputed region pairs and segments from one source rank to one destination rank."""
 
     src: KVArgs
     dst: KVArgs
-    spaces: Mapping[str, _SpacePairs]
+    spaces: Mapping[str, SpaceRoute]
 
     def plan(self, src_indices: Mapping[str, npt.ArrayLike], dst_indices: Mapping[str, npt.ArrayLike]) -> TransferPlan:
         """Descriptors for the given index lists, per index space, validated.
@@ -58,17 +97,71 @@ class Route:
             raise PlanError(
                 f"source index spaces {sorted(src_indices)} differ from destination {sorted(dst_indices)}"
             )
-        plans = []
+        plans: list[TransferPlan] = []
         for space, src_idx in src_indices.items():
-            pairs = self.spaces.get(space)
-            if pairs is None:
+            sr = self.spaces.get(space)
+            if sr is None:
                 raise PlanError(f"no paired regions use index space {space!r} (paired: {sorted(self.spaces)})")
-            s = check_indices(f"source {space} index", src_idx, pairs.src_count)
-            d = check_indices(f"destination {space} index", dst_indices[space], pairs.dst_count, unique=True)
-            plans.append(plan_pages(pairs.src_bases, pairs.dst_bases, pairs.item_nbytes, s, d))
+            s = check_indices(f"source {space} index", src_idx, sr.src_count)
+            d = check_indices(f"destination {space} index", dst_indices[space], sr.dst_count, unique=True)
+            if s.size != d.size:
+                raise PlanError(f"{space}: {s.size} source indices but {d.size} destination indices")
+            plans.extend(g.plan(s, d) for g in sr.groups)
         plan = TransferPlan.concat(plans)
         plan.validate(self.src.regions, self.dst.regions)
         return plan
+
+
+def item_segments(src: Region, src_args: KVArgs, dst: Region, dst_args: KVArgs) -> npt.NDArray[np.int64]:
+    """``(S, 3)`` segments of one item that this source rank sends to this destination rank.
+
+    Empty when this source rank sends nothing for the region (another rank does).
+    Raises :class:`IncompatibleLayoutError` if the two shards describe different data.
+    """
+    a, b = src.shard, dst.shard
+    tp_s, r_s, tp_d, r_d = src_args.tp_size, src_args.tp_rank, dst_args.tp_size, dst_args.tp_rank
+    if a.kind != b.kind or (a.kind == "split" and (a.outer, a.totals, a.unit_nbytes) != (b.outer, b.totals, b.unit_nbytes)):
+        raise IncompatibleLayoutError(f"{_describe(src)}: layout differs, prefill {a}, decode {b}")
+    if a.kind == "replicated":
+        if src.stride != dst.stride:
+            raise IncompatibleLayoutError(f"{_describe(src)}: item size differs, prefill {src.stride} B, decode {dst.stride} B")
+        if r_s != r_d % tp_s:
+            return np.empty((0, 3), np.int64)
+        return np.array([[0, 0, src.stride]], np.int64)
+    unit = a.unit_nbytes
+    src_local, dst_local = a.local(r_s, tp_s), b.local(r_d, tp_d)
+    src_row = sum(n for _, n in src_local) * unit
+    dst_row = sum(n for _, n in dst_local) * unit
+    per_row: list[tuple[int, int, int]] = []
+    src_off = dst_off = 0  # offsets of the current group inside a row
+    for (s0, sn), (d0, dn), owner in zip(src_local, dst_local, a.owns(r_s, tp_s)):
+        lo, hi = max(s0, d0), min(s0 + sn, d0 + dn)
+        if owner and lo < hi:
+            per_row.append((src_off + (lo - s0) * unit, dst_off + (lo - d0) * unit, (hi - lo) * unit))
+        src_off += sn * unit
+        dst_off += dn * unit
+    if not per_row:
+        return np.empty((0, 3), np.int64)
+    rows = np.arange(a.outer, dtype=np.int64)[:, None]
+    seg = np.array(per_row, np.int64)
+    out = np.stack(
+        [
+            (rows * src_row + seg[None, :, 0]).ravel(),
+            (rows * dst_row + seg[None, :, 1]).ravel(),
+            np.broadcast_to(seg[None, :, 2], (a.outer, len(per_row))).ravel(),
+        ],
+        axis=1,
+    )
+    merged = _merge_segments(out)
+    return merged
+
+
+def _merge_segments(seg: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    if len(seg) <= 1:
+        return seg
+    cont = (seg[:-1, 0] + seg[:-1, 2] == seg[1:, 0]) & (seg[:-1, 1] + seg[:-1, 2] == seg[1:, 1])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return np.stack([seg[starts, 0], seg[starts, 1], np.add.reduceat(seg[:, 2], starts)], axis=1)
 
 
 def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
@@ -78,13 +171,8 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
         problems.append(f"KV dtype differs: prefill {src.dtype!r}, decode {dst.dtype!r}")
     if src.page_size != dst.page_size:
         problems.append(f"page size differs: prefill {src.page_size} tokens, decode {dst.page_size}")
-    if src.tp_size != dst.tp_size:
-        problems.append(
-            f"prefill TP {src.tp_size} -> decode TP {dst.tp_size}: heterogeneous TP is not "
-            "supported by this kvbridge version; run both sides with the same TP size"
-        )
-    if dst.pp_size != 1 and src.pp_size != dst.pp_size:
-        problems.append(f"decode PP {dst.pp_size} must be 1 or equal to prefill PP {src.pp_size}")
+    if dst.pp_size != 1:
+        problems.append(f"decode PP {dst.pp_size} is not supported; run decode with PP 1 (prefill may use PP > 1)")
 
     dst_by_key = {r.key: r for r in dst.regions}
     src_keys = {r.key for r in src.regions}
@@ -108,7 +196,9 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
 
     src_spaces = {s.name: s for s in src.index_spaces}
     dst_spaces = {s.name: s for s in dst.index_spaces}
-    grouped: dict[str, list[tuple[Region, Region]]] = {}
+    # (space, src stride, dst stride, segments) -> [(src region, dst region)]
+    grouped: dict[tuple[str, int, int, bytes], list[tuple[Region, Region, npt.NDArray[np.int64]]]] = {}
+    used_spaces: set[str] = set()
     for s in src.regions:
         d = dst_by_key.get(s.key)
         if d is None:
@@ -116,29 +206,41 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
         if s.index_space != d.index_space:
             problems.append(f"{_describe(s)} is indexed by {s.index_space!r} on prefill but {d.index_space!r} on decode")
             continue
-        if s.stride != d.stride:
-            problems.append(f"{_describe(s)}: item size differs, prefill {s.stride} B, decode {d.stride} B")
+        used_spaces.add(s.index_space)
+        try:
+            seg = item_segments(s, src, d, dst)
+        except IncompatibleLayoutError as exc:
+            problems.append(str(exc))
             continue
-        if s.shard != d.shard:
-            problems.append(f"{_describe(s)}: layout (shard) differs, prefill {s.shard}, decode {d.shard}")
-            continue
-        grouped.setdefault(s.index_space, []).append((s, d))
-    for name in grouped:
+        if seg.size:
+            grouped.setdefault((s.index_space, s.stride, d.stride, seg.tobytes()), []).append((s, d, seg))
+    for name in sorted(used_spaces):
         a, b = src_spaces[name], dst_spaces[name]
-        if a.tokens != b.tokens:
-            problems.append(f"index space {name!r}: {a.tokens} tokens per index on prefill, {b.tokens} on decode")
+        if a.tokens != b.tokens or a.kind != b.kind:
+            problems.append(
+                f"index space {name!r}: prefill has {a.tokens} tokens per index ({a.kind}), "
+                f"decode {b.tokens} ({b.kind})"
+            )
     if problems:
         raise IncompatibleLayoutError("incompatible layouts: " + "; ".join(problems))
 
-    spaces = {
-        name: _SpacePairs(
-            src_bases=np.array([s.addr for s, _ in pairs], np.int64),
-            dst_bases=np.array([d.addr for _, d in pairs], np.int64),
-            item_nbytes=np.array([s.stride for s, _ in pairs], np.int64),
-            src_count=src_spaces[name].count,
-            dst_count=dst_spaces[name].count,
+    groups: dict[str, list[_Group]] = {name: [] for name in used_spaces}
+    for (space, s_stride, d_stride, _), pairs in grouped.items():
+        seg = pairs[0][2]
+        whole = len(seg) == 1 and s_stride == d_stride and tuple(seg[0]) == (0, 0, s_stride)
+        groups[space].append(
+            _Group(
+                src_bases=np.array([s.addr for s, _, _ in pairs], np.int64),
+                dst_bases=np.array([d.addr for _, d, _ in pairs], np.int64),
+                src_strides=np.full(len(pairs), s_stride, np.int64),
+                dst_strides=np.full(len(pairs), d_stride, np.int64),
+                segments=seg,
+                whole_items=whole,
+            )
         )
-        for name, pairs in grouped.items()
+    spaces = {
+        name: SpaceRoute(src_spaces[name].kind, src_spaces[name].count, dst_spaces[name].count, tuple(g))
+        for name, g in groups.items()
     }
     return Route(src, dst, spaces)
 

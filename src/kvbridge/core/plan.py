@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from .layout import Region
 
-__all__ = ["PlanError", "TransferPlan", "coalesce_runs", "plan_pages", "check_indices"]
+__all__ = ["PlanError", "TransferPlan", "coalesce_runs", "plan_pages", "plan_segments", "merge_contiguous", "check_indices"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -272,3 +272,60 @@ def plan_pages(
     dst = (dst_b[:, None] + dst_start[None, :] * item[:, None]).ravel()
     nbytes = (item[:, None] * run_len[None, :]).ravel()
     return TransferPlan(src, dst, nbytes)
+
+
+def merge_contiguous(src: IntArray, dst: IntArray, nbytes: IntArray) -> TransferPlan:
+    """Merge neighbouring descriptors that continue each other on both sides."""
+    n = nbytes.shape[0]
+    if n <= 1:
+        return TransferPlan(src, dst, nbytes)
+    cont = (src[:-1] + nbytes[:-1] == src[1:]) & (dst[:-1] + nbytes[:-1] == dst[1:])
+    if not cont.any():
+        return TransferPlan(src, dst, nbytes)
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return TransferPlan(src[starts], dst[starts], np.add.reduceat(nbytes, starts))
+
+
+def plan_segments(
+    src_bases: npt.ArrayLike,
+    dst_bases: npt.ArrayLike,
+    src_strides: npt.ArrayLike,
+    dst_strides: npt.ArrayLike,
+    segments: npt.ArrayLike,
+    src_idx: npt.ArrayLike,
+    dst_idx: npt.ArrayLike,
+) -> TransferPlan:
+    """Descriptors for partial items: every (region pair, index, segment), merged.
+
+    ``segments`` is an ``(S, 3)`` array of ``(src_offset, dst_offset, nbytes)``
+    inside one item, shared by all region pairs of the call. Item ``src_idx[k]``
+    of source region ``e`` (base ``src_bases[e]``, ``src_strides[e]`` bytes per
+    item) sends each segment to item ``dst_idx[k]`` of destination region ``e``.
+    Descriptors that continue each other on both sides are merged, so a
+    segment that covers whole items costs one descriptor per contiguous run.
+    Destination indices must be unique.
+    """
+    sb = _as_index_array("src_bases", src_bases)
+    db = _as_index_array("dst_bases", dst_bases)
+    ss = _as_index_array("src_strides", src_strides)
+    ds = _as_index_array("dst_strides", dst_strides)
+    if not (sb.size == db.size == ss.size == ds.size):
+        raise PlanError(
+            f"per-region arrays differ in length: src_bases {sb.size}, dst_bases {db.size}, "
+            f"src_strides {ss.size}, dst_strides {ds.size}"
+        )
+    seg = np.asarray(segments, dtype=np.int64).reshape(-1, 3)
+    if seg.size and ((seg[:, 2] <= 0).any() or (seg[:, :2] < 0).any()):
+        raise PlanError("segments need offsets >= 0 and sizes > 0")
+    s_idx = check_indices("src_idx", src_idx)
+    d_idx = check_indices("dst_idx", dst_idx, unique=True)
+    if s_idx.size != d_idx.size:
+        raise PlanError(f"src_idx has {s_idx.size} indices but dst_idx has {d_idx.size}; they are paired one to one")
+    if sb.size == 0 or s_idx.size == 0 or seg.shape[0] == 0:
+        return TransferPlan.empty()
+    # Shape (regions, indices, segments), flattened in that order so that
+    # neighbours in memory are neighbours in the arrays and can merge.
+    src = sb[:, None, None] + s_idx[None, :, None] * ss[:, None, None] + seg[None, None, :, 0]
+    dst = db[:, None, None] + d_idx[None, :, None] * ds[:, None, None] + seg[None, None, :, 1]
+    nbytes = np.broadcast_to(seg[None, None, :, 2], src.shape)
+    return merge_contiguous(src.ravel(), dst.ravel(), np.ascontiguousarray(nbytes).ravel())

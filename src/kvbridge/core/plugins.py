@@ -105,6 +105,7 @@ class Registry:
     errors: list[LoadError] = field(default_factory=list)
     #: name -> every provider, for names claimed more than once (unusable until fixed).
     duplicates: dict[tuple[Kind, str], list[Provider]] = field(default_factory=dict)
+    _handlers: dict[str, Any] = field(default_factory=dict, repr=False)
 
     # -- backends -----------------------------------------------------------
     def backend_spec(self, name: str) -> BackendSpec:
@@ -138,6 +139,19 @@ class Registry:
         return _import_object(spec.factory, f"backend {name!r}")
 
     # -- state handlers -----------------------------------------------------
+    def load_state_handler(self, name: str) -> Any:
+        """The handler object of state handler ``name`` (imported on first use, then cached)."""
+        dup = self.duplicates.get(("state_handler", name))
+        if dup:
+            raise PluginError(_duplicate_message("state_handler", name, dup))
+        if name not in self._handlers:
+            reg = self.state_handlers.get(name)
+            if reg is None:
+                raise PluginError(f"unknown state handler {name!r}; installed: {', '.join(sorted(self.state_handlers)) or 'none'}")
+            factory = _import_object(reg.spec.factory, f"state handler {name!r}")
+            self._handlers[name] = factory() if callable(factory) else factory
+        return self._handlers[name]
+
     def state_resolver(self) -> StateResolver[StateHandlerSpec]:
         specs = [r.spec for r in self.state_handlers.values()]
         return StateResolver.from_specs(s for s in specs if isinstance(s, StateHandlerSpec))

@@ -39,6 +39,7 @@ Timeouts (:class:`SessionConfig`, seconds):
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import queue
@@ -57,7 +58,7 @@ from . import protocol as P
 from .backend import Backend, BackendConfig
 from .bootstrap import register_rank
 from .channel import IOLoop
-from .layout import KVArgs
+from .layout import KV_PAGE_SPACE, METADATA_SPACE, KVArgs
 from .pairing import IncompatibleLayoutError, Route, pair_layouts
 from .plan import PlanError, TransferPlan, check_indices
 from .plugins import get_registry
@@ -75,11 +76,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: The index space consumed chunk by chunk.
-KV_PAGE_SPACE = "kv_page"
-#: The index space of the per-request metadata row, written last (the commit point).
-METADATA_SPACE = "metadata_row"
 
 
 class Poll(enum.IntEnum):
@@ -101,6 +97,9 @@ class SessionConfig:
     heartbeat_timeout: float = 5.0
     host: str = "127.0.0.1"
     backend_options: Mapping[str, str] = field(default_factory=dict)
+    #: Treat every index-length mismatch as an error (default: page-indexed
+    #: state lists are trimmed to the shorter side with a warning).
+    strict_index_lengths: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "heartbeat_timeout"):
@@ -223,7 +222,11 @@ class TransferManager:
 # ======================================================================================
 @dataclass
 class _Request:
+    """One decode rank's destination lists for a room."""
+
     peer: str
+    decode_rank: int
+    decode_tp: int
     indices: dict[str, npt.NDArray[np.int64]]
     metadata_row: int
     received: float
@@ -232,7 +235,7 @@ class _Request:
 class _DecodePeer:
     """A decode rank that completed the handshake with this prefill rank."""
 
-    def __init__(self, manager: PrefillManager, peer_id: str, route: Route) -> None:
+    def __init__(self, peer_id: str, route: Route) -> None:
         self.peer_id = peer_id
         self.ident = peer_id.encode()
         self.route = route
@@ -255,14 +258,20 @@ class _DecodePeer:
 
 
 class PrefillManager(TransferManager):
-    """One per prefill rank: control endpoint, decode peers, transfer workers."""
+    """One per prefill rank: control endpoint, decode peers, transfer workers.
+
+    Every decode rank of a room sends this rank its destination lists; the
+    room is ready (WAITING_FOR_INPUT) once all of them (the decode TP size)
+    have arrived, even if this rank has nothing to send to some of them
+    (MLA pages go from one prefill rank only): it still reports ``Done``.
+    """
 
     role = "prefill"
 
     def __init__(self, kvargs: KVArgs, backend: str = "mooncake", *, bootstrap: str, config: SessionConfig | None = None) -> None:
         super().__init__(kvargs, backend, config)
         self._senders: dict[int, Sender] = {}
-        self._pending: dict[int, _Request] = {}
+        self._pending: dict[int, dict[str, _Request]] = {}  # requests that arrived before their sender
         self._peers: dict[str, _DecodePeer] = {}
         router = self._loop.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
@@ -286,7 +295,7 @@ class PrefillManager(TransferManager):
         return self._senders
 
     def active_rooms(self) -> int:
-        """Senders plus decode requests waiting for their sender (for leak checks)."""
+        """Senders plus rooms whose requests wait for their sender (for leak checks)."""
         with self._lock:
             return len(self._senders) + len(self._pending)
 
@@ -323,12 +332,13 @@ class PrefillManager(TransferManager):
                 self._on_request(peer, msg)
             elif isinstance(msg, P.Abort):
                 # A peer may abort only what it asked for.
-                pending = self._pending.get(msg.room)
-                if pending is not None and pending.peer == peer_id:
-                    del self._pending[msg.room]
+                pending = self._pending.get(msg.room, {})
+                pending.pop(peer_id, None)
+                if not pending:
+                    self._pending.pop(msg.room, None)
                 sender = self._senders.get(msg.room)
-                if sender is not None and sender._peer == peer_id:
-                    self._finish(sender, Poll.FAILED, f"aborted by decode: {msg.reason}")
+                if sender is not None and peer_id in sender._requests:
+                    self._fail_sender(sender, f"aborted by decode: {msg.reason}")
             else:
                 reason = f"prefill does not accept {type(msg).__name__} messages"
                 self._reply(ident, P.Reject(reason=reason, room=getattr(msg, "room", None)))
@@ -355,52 +365,59 @@ class PrefillManager(TransferManager):
             old = self._peers.pop(msg.peer_id, None)
             if old is not None:
                 old.jobs.put(None)
-            self._peers[msg.peer_id] = _DecodePeer(self, msg.peer_id, route)
+            self._peers[msg.peer_id] = _DecodePeer(msg.peer_id, route)
         self._reply(ident, P.HelloAck(kvargs=self.kvargs))
 
     def _on_request(self, peer: _DecodePeer, msg: P.TransferRequest) -> None:
+        sender = self._senders.get(msg.room)
         try:
             indices = {k: P.unpack_indices(k, v) for k, v in msg.indices.items()}
             for space, idx in indices.items():
-                pairs = peer.route.spaces.get(space)
-                if pairs is None:
-                    raise PlanError(f"no paired regions use index space {space!r}")
-                check_indices(f"destination {space} index", idx, pairs.dst_count, unique=True)
+                # Spaces this rank holds no regions of (another pipeline stage's state) are ignored.
+                sr = peer.route.spaces.get(space)
+                if sr is not None:
+                    check_indices(f"destination {space} index", idx, sr.dst_count, unique=True)
             if METADATA_SPACE in peer.route.spaces:
                 check_indices("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
         except (P.ProtocolError, PlanError) as exc:
             reason = f"bad transfer request from decode {peer.peer_id!r}: {exc}"
-            sender = self._senders.get(msg.room)
-            if sender is not None and sender._peer in (None, peer.peer_id):  # not another peer's room
+            # Fail the room only if nobody else has a valid request in it: one
+            # decode must not be able to fail another decode's room.
+            if sender is not None and not sender._requests:
                 self._finish(sender, Poll.FAILED, reason)
             # Reply last: whoever reads the reply must find the room already failed.
             self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             return
-        req = _Request(peer.peer_id, indices, msg.metadata_row, time.monotonic())
-        sender = self._senders.get(msg.room)
+        dst = peer.route.dst
+        req = _Request(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic())
         if sender is None:
-            if msg.room in self._pending:
-                self._reply(peer.ident, P.Reject(reason=f"room {msg.room} already has a pending request", room=msg.room))
-                return
-            self._pending[msg.room] = req  # the host has not created the sender yet
-        elif sender._request is not None:
-            self._reply(peer.ident, P.Reject(reason=f"room {msg.room} already has a request", room=msg.room))
+            reqs = self._pending.setdefault(msg.room, {})
+            problem = _conflict(reqs, req)
+            if problem is None:
+                reqs[peer.peer_id] = req  # the host has not created the sender yet
         else:
-            sender._attach(req)
+            problem = sender._attach(req)
+        if problem is not None:
+            self._reply(peer.ident, P.Reject(reason=f"room {msg.room}: {problem}", room=msg.room))
 
     # -- timeouts and dead peers (I/O thread) ------------------------------------------
     def _tick(self) -> None:
         now = time.monotonic()
         cfg = self.config
         with self._lock:
-            for room, req in list(self._pending.items()):
-                if now - req.received > cfg.bootstrap_timeout:
-                    log.warning("prefill: dropping request for room %d: no sender created within %.1fs", room, cfg.bootstrap_timeout)
+            for room, reqs in list(self._pending.items()):
+                if now - min(r.received for r in reqs.values()) > cfg.bootstrap_timeout:
+                    log.warning("prefill: dropping requests for room %d: no sender created within %.1fs", room, cfg.bootstrap_timeout)
                     del self._pending[room]
             for sender in list(self._senders.values()):
-                if sender._request is None and now - sender._created > cfg.bootstrap_timeout:
-                    self._finish(sender, Poll.FAILED, f"no request from decode within bootstrap_timeout={cfg.bootstrap_timeout}s")
-                elif sender._busy_since is not None and now - sender._busy_since > cfg.transfer_timeout:
+                if sender._state == Poll.BOOTSTRAPPING and now - sender._created > cfg.bootstrap_timeout:
+                    got = sorted(r.decode_rank for r in sender._requests.values())
+                    self._fail_sender(
+                        sender,
+                        f"requests from decode ranks {got} of {sender._expected or '?'} arrived within "
+                        f"bootstrap_timeout={cfg.bootstrap_timeout}s",
+                    )
+                elif sender._busy and now - min(sender._busy.values()) > cfg.transfer_timeout:
                     self._fail_sender(sender, f"transfer did not complete within transfer_timeout={cfg.transfer_timeout}s")
             for peer in list(self._peers.values()):
                 if now - peer.last_seen > cfg.heartbeat_timeout:
@@ -410,22 +427,27 @@ class PrefillManager(TransferManager):
         log.warning("prefill: %s; dropping it", reason)
         self._peers.pop(peer.peer_id, None)
         peer.jobs.put(None)
-        for room, req in list(self._pending.items()):
-            if req.peer == peer.peer_id:
+        for room, reqs in list(self._pending.items()):
+            reqs.pop(peer.peer_id, None)
+            if not reqs:
                 del self._pending[room]
         for sender in list(self._senders.values()):
-            if sender._peer == peer.peer_id:
-                self._finish(sender, Poll.FAILED, reason)
+            if peer.peer_id in sender._requests:
+                self._fail_sender(sender, reason)
         try:
             self.backend.remove_peer(peer.peer_id)
         except Exception:
             log.exception("backend failed to remove peer %s", peer.peer_id)
 
     def _fail_sender(self, sender: Sender, reason: str) -> None:
-        if self._finish(sender, Poll.FAILED, reason) and sender._peer is not None:
-            peer = self._peers.get(sender._peer)
-            if peer is not None:
-                self._send(lambda: self._router, P.Failed(room=sender.room, reason=reason), peer.ident)
+        """Fail ``sender`` and tell every decode rank that asked for it."""
+        with self._lock:
+            if not self._finish(sender, Poll.FAILED, reason):
+                return
+            for peer_id in sender._requests:
+                peer = self._peers.get(peer_id)
+                if peer is not None:
+                    self._send(lambda: self._router, P.Failed(room=sender.room, reason=reason), peer.ident)
 
     def _shutdown(self) -> None:
         with self._lock:
@@ -441,33 +463,53 @@ class PrefillManager(TransferManager):
             peer.worker.join(max(0.0, deadline - time.monotonic()))
 
 
+def _conflict(reqs: Mapping[str, _Request], req: _Request) -> str | None:
+    """Why ``req`` cannot join a room's other requests, or None."""
+    if req.peer in reqs:
+        return f"decode {req.peer!r} already sent a request for it"
+    for other in reqs.values():
+        if other.decode_tp != req.decode_tp:
+            return f"decode ranks disagree on the decode TP size ({other.decode_tp} vs {req.decode_tp})"
+        if other.decode_rank == req.decode_rank:
+            return f"decode TP rank {req.decode_rank} already sent a request for it (from {other.peer!r})"
+    return None
+
+
 class Sender(_Room):
-    """Prefill side of one request."""
+    """Prefill side of one request, towards every decode rank of the room."""
 
     def __init__(self, manager: PrefillManager, room: int, metadata_row: int = 0) -> None:
         super().__init__(manager, room)
         self._pm = manager
         self.metadata_row = int(metadata_row)
-        self._request: _Request | None = None
-        self._peer: str | None = None
+        self._requests: dict[str, _Request] = {}
+        self._expected: int | None = None
         self._chunks = 0
         self._sent_pages = 0
         self._last_sent = False
-        self._busy_since: float | None = None
+        self._unfinished = 0  # peers whose last chunk has not landed yet
+        self._busy: dict[str, float] = {}  # peer -> start of its running write
         with manager._lock:
             if manager._closed:
                 raise RuntimeError("the prefill manager is closed")
             if room in manager._senders:
                 raise ValueError(f"room {room} already has a sender on this prefill rank")
             manager._senders[self.room] = self
-            pending = manager._pending.pop(self.room, None)
-            if pending is not None:
-                self._attach(pending)
+            for req in manager._pending.pop(self.room, {}).values():
+                self._attach(req)
 
-    def _attach(self, req: _Request) -> None:
-        self._request = req
-        self._peer = req.peer
-        self._advance(Poll.WAITING_FOR_INPUT)
+    def _attach(self, req: _Request) -> str | None:
+        """Add one decode rank's request; WAITING_FOR_INPUT once every decode rank's is in."""
+        problem = _conflict(self._requests, req)
+        if problem is not None:
+            return problem
+        if self._state != Poll.BOOTSTRAPPING:
+            return "the room is already being served"
+        self._requests[req.peer] = req
+        self._expected = req.decode_tp
+        if len(self._requests) == self._expected:
+            self._advance(Poll.WAITING_FOR_INPUT)
+        return None
 
     def send(
         self,
@@ -478,68 +520,91 @@ class Sender(_Room):
         """Queue one prefill chunk (its KV pages, plus state with the last chunk).
 
         Returns at once; progress shows in :meth:`poll`. Bad indices (out of
-        range, more pages than decode allocated) fail the room with the reason.
+        range, more pages than decode allocated, a slot-list mismatch) fail
+        the room with the reason, on both sides.
         """
         m = self._pm
         with m._lock:
             if self._state == Poll.FAILED:
                 return
-            if self._request is None:
-                raise RuntimeError(f"room {self.room}: send() before decode's request arrived; wait for WAITING_FOR_INPUT")
+            if self._state == Poll.BOOTSTRAPPING:
+                raise RuntimeError(f"room {self.room}: send() before every decode rank's request arrived; wait for WAITING_FOR_INPUT")
             if self._last_sent:
                 raise RuntimeError(f"room {self.room}: send() after the last chunk")
-            peer = m._peers.get(self._peer or "")
-            if peer is None:
-                m._finish(self, Poll.FAILED, f"decode peer {self._peer!r} is gone")
-                return
-            req = self._request
+            jobs = []
             try:
-                plan, meta_plan = self._plan_chunk(peer.route, req, page_indices, state_indices, last)
+                pages = check_indices("source kv_page index", page_indices)
+                for peer_id, req in sorted(self._requests.items()):
+                    peer = m._peers.get(peer_id)
+                    if peer is None:
+                        raise PlanError(f"decode peer {peer_id!r} is gone")
+                    plan, meta_plan = self._plan_chunk(peer.route, req, pages, state_indices, last)
+                    jobs.append((peer, plan, meta_plan))
             except PlanError as exc:
                 m._fail_sender(self, f"room {self.room} chunk {self._chunks}: {exc}")
                 return
             chunk = self._chunks
             self._chunks += 1
+            self._sent_pages += pages.size
             self._last_sent = last
+            if last:
+                self._unfinished = len(jobs)
             self._advance(Poll.TRANSFERRING)
-        peer.jobs.put(lambda: self._run(peer, plan, meta_plan, chunk, last))
+        for peer, plan, meta_plan in jobs:
+            peer.jobs.put(functools.partial(self._run, peer, plan, meta_plan, chunk, last))
 
     def _plan_chunk(
         self,
         route: Route,
         req: _Request,
-        page_indices: npt.ArrayLike,
+        pages: npt.NDArray[np.int64],
         state_indices: Mapping[str, npt.ArrayLike] | None,
         last: bool,
     ) -> tuple[TransferPlan, TransferPlan | None]:
-        pages = check_indices("source kv_page index", page_indices)
         dst_pages = req.indices.get(KV_PAGE_SPACE, np.empty(0, np.int64))
         lo, hi = self._sent_pages, self._sent_pages + pages.size
         if hi > dst_pages.size:
-            raise PlanError(f"prefill sent {hi} pages in total but decode allocated {dst_pages.size}")
+            raise PlanError(f"prefill sent {hi} pages in total but decode rank {req.decode_rank} allocated {dst_pages.size}")
         if last and hi != dst_pages.size:
-            raise PlanError(f"the last chunk ends at page {hi} but decode allocated {dst_pages.size} pages")
+            raise PlanError(f"the last chunk ends at page {hi} but decode rank {req.decode_rank} allocated {dst_pages.size} pages")
         src: dict[str, npt.ArrayLike] = {}
         dst: dict[str, npt.ArrayLike] = {}
-        if pages.size:
+        if pages.size and route.spaces.get(KV_PAGE_SPACE) is not None:
             src[KV_PAGE_SPACE], dst[KV_PAGE_SPACE] = pages, dst_pages[lo:hi]
         if state_indices:
             if not last:
                 raise PlanError("state indices are sent with the last chunk")
             for space, idx in state_indices.items():
                 if space not in req.indices:
-                    raise PlanError(f"decode sent no destination indices for {space!r}")
-                s = check_indices(f"source {space} index", idx)
-                d = req.indices[space]
-                if s.size != d.size:
-                    raise PlanError(f"{space}: prefill has {s.size} indices, decode {d.size}")
+                    raise PlanError(f"decode rank {req.decode_rank} sent no destination indices for {space!r}")
+                s, d = self._align(route, space, check_indices(f"source {space} index", idx), req.indices[space])
                 src[space], dst[space] = s, d
         plan = route.plan(src, dst) if src else TransferPlan.empty()
         meta_plan = None
-        if last and METADATA_SPACE in route.spaces:
+        kv = self._pm.kvargs
+        meta = route.spaces.get(METADATA_SPACE)
+        # The metadata row comes from the last pipeline stage, sent by one TP rank.
+        if last and meta is not None and meta.sends and kv.pp_rank == kv.pp_size - 1:
             meta_plan = route.plan({METADATA_SPACE: [self.metadata_row]}, {METADATA_SPACE: [req.metadata_row]})
-        self._sent_pages = hi
         return plan, meta_plan
+
+    def _align(
+        self, route: Route, space: str, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The one index-length mismatch policy, for every backend and state type."""
+        if src.size == dst.size:
+            return src, dst
+        sr = route.spaces.get(space)
+        kind = sr.kind if sr is not None else "slot"
+        if kind != "page" or self._pm.config.strict_index_lengths:
+            why = "strict_index_lengths is set" if kind == "page" else f"{space!r} is {kind}-indexed"
+            raise PlanError(f"{space}: prefill has {src.size} indices, decode {dst.size} ({why}; they must match)")
+        n = min(src.size, dst.size)
+        log.warning(
+            "room %d: %s index lists differ (prefill %d, decode %d); sending the first %d",
+            self.room, space, src.size, dst.size, n,
+        )
+        return src[:n], dst[:n]  # slices: the request's own lists stay as they are
 
     def _run(self, peer: _DecodePeer, plan: TransferPlan, meta_plan: TransferPlan | None, chunk: int, last: bool) -> None:
         """On the peer's worker thread: write the chunk, then (last) the metadata row."""
@@ -547,7 +612,7 @@ class Sender(_Room):
         if self._state == Poll.FAILED:
             return
         deadline = time.monotonic() + m.config.transfer_timeout
-        self._busy_since = time.monotonic()
+        self._busy[peer.peer_id] = time.monotonic()
         try:
             for p in (plan, meta_plan):
                 if p is not None and len(p):
@@ -558,11 +623,14 @@ class Sender(_Room):
             m._fail_sender(self, f"transfer of chunk {chunk} to {peer.peer_id!r} failed: {exc}")
             return
         finally:
-            self._busy_since = None
+            self._busy.pop(peer.peer_id, None)
         m._send(lambda: m._router, P.ChunkDone(room=self.room, chunk=chunk, last=last), peer.ident)
         if last:
             m._send(lambda: m._router, P.Done(room=self.room), peer.ident)
-            m._finish(self, Poll.SUCCESS)
+            with m._lock:
+                self._unfinished -= 1
+                if self._unfinished == 0:
+                    m._finish(self, Poll.SUCCESS)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         """Give up on this room; decode is told. Bytes already in flight may still land."""
@@ -647,11 +715,12 @@ class DecodeManager(TransferManager):
             return
         if server.ranks or not msg.ranks:
             return  # already handshaking, or nobody registered yet (retry on tick)
+        # Every prefill rank (all TP ranks of all stages): each one tells this
+        # rank Done for every room, even the ones it has nothing to send to.
         tp_size, pp_size = msg.ranks[0].tp_size, msg.ranks[0].pp_size
-        want_tp = self.kvargs.tp_rank % tp_size
-        wanted = {(r.tp_rank, r.pp_rank): r for r in msg.ranks if r.tp_rank == want_tp}
-        if len(wanted) < pp_size:
-            return  # not every stage registered yet
+        wanted = {(r.tp_rank, r.pp_rank): r for r in msg.ranks}
+        if len(wanted) < tp_size * pp_size:
+            return  # not every rank registered yet
         bad = [r for r in wanted.values() if r.backend != self.backend_name]
         if bad:
             self._fail_server(
