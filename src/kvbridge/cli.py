@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 import kvbridge
-from kvbridge.core.plugins import get_registry
+from kvbridge.core.plugins import PluginError, get_registry
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -53,6 +53,12 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvbridge import demo
+
+    return demo.run_from_args(args)
+
+
 def _cmd_bench_plan(args: argparse.Namespace) -> int:
     from kvbridge.bench import plan
 
@@ -73,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list installed backends and state handlers")
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
     p.set_defaults(func=_cmd_plugins)
+
+    demo = sub.add_parser("demo", help="prefill and decode processes moving verified requests; ends with a table")
+    from kvbridge.demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
@@ -95,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except PluginError as exc:  # unknown backend, missing engine, duplicate plugin: no traceback
+        print(f"kvbridge: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -53,10 +53,15 @@ class Spec(msgspec.Struct, kw_only=True):
     strict: bool = False
     c4_row_tokens: int = 3  # decode host rows; prefill device pages hold PAGE // RATIO = 2 (unaligned)
     timeout: float = 60.0
+    # Sizes: tiny by default (tests); the demo raises them.
+    head_dim: int = 2
+    pages: int = 40
+    max_request_pages: int = 5
+    progress: bool = False  # decode prints a JSON progress line per finished request
 
 
-PAGE, RATIO, HEAD_DIM = 8, 4, 2
-KV_HEADS, PAGES, SWA_PAGES, SLOTS, ROWS, C4_ROWS = 4, 40, 16, 8, 8, 64
+PAGE, RATIO = 8, 4
+KV_HEADS, SWA_PAGES, SLOTS, ROWS, C4_ROWS = 4, 16, 8, 8, 64
 CONV_GROUPS, CONV_ROWS, SSM_HEADS = (4, 4, 8), 3, 4
 LAYERS = {"kv": [0, 1], "swa": [2], "mamba": [3], "dsv4": [4]}  # global layer ids
 DRAFT_LAYERS = [100]  # draft (MTP) layer ids live in their own band
@@ -100,7 +105,7 @@ class Buffers:
             return arr
 
         def kv_shape(pages: int) -> tuple[int, ...]:
-            return (pages, PAGE, KV_HEADS, HEAD_DIM) if spec.layout == "nhd" else (pages, KV_HEADS, PAGE, HEAD_DIM)
+            return (pages, PAGE, KV_HEADS, spec.head_dim) if spec.layout == "nhd" else (pages, KV_HEADS, PAGE, spec.head_dim)
 
         def mine(ids: list[int]) -> list[int]:
             return [i for i in ids if layers is None or i in layers]
@@ -116,12 +121,12 @@ class Buffers:
         self.pools: list[Any] = []
         self.draft_pools: list[Any] = []
         if ids := mine(LAYERS["kv"]):
-            self.pools.append(kv_pool("kv", ids, PAGES))
-            self.pools.append(NSAPool(index_k=[buf(f"nsa{i}.k", (PAGES, PAGE * 4), None) for i in ids],
-                                      scales=[buf(f"nsa{i}.s", (PAGES, PAGE), None) for i in ids], layer_ids=ids, page_size=PAGE))
+            self.pools.append(kv_pool("kv", ids, spec.pages))
+            self.pools.append(NSAPool(index_k=[buf(f"nsa{i}.k", (spec.pages, PAGE * 4), None) for i in ids],
+                                      scales=[buf(f"nsa{i}.s", (spec.pages, PAGE), None) for i in ids], layer_ids=ids, page_size=PAGE))
             if spec.draft:
-                self.draft_pools.append(kv_pool("draft.kv", DRAFT_LAYERS, PAGES))
-                self.draft_pools.append(NSAPool(index_k=[buf(f"draft.nsa{i}.k", (PAGES, PAGE * 4), None) for i in DRAFT_LAYERS],
+                self.draft_pools.append(kv_pool("draft.kv", DRAFT_LAYERS, spec.pages))
+                self.draft_pools.append(NSAPool(index_k=[buf(f"draft.nsa{i}.k", (spec.pages, PAGE * 4), None) for i in DRAFT_LAYERS],
                                                 scales=None, layer_ids=DRAFT_LAYERS, page_size=PAGE))
         if ids := mine(LAYERS["swa"]):
             self.pools.append(kv_pool("swa", ids, SWA_PAGES, SWAPool))
@@ -134,11 +139,11 @@ class Buffers:
         if ids := mine(LAYERS["dsv4"]):
             # Prefill: device pages of PAGE // RATIO compressed tokens; decode: host rows of c4_row_tokens.
             per_item = PAGE // RATIO if side == "prefill" else spec.c4_row_tokens
-            items = PAGES if side == "prefill" else C4_ROWS
+            items = spec.pages if side == "prefill" else C4_ROWS
             swa_part = kv_pool("dsv4swa", ids, SWA_PAGES, DSV4HiSparsePool,
                                c4=[buf(f"c4.{side}.{i}", (items, per_item, 6), None) for i in ids],
                                c4_tokens_per_item=per_item,
-                               indexer=[buf(f"dsv4idx{i}", (PAGES, 16), None) for i in ids],
+                               indexer=[buf(f"dsv4idx{i}", (spec.pages, 16), None) for i in ids],
                                c128=[buf(f"c128.{i}", (SLOTS, 10), None) for i in ids],
                                compressed_layer_ids=ids, ratio=RATIO)
             self.pools.append(swa_part)
@@ -162,27 +167,26 @@ class Request(msgspec.Struct):
 
 
 def requests(spec: Spec) -> list[Request]:
+    """The schedule both processes derive from the seed. Requests run one after
+    another, so each allocates afresh and may reuse earlier requests' items (the
+    oracle applies them in order)."""
     rng = np.random.default_rng(spec.seed)
     out = []
-    dst_free = rng.permutation(PAGES)
-    c4_free = rng.permutation(C4_ROWS)
-    slots = rng.permutation(SLOTS)
     for i in range(spec.requests):
-        tokens = int(rng.integers(PAGE, 6 * PAGE))
+        tokens = int(rng.integers(PAGE, spec.max_request_pages * PAGE + 1))
         n = -(-tokens // PAGE)
         n_swa = min(n, 3)
         rows = -(-(tokens // RATIO) // spec.c4_row_tokens)
+        slots = rng.choice(SLOTS, 2 + spec.extra_slots, replace=False)
         out.append(Request(
             room=1000 + i, tokens=tokens,
-            src_pages=np.sort(rng.choice(PAGES, n, replace=False)).tolist(),
-            dst_pages=dst_free[:n].tolist(),
+            src_pages=np.sort(rng.choice(spec.pages, n, replace=False)).tolist(),
+            dst_pages=rng.choice(spec.pages, n, replace=False).tolist(),
             src_swa=rng.choice(SWA_PAGES, n_swa, replace=False).tolist(),
             dst_swa=rng.choice(SWA_PAGES, n_swa + spec.extra_swa_pages, replace=False).tolist(),
-            src_slot=[int(slots[2 * i])], dst_slot=[int(s) for s in slots[2 * i + 1:2 * i + 2 + spec.extra_slots]],
-            dst_c4_rows=c4_free[:rows].tolist(), src_meta=i % ROWS, dst_meta=(i + 3) % ROWS,
+            src_slot=[int(slots[0])], dst_slot=[int(x) for x in slots[1:]],
+            dst_c4_rows=rng.choice(C4_ROWS, rows, replace=False).tolist(), src_meta=i % ROWS, dst_meta=(i + 3) % ROWS,
         ))
-        dst_free = dst_free[n:]
-        c4_free = c4_free[rows:]
     return out
 
 
@@ -263,9 +267,11 @@ def run_decode(spec: Spec, bootstrap: str) -> int:
         ranks.append((b, DecodeManager(args, spec.backend, config=config(spec))))
     deadline = time.monotonic() + spec.timeout
     reqs = requests(spec)
-    result: dict[str, Any] = {"role": "decode", "rooms": {}, "mismatches": []}
+    result: dict[str, Any] = {"role": "decode", "rooms": {}, "mismatches": [], "latency_s": [], "bytes_by_state": {}}
+    t_start = time.monotonic()
     try:
-        for req in reqs:
+        for i, req in enumerate(reqs):
+            t0 = time.monotonic()
             recvs = [Receiver(m, req.room, bootstrap=bootstrap) for _, m in ranks]
             c4 = c4_token_indices(req.dst_c4_rows, spec.c4_row_tokens, req.tokens, RATIO)
             for r in recvs:
@@ -273,7 +279,16 @@ def run_decode(spec: Spec, bootstrap: str) -> int:
                                                      C4_SPACE: c4, C128_SPACE: req.dst_slot[:1]},
                        metadata_row=req.dst_meta)
             _wait(recvs, deadline)
+            result["latency_s"].append(time.monotonic() - t0)
             result["rooms"][str(req.room)] = [[r.poll().name, r.failure()] for r in recvs]
+            if all(r.poll() == Poll.SUCCESS for r in recvs):
+                for b, _ in ranks:
+                    for name, arr in b.arrays.items():
+                        state, nbytes = moved(spec, name, arr, req)
+                        result["bytes_by_state"][state] = result["bytes_by_state"].get(state, 0) + nbytes
+            if spec.progress:
+                print(json.dumps({"progress": i + 1, "of": len(reqs), "ok": recvs[0].poll() == Poll.SUCCESS}), flush=True)
+        result["seconds"] = time.monotonic() - t_start
         ok = [q for q in reqs if all(s == "SUCCESS" for s, _ in result["rooms"][str(q.room)])]
         failed = [q for q in reqs if q not in ok]
         for rank, (b, _) in enumerate(ranks):
@@ -292,6 +307,22 @@ def run_decode(spec: Spec, bootstrap: str) -> int:
     return 0
 
 
+def moved(spec: Spec, name: str, arr: np.ndarray, q: Request) -> tuple[str, int]:
+    """(state type, bytes) that request ``q`` wrote into one decode buffer (from the request, not kvbridge)."""
+    if name.startswith("c4.decode."):
+        return "dsv4", (q.tokens // RATIO) * arr.shape[2] * arr.itemsize
+    item = arr[0].nbytes
+    for prefix, state, items in (
+        ("draft.", "draft", len(q.dst_pages)), ("kv", "kv", len(q.dst_pages)), ("nsa", "nsa", len(q.dst_pages)),
+        ("swa", "swa", min(len(q.src_swa), len(q.dst_swa))), ("dsv4swa", "dsv4", min(len(q.src_swa), len(q.dst_swa))),
+        ("dsv4idx", "dsv4", len(q.dst_pages)), ("c128", "dsv4", 1), ("conv", "mamba", 1), ("ssm", "mamba", 1),
+        ("meta", "metadata", 1),
+    ):
+        if name.startswith(prefix):
+            return state, items * item
+    raise KeyError(name)
+
+
 def expected(spec: Spec, name: str, cut: tuple[int, np.ndarray] | None, reqs: list[Request], mark: bool = False) -> np.ndarray:
     """What a decode buffer must hold after ``reqs``: plain numpy, from the global tensors.
 
@@ -303,7 +334,7 @@ def expected(spec: Spec, name: str, cut: tuple[int, np.ndarray] | None, reqs: li
 
     if name.startswith("c4.decode."):
         layer = name.split(".")[-1]
-        src = local(_global(f"c4.prefill.{layer}", (PAGES, PAGE // RATIO, 6))).reshape(-1, 6)
+        src = local(_global(f"c4.prefill.{layer}", (spec.pages, PAGE // RATIO, 6))).reshape(-1, 6)
         out = np.zeros((C4_ROWS * spec.c4_row_tokens, 6), np.uint16)
         for q in reqs:
             n = q.tokens // RATIO
@@ -329,19 +360,19 @@ def expected(spec: Spec, name: str, cut: tuple[int, np.ndarray] | None, reqs: li
 
 
 def _shape_of(spec: Spec, name: str) -> tuple[int, ...]:
-    kv = (PAGE, KV_HEADS, HEAD_DIM) if spec.layout == "nhd" else (KV_HEADS, PAGE, HEAD_DIM)
+    kv = (PAGE, KV_HEADS, spec.head_dim) if spec.layout == "nhd" else (KV_HEADS, PAGE, spec.head_dim)
     if name.startswith(("kv", "draft.kv")):
-        return (PAGES, PAGE * 8) if spec.mla else (PAGES, *kv)
+        return (spec.pages, PAGE * 8) if spec.mla else (spec.pages, *kv)
     if name.startswith(("swa", "dsv4swa")):
         return (SWA_PAGES, PAGE * 8) if spec.mla else (SWA_PAGES, *kv)
     if name.startswith(("nsa", "draft.nsa")):
-        return (PAGES, PAGE * 4) if name.endswith(".k") else (PAGES, PAGE)
+        return (spec.pages, PAGE * 4) if name.endswith(".k") else (spec.pages, PAGE)
     if name.startswith("conv"):
         return (SLOTS, CONV_ROWS, sum(CONV_GROUPS))
     if name.startswith("ssm"):
         return (SLOTS, SSM_HEADS, 2, 3)
     if name.startswith("dsv4idx"):
-        return (PAGES, 16)
+        return (spec.pages, 16)
     if name.startswith("c128"):
         return (SLOTS, 10)
     if name == "meta":

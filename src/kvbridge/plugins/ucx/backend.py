@@ -158,6 +158,9 @@ class UcxBackend(Backend):
         if not self.error_handling:
             log.warning("ucx: endpoint error handling is off; a put to a dead peer aborts this process")
 
+        # UCXX sets UCX_MEMTYPE_CACHE itself and UCX then prints an "unused
+        # environment variable" warning to stdout, corrupting a host's stdout protocol.
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         # Imported only now: selecting another backend never loads UCX.
         import ucxx._lib.libucxx as ucx  # type: ignore[import-untyped]
 
