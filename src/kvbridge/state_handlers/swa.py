@@ -9,26 +9,20 @@ handled here unless a more specific handler is registered for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvbridge.core import StateHandlerSpec, hookimpl
 from kvbridge.core.describe import DescribeContext, Description, paged_kv
+from kvbridge.core.pools import KVPool
 
 SWA_PAGE_SPACE = "swa_page"
 
 
 @dataclass
-class SWAPool:
-    """Per SWA layer a K and V buffer (or one MLA buffer with ``v=None``), paged like :class:`kvbridge.core.pools.KVPool`."""
-
-    k: Sequence[Any]
-    v: Sequence[Any] | None
-    layer_ids: Sequence[int]
-    page_size: int
-    kv_heads: int = 1
-    layout: str = "nhd"
+class SWAPool(KVPool):
+    """Per SWA layer a K and V buffer (or one MLA buffer with ``v=None``), paged like
+    :class:`~kvbridge.core.pools.KVPool`. It is a KV pool, but served by the ``swa``
+    handler (the most specific registered class wins) in its own page index space."""
 
 
 class SWAHandler:
