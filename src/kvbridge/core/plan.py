@@ -267,11 +267,16 @@ def plan_pages(
     src_start, dst_start, run_len = coalesce_runs(src_idx, dst_idx)
     if src_start.size == 0 or item.size == 0:
         return TransferPlan.empty()
-    # Outer products: rows are region pairs, columns are runs.
-    src = (src_b[:, None] + src_start[None, :] * item[:, None]).ravel()
-    dst = (dst_b[:, None] + dst_start[None, :] * item[:, None]).ravel()
-    nbytes = (item[:, None] * run_len[None, :]).ravel()
-    return TransferPlan(src, dst, nbytes)
+    # Outer products: rows are region pairs, columns are runs. Written in place:
+    # at millions of descriptors the temporaries would cost as much as the result.
+    shape = (item.size, src_start.size)
+    src, dst, nbytes = np.empty(shape, np.int64), np.empty(shape, np.int64), np.empty(shape, np.int64)
+    np.multiply(item[:, None], src_start[None, :], out=src)
+    src += src_b[:, None]
+    np.multiply(item[:, None], dst_start[None, :], out=dst)
+    dst += dst_b[:, None]
+    np.multiply(item[:, None], run_len[None, :], out=nbytes)
+    return TransferPlan(src.ravel(), dst.ravel(), nbytes.ravel())
 
 
 def merge_contiguous(src: IntArray, dst: IntArray, nbytes: IntArray) -> TransferPlan:
