@@ -9,6 +9,7 @@ from typing import Any
 
 import kvbridge
 from kvbridge.core.plugins import PluginError, get_registry
+from kvbridge.config import TransferConfig, add_transfer_args, options_table  # noqa: F401  (host servers import these from here)
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -18,6 +19,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(_plugins_table(rows))
+        if options_table(rows):
+            print("\n" + options_table(rows))
     for err in registry.errors:
         print(f"kvbridge: error: {err}", file=sys.stderr)
     return 1 if registry.errors else 0

@@ -22,24 +22,12 @@ from typing import IO, Any
 
 import msgspec
 
+from kvbridge.config import BACKEND_PREFERENCE, default_backend
 from kvbridge.core.plugins import get_registry
 from kvbridge.testing.hybrid import Spec
 
-#: Preference when no backend is named: the fastest transport measured here first.
-PREFERENCE = ("nixl", "ucx", "mooncake")
-
-
-def default_backend() -> str:
-    registry = get_registry()
-    available = [n for n in registry.backends if registry.backend_available(n)]
-    if not available:
-        raise SystemExit("kvbridge demo: no transfer backend is installed; pip install 'kvbridge[all]'")
-    ranked = [n for n in PREFERENCE if n in available] + sorted(n for n in available if n not in PREFERENCE)
-    return ranked[0]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transfer-backend", help=f"transport (default: the first installed of {', '.join(PREFERENCE)})")
+    parser.add_argument("--transfer-backend", help=f"transport (default: the first installed of {', '.join(BACKEND_PREFERENCE)})")
     parser.add_argument("--prefill-tp", type=int, default=1, choices=(1, 2, 4))
     parser.add_argument("--decode-tp", type=int, default=1, choices=(1, 2, 4))
     parser.add_argument("--requests", type=int, default=64)
@@ -48,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     registry = get_registry()
-    backend = args.transfer_backend or default_backend()
+    backend = args.transfer_backend or default_backend(registry)
+    if backend is None:
+        raise SystemExit("kvbridge demo: no transfer backend is installed; pip install 'kvbridge[all]'")
     registry.backend_spec(backend)  # unknown name: a clear error listing what is installed
     if args.requests < 1:
         raise SystemExit("kvbridge demo: --requests must be >= 1")

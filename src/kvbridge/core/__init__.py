@@ -3,7 +3,7 @@
 from .hookspecs import hookimpl
 from .layout import KVArgs, IndexSpace, Region, Shard
 from .plan import PlanError, TransferPlan, coalesce_runs, plan_pages
-from .records import BackendCapabilities, BackendSpec, StateHandlerSpec
+from .records import BackendCapabilities, BackendSpec, OptionError, OptionSpec, StateHandlerSpec
 from .bootstrap import BootstrapServer
 from .session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 
@@ -19,6 +19,8 @@ __all__ = [
     "plan_pages",
     "BackendCapabilities",
     "BackendSpec",
+    "OptionError",
+    "OptionSpec",
     "StateHandlerSpec",
     "BootstrapServer",
     "DecodeManager",

@@ -43,14 +43,20 @@ class IncompatibleLayoutError(ValueError):
 
 @dataclass(frozen=True)
 class _Group:
-    """Region pairs of one index space that share strides and segments."""
+    """Region pairs of one index space and state type that share strides and segments."""
 
+    state_type: str
     src_bases: npt.NDArray[np.int64]
     dst_bases: npt.NDArray[np.int64]
     src_strides: npt.NDArray[np.int64]
     dst_strides: npt.NDArray[np.int64]
     segments: npt.NDArray[np.int64]  # (S, 3): src_offset, dst_offset, nbytes
     whole_items: bool  # one segment covering equal-sized items: plan by coalesced runs
+
+    @property
+    def index_nbytes(self) -> int:
+        """Bytes one index moves across the group's regions (coalescing never changes it)."""
+        return int(self.src_bases.size * self.segments[:, 2].sum())
 
     def plan(self, src_idx: npt.NDArray[np.int64], dst_idx: npt.NDArray[np.int64]) -> TransferPlan:
         if self.whole_items:
@@ -86,18 +92,26 @@ class Route:
     dst: KVArgs
     spaces: Mapping[str, SpaceRoute]
 
-    def plan(self, src_indices: Mapping[str, npt.ArrayLike], dst_indices: Mapping[str, npt.ArrayLike]) -> TransferPlan:
+    def plan(
+        self,
+        src_indices: Mapping[str, npt.ArrayLike],
+        dst_indices: Mapping[str, npt.ArrayLike],
+        totals: dict[str, tuple[int, int]] | None = None,
+    ) -> TransferPlan:
         """Descriptors for the given index lists, per index space, validated.
 
         Raises :class:`PlanError` (out-of-range or duplicate destination
         index, unequal list lengths, an index space this route lacks) before
-        anything moves.
+        anything moves. If ``totals`` is given, the plan's bytes and
+        descriptors are added to it per state type (``state_type -> (bytes,
+        descriptors)``), only once the plan is valid.
         """
         if set(src_indices) != set(dst_indices):
             raise PlanError(
                 f"source index spaces {sorted(src_indices)} differ from destination {sorted(dst_indices)}"
             )
         plans: list[TransferPlan] = []
+        counted: list[tuple[str, int, int]] = []
         for space, src_idx in src_indices.items():
             sr = self.spaces.get(space)
             if sr is None:
@@ -106,9 +120,16 @@ class Route:
             d = check_indices(f"destination {space} index", dst_indices[space], sr.dst_count, unique=True)
             if s.size != d.size:
                 raise PlanError(f"{space}: {s.size} source indices but {d.size} destination indices")
-            plans.extend(g.plan(s, d) for g in sr.groups)
+            for g in sr.groups:
+                plans.append(g.plan(s, d))
+                if totals is not None:
+                    counted.append((g.state_type, s.size * g.index_nbytes, len(plans[-1])))
         plan = TransferPlan.concat(plans)
         plan.validate(self.src.regions, self.dst.regions)
+        if totals is not None:
+            for state_type, nbytes, descriptors in counted:
+                b, n = totals.get(state_type, (0, 0))
+                totals[state_type] = (b + nbytes, n + descriptors)
         return plan
 
 
@@ -196,8 +217,8 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
 
     src_spaces = {s.name: s for s in src.index_spaces}
     dst_spaces = {s.name: s for s in dst.index_spaces}
-    # (space, src stride, dst stride, segments) -> [(src region, dst region)]
-    grouped: dict[tuple[str, int, int, bytes], list[tuple[Region, Region, npt.NDArray[np.int64]]]] = {}
+    # (space, state type, src stride, dst stride, segments) -> [(src region, dst region)]
+    grouped: dict[tuple[str, str, int, int, bytes], list[tuple[Region, Region, npt.NDArray[np.int64]]]] = {}
     used_spaces: set[str] = set()
     for s in src.regions:
         d = dst_by_key.get(s.key)
@@ -213,7 +234,7 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
             problems.append(str(exc))
             continue
         if seg.size:
-            grouped.setdefault((s.index_space, s.stride, d.stride, seg.tobytes()), []).append((s, d, seg))
+            grouped.setdefault((s.index_space, s.state_type, s.stride, d.stride, seg.tobytes()), []).append((s, d, seg))
     for name in sorted(used_spaces):
         a, b = src_spaces[name], dst_spaces[name]
         if a.tokens != b.tokens or a.kind != b.kind:
@@ -225,11 +246,12 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
         raise IncompatibleLayoutError("incompatible layouts: " + "; ".join(problems))
 
     groups: dict[str, list[_Group]] = {name: [] for name in used_spaces}
-    for (space, s_stride, d_stride, _), pairs in grouped.items():
+    for (space, state_type, s_stride, d_stride, _), pairs in grouped.items():
         seg = pairs[0][2]
         whole = len(seg) == 1 and s_stride == d_stride and tuple(seg[0]) == (0, 0, s_stride)
         groups[space].append(
             _Group(
+                state_type=state_type,
                 src_bases=np.array([s.addr for s, _, _ in pairs], np.int64),
                 dst_bases=np.array([d.addr for _, d, _ in pairs], np.int64),
                 src_strides=np.full(len(pairs), s_stride, np.int64),

@@ -5,6 +5,11 @@ group. Built-ins are the entry points of the ``kvbridge`` distribution itself;
 ``KVBRIDGE_DISABLE_PLUGIN_AUTOLOAD=1`` loads those only. A plugin that fails to
 import, or whose hook raises or returns something other than records, is
 reported by name and the others still load.
+
+``KVBRIDGE_TRACE_HOOKS=1`` logs every hook call (its arguments, and the
+results of those that return) through pluggy's tracing to the
+``kvbridge.hooks`` logger at DEBUG; if logging is not configured, that logger
+gets its own stderr handler so the trace shows.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .state import StateResolver
 __all__ = [
     "ENTRY_POINT_GROUP",
     "DISABLE_AUTOLOAD_ENV",
+    "TRACE_HOOKS_ENV",
     "PluginError",
     "BackendUnavailableError",
     "UnknownBackendError",
@@ -42,6 +48,8 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kvbridge"
 DISABLE_AUTOLOAD_ENV = "KVBRIDGE_DISABLE_PLUGIN_AUTOLOAD"
+TRACE_HOOKS_ENV = "KVBRIDGE_TRACE_HOOKS"
+hook_log = logging.getLogger("kvbridge.hooks")
 BUILTIN_DISTRIBUTION = "kvbridge"
 
 
@@ -175,6 +183,16 @@ class Registry:
                 row["capabilities"] = msgspec.to_builtins(spec.capabilities)
                 row["available"] = all(_module_installed(m) for m in spec.requires)
                 row["extra"] = spec.extra
+                row["options"] = [
+                    {
+                        "name": o.name,
+                        "default": o.default,
+                        "allowed": o.allowed(),
+                        "choices": list(o.choices) if o.choices is not None else None,
+                        "help": o.help,
+                    }
+                    for o in spec.options
+                ]
             else:
                 row["capabilities"] = dict(spec.capabilities)
                 row["pool_types"] = [
@@ -212,8 +230,29 @@ def _entry_points() -> list[md.EntryPoint]:
     return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.dist.name if ep.dist else "", ep.name))
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def _autoload_disabled() -> bool:
-    return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return _env_flag(DISABLE_AUTOLOAD_ENV)
+
+
+def _trace_hooks(pm: pluggy.PluginManager) -> None:
+    """Send pluggy's trace (registrations, hook calls and results) to ``kvbridge.hooks``."""
+    if not hook_log.hasHandlers():  # nobody configured logging: still show the trace
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        hook_log.addHandler(handler)
+    if hook_log.level == logging.NOTSET:
+        hook_log.setLevel(logging.DEBUG)
+
+    def write(text: str) -> None:
+        for line in text.rstrip("\n").splitlines():
+            hook_log.debug("%s", line)
+
+    pm.trace.root.setwriter(write)
+    pm.enable_tracing()
 
 
 def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, *, autoload: bool | None = None) -> Registry:
@@ -223,6 +262,8 @@ def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, *, autol
     eps = _entry_points() if entry_points is None else list(entry_points)
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    if _env_flag(TRACE_HOOKS_ENV):
+        _trace_hooks(pm)
     registry = Registry()
     providers: dict[str, Provider] = {}
     for ep in eps:
@@ -246,11 +287,17 @@ def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, *, autol
         ("backend", pm.hook.kvbridge_register_backends, BackendSpec),
         ("state_handler", pm.hook.kvbridge_register_state_handlers, StateHandlerSpec),
     )
+    plugins = pm.get_plugins()
+    plugin_trace = pm.trace.root.get("plugin")  # writes only while tracing is on
     for kind, hook, record_type in hooks:
         for impl in hook.get_hookimpls():
             provider = providers[impl.plugin_name]
+            # One plugin at a time, so a failing plugin is reported alone; through
+            # a hook caller (not impl.function) so that tracing sees every call.
+            call = pm.subset_hook_caller(hook.name, [p for p in plugins if p is not impl.plugin])
+            plugin_trace(hook.name, "in", impl.plugin_name)
             try:
-                records: list[Any] = list(impl.function() or ())  # type: ignore[call-overload]
+                records: list[Any] = [rec for result in call() for rec in (result or ())]
                 for rec in records:
                     if not isinstance(rec, record_type):
                         raise TypeError(f"{hook.name} returned {type(rec).__name__}, expected {record_type.__name__}")

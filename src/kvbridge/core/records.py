@@ -7,12 +7,22 @@ handler is selected, so listing plugins never imports an engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-__all__ = ["BackendCapabilities", "BackendSpec", "StateHandlerSpec"]
+__all__ = ["BackendCapabilities", "BackendSpec", "OptionError", "OptionSpec", "StateHandlerSpec"]
+
+#: Type names an :class:`OptionSpec` may use instead of a parse function.
+OPTION_TYPES = ("str", "int", "float", "bool")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class OptionError(ValueError):
+    """A backend option is unknown or its value is not allowed; the text says which and what is."""
 
 
 class BackendCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -34,12 +44,97 @@ class BackendCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
 
 
 @dataclass(frozen=True, kw_only=True)
+class OptionSpec:
+    """One ``KEY=VALUE`` setting a backend reads from ``BackendConfig.options``.
+
+    Declared by the backend's registration so that core can reject an unknown
+    key or a bad value before any engine is created, and ``kvbridge plugins``
+    and ``--transfer-option`` can list them. A ``name`` ending in ``*`` is a
+    prefix: ``UCX_*`` accepts every key starting with ``UCX_``.
+
+    ``default`` is what the backend uses when the option is not given, as the
+    user would write it ("" when the engine decides). ``type`` is one of
+    :data:`OPTION_TYPES` or a function that takes the string and raises
+    ``ValueError`` (its message says what is allowed) for a bad value.
+    ``minimum`` bounds ``int``/``float`` options; ``choices`` lists the only
+    accepted strings. Values always reach the backend as the strings given.
+    """
+
+    name: str
+    help: str = ""
+    default: str = ""
+    choices: tuple[str, ...] | None = None
+    type: str | Callable[[str], object] = "str"
+    minimum: float | None = None
+
+    def __post_init__(self) -> None:
+        base = self.name[:-1] if self.name.endswith("*") else self.name
+        _check_name("option", base)
+        if isinstance(self.type, str) and self.type not in OPTION_TYPES:
+            raise ValueError(f"option {self.name!r}: type {self.type!r} must be one of {', '.join(OPTION_TYPES)} or a function")
+        if not isinstance(self.type, str) and not callable(self.type):
+            raise TypeError(f"option {self.name!r}: type must be a type name or a function, got {self.type!r}")
+        if self.choices is not None and (not self.choices or not all(isinstance(c, str) for c in self.choices)):
+            raise ValueError(f"option {self.name!r}: choices must be a non-empty tuple of strings, got {self.choices!r}")
+
+    @property
+    def is_prefix(self) -> bool:
+        return self.name.endswith("*")
+
+    def matches(self, key: str) -> bool:
+        """Whether ``key`` is this option (or, for a prefix, one of its keys)."""
+        if self.is_prefix:
+            return key.startswith(self.name[:-1]) and len(key) > len(self.name) - 1
+        return key == self.name
+
+    def allowed(self) -> str:
+        """What a value may be, in words (for help and errors)."""
+        if self.choices is not None:
+            return "one of " + ", ".join(self.choices)
+        if not isinstance(self.type, str):
+            return getattr(self.type, "__doc__", None) or f"a value accepted by {getattr(self.type, '__name__', 'its parser')}"
+        words = {"str": "a string", "int": "an integer", "float": "a number", "bool": "one of " + "/".join(_TRUE[:2] + _FALSE[:2])}
+        text = words[self.type]
+        if self.minimum is not None and self.type in ("int", "float"):
+            low = int(self.minimum) if self.type == "int" else self.minimum
+            text += f" >= {low}"
+        return text
+
+    def parse(self, value: str, key: str | None = None) -> object:
+        """The parsed value of ``key`` (default: :attr:`name`); :class:`OptionError` naming
+        key, value and what is allowed if it is bad."""
+        try:
+            if self.choices is not None and value not in self.choices:
+                raise ValueError(value)
+            if not isinstance(self.type, str):
+                return self.type(value)
+            if self.type == "bool":
+                low = value.strip().lower()
+                if low not in _TRUE + _FALSE:
+                    raise ValueError(value)
+                return low in _TRUE
+            if self.type in ("int", "float"):
+                number: float = int(value) if self.type == "int" else float(value)
+                if self.minimum is not None and number < self.minimum:
+                    raise ValueError(value)
+                return number
+            return value
+        except (TypeError, ValueError) as exc:
+            detail = str(exc) if not isinstance(self.type, str) and str(exc) else ""
+            raise OptionError(
+                f"option {key or self.name}={value!r} is not allowed; expected {self.allowed()}" + (f" ({detail})" if detail else "")
+            ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
 class BackendSpec:
     """A transport registration.
 
     ``factory`` is ``"module:attribute"``; ``requires`` lists the engine's
     top-level modules, checked (without importing them) to say whether the
     backend is available and, if not, which pip ``extra`` installs it.
+    ``options`` declares every ``BackendConfig.options`` key the backend reads;
+    core rejects any other key, and bad values, before creating the backend.
     """
 
     name: str
@@ -48,6 +143,7 @@ class BackendSpec:
     description: str = ""
     requires: tuple[str, ...] = ()
     extra: str | None = None
+    options: tuple[OptionSpec, ...] = ()
 
     def __post_init__(self) -> None:
         _check_name("backend", self.name)
@@ -57,6 +153,42 @@ class BackendSpec:
                 f"backend {self.name!r}: capabilities must be a BackendCapabilities, "
                 f"got {type(self.capabilities).__name__}"
             )
+        object.__setattr__(self, "options", tuple(self.options))
+        names = [o.name for o in self.options]
+        if not all(isinstance(o, OptionSpec) for o in self.options):
+            raise TypeError(f"backend {self.name!r}: options must be OptionSpec records")
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend {self.name!r}: option names are declared more than once: {names}")
+
+    def option(self, key: str) -> OptionSpec | None:
+        """The declaration ``key`` falls under (exact names win over prefixes), or None."""
+        exact = [o for o in self.options if not o.is_prefix and o.matches(key)]
+        matching = exact or [o for o in self.options if o.matches(key)]
+        return matching[0] if matching else None
+
+    def check_options(self, options: Mapping[str, object]) -> dict[str, str]:
+        """``options`` as strings, after checking every key and value against :attr:`options`.
+
+        Raises :class:`OptionError` listing the declared options for an
+        unknown key, or naming the key, value and what is allowed for a bad one.
+        """
+        out: dict[str, str] = {}
+        for key, value in options.items():
+            spec = self.option(str(key))
+            if spec is None:
+                declared = ", ".join(o.name for o in self.options)
+                raise OptionError(
+                    f"backend {self.name!r} has no option {key!r}; "
+                    + (f"its options are: {declared}" if declared else "it declares no options")
+                    + " (see `kvbridge plugins`)"
+                )
+            text = value if isinstance(value, str) else str(value)
+            try:
+                spec.parse(text, str(key))
+            except OptionError as exc:
+                raise OptionError(f"backend {self.name!r}: {exc}") from None
+            out[str(key)] = text
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

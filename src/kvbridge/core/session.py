@@ -55,10 +55,11 @@ import numpy.typing as npt
 import zmq
 
 from . import protocol as P
-from .backend import Backend, BackendConfig
+from .backend import Backend, BackendConfig, TransferTimeout
 from .bootstrap import register_rank
 from .channel import IOLoop
 from .layout import KV_PAGE_SPACE, METADATA_SPACE, KVArgs
+from .metrics import METRICS
 from .pairing import IncompatibleLayoutError, Route, pair_layouts
 from .plan import PlanError, TransferPlan, check_indices
 from .plugins import get_registry
@@ -154,13 +155,17 @@ class TransferManager:
         self.kvargs = kvargs
         self.config = config or SessionConfig()
         self.backend_name = backend
-        factory = get_registry().load_backend(backend)
+        registry = get_registry()
+        # The one place core creates backends: every backend gets the same
+        # option policy (declared keys only, valid values), before any engine exists.
+        options = registry.backend_spec(backend).check_options(self.config.backend_options)
+        factory = registry.load_backend(backend)
         self.backend: Backend = factory(
             BackendConfig(
                 host=self.config.host,
                 name=f"{self.role}-tp{kvargs.tp_rank}-pp{kvargs.pp_rank}-{os.getpid()}",
                 transfer_timeout=self.config.transfer_timeout,
-                options=dict(self.config.backend_options),
+                options=options,
             )
         )
         self.backend.register(kvargs.regions)
@@ -184,7 +189,7 @@ class TransferManager:
                 return
             self._closed = True
             for room in list(self._rooms().values()):
-                room.abort(f"{self.role} manager closed")
+                room.abort(f"{self.role} manager closed")  # counted as "aborted"
         self._shutdown()
         self._loop.stop()
         self.backend.close()
@@ -201,10 +206,17 @@ class TransferManager:
     def _shutdown(self) -> None:
         pass
 
-    def _finish(self, room: _Room, state: Poll, reason: str | None = None) -> bool:
-        """Move ``room`` to a final state and drop everything held for it."""
+    def _finish(self, room: _Room, state: Poll, reason: str | None = None, kind: str = "transfer_error") -> bool:
+        """Move ``room`` to a final state and drop everything held for it.
+
+        ``kind`` is the failure's metrics label (one of ``metrics.FAILURE_REASONS``).
+        """
         with self._lock:
             changed = room._advance(state, reason)
+            if changed and state == Poll.FAILED:
+                METRICS.failed(self.backend_name, self.role, kind)
+            elif changed and state == Poll.SUCCESS:
+                METRICS.succeeded(self.backend_name, self.role)
             if room._state in (Poll.SUCCESS, Poll.FAILED):
                 rooms = self._rooms()
                 if rooms.get(room.room) is room:
@@ -338,7 +350,7 @@ class PrefillManager(TransferManager):
                     self._pending.pop(msg.room, None)
                 sender = self._senders.get(msg.room)
                 if sender is not None and peer_id in sender._requests:
-                    self._fail_sender(sender, f"aborted by decode: {msg.reason}")
+                    self._fail_sender(sender, f"aborted by decode: {msg.reason}", "aborted")
             else:
                 reason = f"prefill does not accept {type(msg).__name__} messages"
                 self._reply(ident, P.Reject(reason=reason, room=getattr(msg, "room", None)))
@@ -384,7 +396,7 @@ class PrefillManager(TransferManager):
             # Fail the room only if nobody else has a valid request in it: one
             # decode must not be able to fail another decode's room.
             if sender is not None and not sender._requests:
-                self._finish(sender, Poll.FAILED, reason)
+                self._finish(sender, Poll.FAILED, reason, "bad_request")
             # Reply last: whoever reads the reply must find the room already failed.
             self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             return
@@ -416,9 +428,10 @@ class PrefillManager(TransferManager):
                         sender,
                         f"requests from decode ranks {got} of {sender._expected or '?'} arrived within "
                         f"bootstrap_timeout={cfg.bootstrap_timeout}s",
+                        "timeout",
                     )
                 elif sender._busy and now - min(sender._busy.values()) > cfg.transfer_timeout:
-                    self._fail_sender(sender, f"transfer did not complete within transfer_timeout={cfg.transfer_timeout}s")
+                    self._fail_sender(sender, f"transfer did not complete within transfer_timeout={cfg.transfer_timeout}s", "timeout")
             for peer in list(self._peers.values()):
                 if now - peer.last_seen > cfg.heartbeat_timeout:
                     self._drop_peer(peer, f"decode peer {peer.peer_id!r} sent no heartbeat for {now - peer.last_seen:.1f}s")
@@ -433,16 +446,16 @@ class PrefillManager(TransferManager):
                 del self._pending[room]
         for sender in list(self._senders.values()):
             if peer.peer_id in sender._requests:
-                self._fail_sender(sender, reason)
+                self._fail_sender(sender, reason, "peer_dead")
         try:
             self.backend.remove_peer(peer.peer_id)
         except Exception:
             log.exception("backend failed to remove peer %s", peer.peer_id)
 
-    def _fail_sender(self, sender: Sender, reason: str) -> None:
-        """Fail ``sender`` and tell every decode rank that asked for it."""
+    def _fail_sender(self, sender: Sender, reason: str, kind: str) -> None:
+        """Fail ``sender`` and tell every decode rank that asked for it (``kind``: the metrics reason)."""
         with self._lock:
-            if not self._finish(sender, Poll.FAILED, reason):
+            if not self._finish(sender, Poll.FAILED, reason, kind):
                 return
             for peer_id in sender._requests:
                 peer = self._peers.get(peer_id)
@@ -507,8 +520,8 @@ class Sender(_Room):
             return "the room is already being served"
         self._requests[req.peer] = req
         self._expected = req.decode_tp
-        if len(self._requests) == self._expected:
-            self._advance(Poll.WAITING_FOR_INPUT)
+        if len(self._requests) == self._expected and self._advance(Poll.WAITING_FOR_INPUT):
+            METRICS.bootstrap(self._pm.backend_name, "prefill", time.monotonic() - self._created)
         return None
 
     def send(
@@ -538,10 +551,11 @@ class Sender(_Room):
                     peer = m._peers.get(peer_id)
                     if peer is None:
                         raise PlanError(f"decode peer {peer_id!r} is gone")
-                    plan, meta_plan = self._plan_chunk(peer.route, req, pages, state_indices, last)
-                    jobs.append((peer, plan, meta_plan))
+                    totals: dict[str, tuple[int, int]] = {}
+                    plan, meta_plan = self._plan_chunk(peer.route, req, pages, state_indices, last, totals)
+                    jobs.append((peer, plan, meta_plan, totals))
             except PlanError as exc:
-                m._fail_sender(self, f"room {self.room} chunk {self._chunks}: {exc}")
+                m._fail_sender(self, f"room {self.room} chunk {self._chunks}: {exc}", "bad_request")
                 return
             chunk = self._chunks
             self._chunks += 1
@@ -550,8 +564,8 @@ class Sender(_Room):
             if last:
                 self._unfinished = len(jobs)
             self._advance(Poll.TRANSFERRING)
-        for peer, plan, meta_plan in jobs:
-            peer.jobs.put(functools.partial(self._run, peer, plan, meta_plan, chunk, last))
+        for peer, plan, meta_plan, totals in jobs:
+            peer.jobs.put(functools.partial(self._run, peer, plan, meta_plan, totals, chunk, last))
 
     def _plan_chunk(
         self,
@@ -560,7 +574,9 @@ class Sender(_Room):
         pages: npt.NDArray[np.int64],
         state_indices: Mapping[str, npt.ArrayLike] | None,
         last: bool,
+        totals: dict[str, tuple[int, int]],
     ) -> tuple[TransferPlan, TransferPlan | None]:
+        """This chunk's plan and (last chunk) metadata plan; adds their bytes per state type to ``totals``."""
         dst_pages = req.indices.get(KV_PAGE_SPACE, np.empty(0, np.int64))
         lo, hi = self._sent_pages, self._sent_pages + pages.size
         if hi > dst_pages.size:
@@ -579,13 +595,13 @@ class Sender(_Room):
                     raise PlanError(f"decode rank {req.decode_rank} sent no destination indices for {space!r}")
                 s, d = self._align(route, space, check_indices(f"source {space} index", idx), req.indices[space])
                 src[space], dst[space] = s, d
-        plan = route.plan(src, dst) if src else TransferPlan.empty()
+        plan = route.plan(src, dst, totals) if src else TransferPlan.empty()
         meta_plan = None
         kv = self._pm.kvargs
         meta = route.spaces.get(METADATA_SPACE)
         # The metadata row comes from the last pipeline stage, sent by one TP rank.
         if last and meta is not None and meta.sends and kv.pp_rank == kv.pp_size - 1:
-            meta_plan = route.plan({METADATA_SPACE: [self.metadata_row]}, {METADATA_SPACE: [req.metadata_row]})
+            meta_plan = route.plan({METADATA_SPACE: [self.metadata_row]}, {METADATA_SPACE: [req.metadata_row]}, totals)
         return plan, meta_plan
 
     def _align(
@@ -606,13 +622,22 @@ class Sender(_Room):
         )
         return src[:n], dst[:n]  # slices: the request's own lists stay as they are
 
-    def _run(self, peer: _DecodePeer, plan: TransferPlan, meta_plan: TransferPlan | None, chunk: int, last: bool) -> None:
+    def _run(
+        self,
+        peer: _DecodePeer,
+        plan: TransferPlan,
+        meta_plan: TransferPlan | None,
+        totals: Mapping[str, tuple[int, int]],
+        chunk: int,
+        last: bool,
+    ) -> None:
         """On the peer's worker thread: write the chunk, then (last) the metadata row."""
         m = self._pm
         if self._state == Poll.FAILED:
             return
-        deadline = time.monotonic() + m.config.transfer_timeout
-        self._busy[peer.peer_id] = time.monotonic()
+        start = time.monotonic()
+        deadline = start + m.config.transfer_timeout
+        self._busy[peer.peer_id] = start
         try:
             for p in (plan, meta_plan):
                 if p is not None and len(p):
@@ -620,10 +645,13 @@ class Sender(_Room):
                 if self._state == Poll.FAILED:  # aborted or timed out meanwhile
                     return
         except Exception as exc:
-            m._fail_sender(self, f"transfer of chunk {chunk} to {peer.peer_id!r} failed: {exc}")
+            kind = "timeout" if isinstance(exc, TransferTimeout) else "transfer_error"
+            m._fail_sender(self, f"transfer of chunk {chunk} to {peer.peer_id!r} failed: {exc}", kind)
             return
         finally:
             self._busy.pop(peer.peer_id, None)
+        if totals:  # something was written
+            METRICS.transfer(m.backend_name, totals, time.monotonic() - start)
         m._send(lambda: m._router, P.ChunkDone(room=self.room, chunk=chunk, last=last), peer.ident)
         if last:
             m._send(lambda: m._router, P.Done(room=self.room), peer.ident)
@@ -634,7 +662,7 @@ class Sender(_Room):
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         """Give up on this room; decode is told. Bytes already in flight may still land."""
-        self._pm._fail_sender(self, reason)
+        self._pm._fail_sender(self, reason, "aborted")
 
 
 # ======================================================================================
@@ -708,10 +736,10 @@ class DecodeManager(TransferManager):
         try:
             msg = P.decode(frames[-1])
         except P.ProtocolError as exc:
-            self._fail_server(server, f"bootstrap endpoint {server.address} sent a bad reply: {exc}")
+            self._fail_server(server, f"bootstrap endpoint {server.address} sent a bad reply: {exc}", "bootstrap")
             return
         if not isinstance(msg, P.LookupReply):
-            self._fail_server(server, f"bootstrap endpoint {server.address} answered {msg}")
+            self._fail_server(server, f"bootstrap endpoint {server.address} answered {msg}", "bootstrap")
             return
         if server.ranks or not msg.ranks:
             return  # already handshaking, or nobody registered yet (retry on tick)
@@ -724,7 +752,9 @@ class DecodeManager(TransferManager):
         bad = [r for r in wanted.values() if r.backend != self.backend_name]
         if bad:
             self._fail_server(
-                server, f"prefill at {server.address} uses backend {bad[0].backend!r}, this decode rank {self.backend_name!r}"
+                server,
+                f"prefill at {server.address} uses backend {bad[0].backend!r}, this decode rank {self.backend_name!r}",
+                "layout",
             )
             return
         self._loop.remove_socket(server.lookup_sock)  # type: ignore[arg-type]
@@ -755,7 +785,7 @@ class DecodeManager(TransferManager):
                 try:
                     pair_layouts(msg.kvargs, self.kvargs)
                 except IncompatibleLayoutError as exc:
-                    self._fail_server(server, f"{rank.label}: {exc}")
+                    self._fail_server(server, f"{rank.label}: {exc}", "layout")
                     return
                 rank.acked = True
                 if all(r.acked for r in server.ranks.values()):
@@ -766,9 +796,9 @@ class DecodeManager(TransferManager):
             elif isinstance(msg, P.Reject):
                 rejected = self._receivers.get(msg.room) if msg.room is not None else None
                 if rejected is not None:
-                    self._finish(rejected, Poll.FAILED, f"{rank.label} rejected the request: {msg.reason}")
+                    self._finish(rejected, Poll.FAILED, f"{rank.label} rejected the request: {msg.reason}", "rejected")
                 elif not rank.acked:
-                    self._fail_server(server, f"{rank.label} rejected the handshake: {msg.reason}")
+                    self._fail_server(server, f"{rank.label} rejected the handshake: {msg.reason}", "layout")
                 else:
                     log.warning("decode: %s rejected a message: %s", rank.label, msg.reason)
             elif isinstance(msg, (P.ChunkDone, P.Done, P.Failed, P.Abort)):
@@ -782,11 +812,14 @@ class DecodeManager(TransferManager):
                     if len(target._done) == len(server.ranks):
                         self._finish(target, Poll.SUCCESS)
                 else:
-                    self._finish(target, Poll.FAILED, f"{rank.label}: {msg.reason}")
+                    kind = "aborted" if isinstance(msg, P.Abort) else "remote"
+                    self._finish(target, Poll.FAILED, f"{rank.label}: {msg.reason}", kind)
             # Heartbeat replies only refresh last_seen.
 
-    def _fail_server(self, server: _PrefillServer, reason: str) -> None:
-        """Fail every receiver of ``server`` and forget it, so a later receiver reconnects."""
+    def _fail_server(self, server: _PrefillServer, reason: str, kind: str) -> None:
+        """Fail every receiver of ``server`` and forget it, so a later receiver reconnects.
+
+        ``kind`` is the failure's metrics label."""
         log.warning("decode: %s", reason)
         with self._lock:
             server.failed = reason
@@ -794,7 +827,7 @@ class DecodeManager(TransferManager):
                 del self._servers[server.address]
             for recv in list(self._receivers.values()):
                 if recv._server is server:
-                    self._finish(recv, Poll.FAILED, reason)
+                    self._finish(recv, Poll.FAILED, reason, kind)
         for sock in [server.lookup_sock, *(r.sock for r in server.ranks.values())]:
             if sock is not None:
                 self._loop.remove_socket(sock)
@@ -813,13 +846,13 @@ class DecodeManager(TransferManager):
         for server in servers:
             if not server.ready:
                 if now - server.created > cfg.bootstrap_timeout:
-                    self._fail_server(server, f"could not reach every prefill rank through {server.address} within bootstrap_timeout={cfg.bootstrap_timeout}s")
+                    self._fail_server(server, f"could not reach every prefill rank through {server.address} within bootstrap_timeout={cfg.bootstrap_timeout}s", "timeout")
                 elif server.lookup_sock is not None and now >= server.next_lookup:
                     self._lookup(server)
                 continue
             for rank in server.ranks.values():
                 if now - rank.last_seen > cfg.heartbeat_timeout:
-                    self._fail_server(server, f"{rank.label} sent nothing for {now - rank.last_seen:.1f}s (heartbeat_timeout={cfg.heartbeat_timeout}s)")
+                    self._fail_server(server, f"{rank.label} sent nothing for {now - rank.last_seen:.1f}s (heartbeat_timeout={cfg.heartbeat_timeout}s)", "peer_dead")
                     break
                 if now - rank.last_ping >= cfg.heartbeat_interval and rank.sock is not None:
                     rank.last_ping = now
@@ -827,10 +860,10 @@ class DecodeManager(TransferManager):
         with self._lock:
             for recv in list(self._receivers.values()):
                 if recv._state == Poll.BOOTSTRAPPING and now - recv._created > cfg.bootstrap_timeout:
-                    self._finish(recv, Poll.FAILED, f"bootstrap did not complete within bootstrap_timeout={cfg.bootstrap_timeout}s")
+                    self._finish(recv, Poll.FAILED, f"bootstrap did not complete within bootstrap_timeout={cfg.bootstrap_timeout}s", "timeout")
                 elif recv._init_at is not None and now - recv._init_at > cfg.waiting_timeout:
                     recv._abort_remote("decode waiting_timeout expired")
-                    self._finish(recv, Poll.FAILED, f"transfer did not complete within waiting_timeout={cfg.waiting_timeout}s")
+                    self._finish(recv, Poll.FAILED, f"transfer did not complete within waiting_timeout={cfg.waiting_timeout}s", "timeout")
 
     def _shutdown(self) -> None:
         self._servers.clear()
@@ -878,7 +911,7 @@ class Receiver(_Room):
                 if any(s.name == METADATA_SPACE for s in m.kvargs.index_spaces):
                     check_indices("metadata_row", [metadata_row], m.kvargs.index_space(METADATA_SPACE).count)
             except (KeyError, PlanError, P.ProtocolError) as exc:
-                m._finish(self, Poll.FAILED, f"room {self.room}: {exc.args[0] if exc.args else exc}")
+                m._finish(self, Poll.FAILED, f"room {self.room}: {exc.args[0] if exc.args else exc}", "bad_request")
                 return
             self._request = P.TransferRequest(room=self.room, indices=packed, metadata_row=int(metadata_row))
             self._init_at = time.monotonic()
@@ -886,7 +919,8 @@ class Receiver(_Room):
                 self._send_request()
 
     def _on_ready(self) -> None:
-        self._advance(Poll.WAITING_FOR_INPUT)
+        if self._advance(Poll.WAITING_FOR_INPUT):
+            METRICS.bootstrap(self._dm.backend_name, "decode", time.monotonic() - self._created)
         if self._request is not None:
             self._send_request()
 
@@ -902,5 +936,5 @@ class Receiver(_Room):
     def abort(self, reason: str = "aborted by decode") -> None:
         """Give up on this room; prefill is told. Bytes already in flight may still land."""
         with self._dm._lock:
-            if self._dm._finish(self, Poll.FAILED, reason):
+            if self._dm._finish(self, Poll.FAILED, reason, "aborted"):
                 self._abort_remote(reason)

@@ -12,9 +12,9 @@ are the same object without importing the engine.
 
 from __future__ import annotations
 
-from kvbridge.core import BackendCapabilities, BackendSpec, hookimpl
+from kvbridge.core import BackendCapabilities, BackendSpec, OptionSpec, hookimpl
 
-__all__ = ["CAPABILITIES", "DEFAULT_MAX_IN_FLIGHT", "kvbridge_register_backends"]
+__all__ = ["CAPABILITIES", "DEFAULT_MAX_IN_FLIGHT", "OPTIONS", "kvbridge_register_backends"]
 
 #: Mooncake's per-peer TCP queue (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``)
 #: defaults to 1024 descriptors. Exceeding the queue plus its admission list can
@@ -34,6 +34,16 @@ CAPABILITIES = BackendCapabilities(
     one_sided=True,
 )
 
+#: Every ``config.options`` key :class:`~kvbridge.plugins.mooncake.backend.MooncakeBackend` reads.
+OPTIONS = (
+    # Only the protocols this adapter documents; other Mooncake transports
+    # (efa, nvlink, ...) depend on the engine build and have not been tried.
+    OptionSpec(name="protocol", default="tcp", choices=("tcp", "rdma"),
+               help="TransferEngine protocol: tcp, or rdma where RDMA NICs exist"),
+    OptionSpec(name="device_name", default="",
+               help="RDMA device list such as mlx5_0 (protocol=rdma); empty lets the engine choose"),
+)
+
 
 @hookimpl
 def kvbridge_register_backends() -> list[BackendSpec]:
@@ -45,6 +55,7 @@ def kvbridge_register_backends() -> list[BackendSpec]:
             capabilities=CAPABILITIES,
             requires=("mooncake",),
             extra="mooncake",
+            options=OPTIONS,
             description="Mooncake TransferEngine, P2P handshake; TCP (default) or RDMA one-sided writes",
         )
     ]

@@ -12,9 +12,9 @@ are the same object without importing the engine.
 
 from __future__ import annotations
 
-from kvbridge.core import BackendCapabilities, BackendSpec, hookimpl
+from kvbridge.core import BackendCapabilities, BackendSpec, OptionSpec, hookimpl
 
-__all__ = ["CAPABILITIES", "kvbridge_register_backends"]
+__all__ = ["CAPABILITIES", "OPTIONS", "kvbridge_register_backends"]
 
 CAPABILITIES = BackendCapabilities(
     # NIXL moves GPU memory too (VRAM_SEG), but only host memory has been
@@ -30,6 +30,22 @@ CAPABILITIES = BackendCapabilities(
     one_sided=True,
 )
 
+#: Every ``config.options`` key :class:`~kvbridge.plugins.nixl.backend.NixlBackend`
+#: reads (its module docstring explains them and the measurements behind the defaults).
+OPTIONS = (
+    OptionSpec(name="progress_delay_us", type="int", minimum=0, default="1000",
+               help="microseconds NIXL's progress thread waits per poll; 0 spins"),
+    OptionSpec(name="ucx_error_handling_mode", choices=("peer", "none"), default="peer",
+               help="peer reports a dead peer as an error; none allows shared memory but hides peer failures"),
+    OptionSpec(name="num_workers", type="int", minimum=1, default="1", help="UCX workers of the NIXL UCX backend"),
+    OptionSpec(name="ucx_engine_config", default="",
+               help="extra UCX settings for NIXL as KEY=VAL,KEY=VAL (e.g. TLS=tcp)"),
+    OptionSpec(name="xfer_mode", choices=("descs", "prepped"), default="descs",
+               help="descs builds descriptor lists per write; prepped indexes page tables prepared at handshake"),
+    OptionSpec(name="max_post_bytes", type="int", minimum=0, default=str(64 << 20),
+               help="largest bytes per posted request (longer descriptors are split); 0 posts each write whole"),
+)
+
 
 @hookimpl
 def kvbridge_register_backends() -> list[BackendSpec]:
@@ -41,6 +57,7 @@ def kvbridge_register_backends() -> list[BackendSpec]:
             capabilities=CAPABILITIES,
             requires=("nixl_cu12",),
             extra="nixl",
+            options=OPTIONS,
             description="NVIDIA NIXL agent, UCX backend; one-sided WRITEs (CMA/TCP on hosts, RDMA/NVLink where present)",
         )
     ]

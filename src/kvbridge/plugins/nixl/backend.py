@@ -136,6 +136,7 @@ from kvbridge.core.plan import TransferPlan
 from kvbridge.core.records import BackendCapabilities
 
 from . import CAPABILITIES
+from . import OPTIONS as _DECLARED
 
 if TYPE_CHECKING:
     from nixl_cu12 import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
@@ -147,8 +148,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PROGRESS_DELAY_US = 1000
 XFER_MODES = ("descs", "prepped")
 DEFAULT_MAX_POST_BYTES = 64 << 20
-OPTIONS = ("progress_delay_us", "ucx_error_handling_mode", "num_workers", "ucx_engine_config", "xfer_mode",
-           "max_post_bytes")
+OPTIONS = tuple(o.name for o in _DECLARED)
 ERROR_MODES = ("peer", "none")
 # Polling a request: spin this long first (small writes finish within tens of
 # microseconds), then sleep between checks, growing to POLL_MAX_SLEEP.

@@ -12,9 +12,9 @@ are the same object without importing the engine.
 
 from __future__ import annotations
 
-from kvbridge.core import BackendCapabilities, BackendSpec, hookimpl
+from kvbridge.core import BackendCapabilities, BackendSpec, OptionSpec, hookimpl
 
-__all__ = ["CAPABILITIES", "kvbridge_register_backends"]
+__all__ = ["CAPABILITIES", "OPTIONS", "kvbridge_register_backends"]
 
 CAPABILITIES = BackendCapabilities(
     # Host memory only: the cu12 wheels carry UCX's CUDA transports, but VRAM
@@ -28,6 +28,14 @@ CAPABILITIES = BackendCapabilities(
     one_sided=True,
 )
 
+#: Every ``config.options`` key :class:`~kvbridge.plugins.ucx.backend.UcxBackend` reads.
+OPTIONS = (
+    OptionSpec(name="error_handling", choices=("on", "off"), default="on",
+               help="on: a dead peer fails the write; off: a put to a dead peer aborts this process"),
+    OptionSpec(name="UCX_*", default="",
+               help="any UCX setting for this backend's UCX context (UCX_TLS=tcp, ...), overriding the environment"),
+)
+
 
 @hookimpl
 def kvbridge_register_backends() -> list[BackendSpec]:
@@ -39,6 +47,7 @@ def kvbridge_register_backends() -> list[BackendSpec]:
             capabilities=CAPABILITIES,
             requires=("ucxx",),
             extra="ucx",
+            options=OPTIONS,
             description="UCX through UCXX; one-sided RMA puts (CMA on one host, TCP otherwise) with peer failure detection",
         )
     ]

@@ -1,0 +1,393 @@
+"""Host-server integration: transfer settings from command-line arguments or a plain dict.
+
+A server that uses argparse adds kvbridge's arguments to its own parser and
+builds the managers from the parsed namespace::
+
+    parser = argparse.ArgumentParser()
+    kvbridge.cli.add_transfer_args(parser)
+    args = parser.parse_args()          # bad backend names and options exit with status 2
+    cfg = TransferConfig.from_args(args)
+    mgr = PrefillManager(kvargs, cfg.backend, bootstrap=cfg.bootstrap, config=cfg.session_config())
+
+A server without argparse builds the same object from a mapping (its own
+config file)::
+
+    cfg = TransferConfig.from_dict({"backend": "nixl", "backend_options": {"xfer_mode": "prepped"},
+                                    "bootstrap": "10.0.0.5:8998", "transfer_timeout": 30})
+
+Choices come from the installed plugins. The default backend is the first
+*available* one (engine installed) in :data:`BACKEND_PREFERENCE`, then any
+other available backend by name. Backend options are checked against the
+options the backend declares (``kvbridge plugins`` lists them).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from kvbridge.core.plugins import BackendUnavailableError, PluginError, Registry, get_registry
+from kvbridge.core.records import OptionError
+from kvbridge.core.session import SessionConfig
+
+__all__ = [
+    "BACKEND_PREFERENCE",
+    "ConfigError",
+    "TransferConfig",
+    "add_transfer_args",
+    "available_backends",
+    "default_backend",
+    "options_table",
+]
+
+#: The default backend is the first available one of these, then any other
+#: available backend by name. NIXL first: the engine inference servers most
+#: often ship already, with RDMA and NVLink paths; then UCX (one-sided puts
+#: with peer-failure detection); then Mooncake.
+BACKEND_PREFERENCE: tuple[str, ...] = ("nixl", "ucx", "mooncake")
+
+_SESSION = SessionConfig()
+_TIMEOUTS = ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "heartbeat_timeout")
+# The command-line flag of each field, for error messages.
+_FLAGS = {
+    "backend": "--transfer-backend",
+    "backend_options": "--transfer-option",
+    "bootstrap": "--transfer-bootstrap",
+    "host": "--transfer-host",
+    "bootstrap_timeout": "--transfer-bootstrap-timeout",
+    "waiting_timeout": "--transfer-waiting-timeout",
+    "transfer_timeout": "--transfer-timeout",
+    "heartbeat_interval": "--transfer-heartbeat-interval",
+    "heartbeat_timeout": "--transfer-heartbeat-timeout",
+    "strict_index_lengths": "--transfer-strict-index-lengths",
+}
+
+
+class ConfigError(ValueError):
+    """A transfer setting is wrong; the text says which, the value, and what is allowed.
+
+    ``field`` names the :class:`TransferConfig` field at fault, when there is one.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def available_backends(registry: Registry | None = None) -> list[str]:
+    """Installed backends whose engine is installed too, best first (see :data:`BACKEND_PREFERENCE`)."""
+    registry = registry or get_registry()
+    names = [n for n in registry.backends if ("backend", n) not in registry.duplicates and registry.backend_available(n)]
+    rank = {name: i for i, name in enumerate(BACKEND_PREFERENCE)}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def default_backend(registry: Registry | None = None) -> str | None:
+    """The best available backend, or None if none is available."""
+    names = available_backends(registry)
+    return names[0] if names else None
+
+
+def _no_backend_message(registry: Registry) -> str:
+    installed = ", ".join(sorted(registry.backends)) or "none"
+    return (
+        f"no transfer backend is available (installed: {installed}); install an engine, "
+        "e.g. `pip install kvbridge[nixl]`, or a backend plugin"
+    )
+
+
+def _check_address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT (a port from 1 to 65535)")
+    return value
+
+
+def _parse_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Everything a host server decides about transfers, validated on construction.
+
+    ``backend`` empty means the best available one. ``backend_options`` are
+    checked against the backend's declared options; ``bootstrap`` is the
+    prefill bootstrap endpoint (``HOST:PORT``, needed by prefill managers);
+    ``host`` is the address this rank's control and engine endpoints listen
+    on. The rest are :class:`~kvbridge.core.session.SessionConfig` settings.
+    Raises :class:`ConfigError`.
+    """
+
+    backend: str = ""
+    backend_options: Mapping[str, str] = field(default_factory=dict)
+    bootstrap: str | None = None
+    host: str = _SESSION.host
+    bootstrap_timeout: float = _SESSION.bootstrap_timeout
+    waiting_timeout: float = _SESSION.waiting_timeout
+    transfer_timeout: float = _SESSION.transfer_timeout
+    heartbeat_interval: float = _SESSION.heartbeat_interval
+    heartbeat_timeout: float = _SESSION.heartbeat_timeout
+    strict_index_lengths: bool = _SESSION.strict_index_lengths
+
+    def __post_init__(self) -> None:
+        registry = get_registry()
+        backend = self.backend or default_backend(registry)
+        if not backend:
+            raise ConfigError(_no_backend_message(registry), "backend")
+        try:
+            spec = registry.backend_spec(backend)
+            if not registry.backend_available(backend):
+                registry.load_backend(backend)  # raises, naming the pip extra
+        except (PluginError, BackendUnavailableError) as exc:
+            raise ConfigError(str(exc), "backend") from None
+        try:
+            options = spec.check_options(self.backend_options)
+        except OptionError as exc:
+            raise ConfigError(str(exc), "backend_options") from None
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "backend_options", options)
+        if self.bootstrap is not None:
+            try:
+                _check_address(self.bootstrap)
+            except ValueError as exc:
+                raise ConfigError(f"bootstrap address {exc}", "bootstrap") from None
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"host must be a non-empty address, got {self.host!r}", "host")
+        if not isinstance(self.strict_index_lengths, bool):
+            raise ConfigError(f"strict_index_lengths must be true or false, got {self.strict_index_lengths!r}",
+                              "strict_index_lengths")
+        for name in _TIMEOUTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number of seconds, got {value!r}", name)
+            object.__setattr__(self, name, float(value))
+        try:
+            self.session_config()
+        except ValueError as exc:
+            name = str(exc).split(" ", 1)[0]
+            raise ConfigError(str(exc), name if name in _FLAGS else None) from None
+
+    def session_config(self) -> SessionConfig:
+        """The :class:`SessionConfig` for :class:`PrefillManager` / :class:`DecodeManager`."""
+        return SessionConfig(
+            bootstrap_timeout=self.bootstrap_timeout,
+            waiting_timeout=self.waiting_timeout,
+            transfer_timeout=self.transfer_timeout,
+            heartbeat_interval=self.heartbeat_interval,
+            heartbeat_timeout=self.heartbeat_timeout,
+            host=self.host,
+            backend_options=dict(self.backend_options),
+            strict_index_lengths=self.strict_index_lengths,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that :meth:`from_dict` accepts."""
+        out = asdict(self)
+        out["backend_options"] = dict(self.backend_options)
+        return out
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> TransferConfig:
+        """Build from a plain mapping whose keys are this class's field names.
+
+        Unknown keys are an error listing the known ones. ``backend_options``
+        may be a mapping or a list of ``"KEY=VALUE"`` strings; timeouts may
+        be numbers or numeric strings.
+        """
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"transfer config must be a mapping, got {type(mapping).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in mapping if k not in known)
+        if unknown:
+            raise ConfigError(f"unknown transfer config key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(known)}")
+        values = dict(mapping)
+        if values.get("backend") is None:
+            values.pop("backend", None)
+        if "backend_options" in values:
+            values["backend_options"] = _options_from(values["backend_options"])
+        for name in _TIMEOUTS:
+            if isinstance(values.get(name), str):
+                try:
+                    values[name] = float(values[name])
+                except ValueError:
+                    raise ConfigError(f"{name} must be a number of seconds, got {values[name]!r}", name) from None
+        if isinstance(values.get("strict_index_lengths"), str):
+            text = values["strict_index_lengths"].strip().lower()
+            if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                values["strict_index_lengths"] = text in ("true", "1", "yes", "on")
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> TransferConfig:
+        """Build from arguments parsed by a parser that :func:`add_transfer_args` extended.
+
+        The transfer arguments are checked together here (a backend's options
+        depend on the backend chosen). Pass the ``parser`` to report a problem
+        through ``parser.error`` (usage, exit status 2); without it a
+        :class:`ConfigError` is raised.
+        """
+        missing = [d for d in _ARG_DESTS.values() if not hasattr(namespace, d)]
+        if missing:
+            raise ConfigError(
+                f"the parsed arguments lack {', '.join(missing)}; call add_transfer_args(parser) before parsing"
+            )
+        values: dict[str, Any] = {name: getattr(namespace, dest) for name, dest in _ARG_DESTS.items()}
+        values["backend"] = values["backend"] or ""
+        try:
+            values["backend_options"] = _options_from(values["backend_options"] or ())
+            return cls(**values)
+        except ConfigError as exc:
+            if parser is None:
+                raise
+            flag = _FLAGS.get(exc.field or "")
+            parser.error(f"argument {flag}: {exc}" if flag else str(exc))
+            raise  # parser.error exits; this keeps type checkers content
+
+
+# TransferConfig field -> argparse dest
+_ARG_DESTS = {
+    "backend": "transfer_backend",
+    "backend_options": "transfer_options",
+    "bootstrap": "transfer_bootstrap",
+    "host": "transfer_host",
+    "bootstrap_timeout": "transfer_bootstrap_timeout",
+    "waiting_timeout": "transfer_waiting_timeout",
+    "transfer_timeout": "transfer_timeout",
+    "heartbeat_interval": "transfer_heartbeat_interval",
+    "heartbeat_timeout": "transfer_heartbeat_timeout",
+    "strict_index_lengths": "transfer_strict_index_lengths",
+}
+
+
+def _options_from(value: Any) -> dict[str, str]:
+    """Options as a dict, from a mapping or ``KEY=VALUE`` strings (a later key wins)."""
+    if isinstance(value, Mapping):
+        return {str(k): v if isinstance(v, str) else str(v) for k, v in value.items()}
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ConfigError(
+            f"backend_options must be a mapping or a list of KEY=VALUE strings, got {value!r}", "backend_options"
+        )
+    out: dict[str, str] = {}
+    for item in value:
+        if isinstance(item, tuple) and len(item) == 2:
+            key, text = item
+        else:
+            try:
+                key, text = _parse_option(str(item))
+            except ValueError as exc:
+                raise ConfigError(f"backend option {exc}", "backend_options") from None
+        out[str(key)] = str(text)
+    return out
+
+
+# -- argparse --------------------------------------------------------------------------
+def _backend_type(name: str) -> str:
+    """Check a ``--transfer-backend`` value against the installed plugins."""
+    registry = get_registry()
+    try:
+        registry.backend_spec(name)
+        if not registry.backend_available(name):
+            registry.load_backend(name)  # raises, naming the pip extra
+    except PluginError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
+def _option_type(text: str) -> tuple[str, str]:
+    try:
+        return _parse_option(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds_type(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
+def _address_type(text: str) -> str:
+    try:
+        return _check_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add kvbridge's transfer arguments to a host server's ``parser``; returns their group.
+
+    ``--transfer-backend`` (choices: the installed, available backends;
+    default: the best available, see :data:`BACKEND_PREFERENCE`; an unknown
+    name lists the installed ones and says a plugin may be missing),
+    repeatable ``--transfer-option KEY=VALUE``, ``--transfer-bootstrap
+    HOST:PORT``, ``--transfer-host`` and the timeouts. Build the settings with
+    ``TransferConfig.from_args(args, parser)`` right after parsing: it checks
+    the options against the chosen backend's declared ones, and every error
+    exits through ``parser.error`` (status 2). The host's parser is not
+    modified beyond the added arguments.
+    """
+    registry = get_registry()
+    names = available_backends(registry)
+    best = names[0] if names else None
+    group = parser.add_argument_group("kvbridge transfer")
+    order = " > ".join(BACKEND_PREFERENCE) + " > others"
+    group.add_argument(
+        "--transfer-backend", dest="transfer_backend", type=_backend_type, choices=names or None, default=best,
+        metavar="{" + ",".join(names) + "}" if names else "NAME",
+        help=f"transfer backend (default: {best or 'none available'}, the first available of {order})",
+    )
+    declared = "; ".join(
+        f"{name}: {', '.join(o.name for o in registry.backend_spec(name).options) or '-'}" for name in names
+    )
+    group.add_argument(
+        "--transfer-option", dest="transfer_options", type=_option_type, action="append", default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the chosen backend, repeatable; a later KEY wins"
+        + (f" (options: {declared}; `kvbridge plugins` explains them)" if declared else ""),
+    )
+    group.add_argument("--transfer-bootstrap", dest="transfer_bootstrap", type=_address_type, metavar="HOST:PORT",
+                       help="the prefill bootstrap endpoint")
+    group.add_argument("--transfer-host", dest="transfer_host", default=_SESSION.host, metavar="HOST",
+                       help=f"address this rank's control and engine endpoints listen on (default: {_SESSION.host})")
+    for name, what in (
+        ("bootstrap_timeout", "find and handshake with the prefill ranks"),
+        ("waiting_timeout", "decode waits for a whole room"),
+        ("transfer_timeout", "one chunk's write"),
+        ("heartbeat_interval", "between heartbeats"),
+        ("heartbeat_timeout", "silence before a peer is declared dead"),
+    ):
+        group.add_argument(
+            _FLAGS[name], dest=_ARG_DESTS[name], type=_seconds_type, default=getattr(_SESSION, name), metavar="SECONDS",
+            help=f"{what} (default: {getattr(_SESSION, name):g})",
+        )
+    group.add_argument("--transfer-strict-index-lengths", dest="transfer_strict_index_lengths", action="store_true",
+                       help="treat every index-length mismatch as an error (default: trim page lists with a warning)")
+    return group
+
+
+def options_table(rows: list[dict[str, Any]]) -> str:
+    """The backends' declared options as a text table (``kvbridge plugins``), from ``Registry.rows()``."""
+    table = [
+        {"backend": r["name"], "option": o["name"], "default": o["default"] or "-", "allowed": o["allowed"], "help": o["help"]}
+        for r in rows
+        if r["kind"] == "backend"
+        for o in r.get("options", ())
+    ]
+    if not table:
+        return ""
+    cols = ["backend", "option", "default", "allowed", "help"]
+    widths = {c: max(len(c), *(len(t[c]) for t in table)) for c in cols}
+    lines = ["backend options (--transfer-option KEY=VALUE):"]
+    lines.append("  " + "  ".join(c.upper().ljust(widths[c]) for c in cols).rstrip())
+    lines += ["  " + "  ".join(t[c].ljust(widths[c]) for c in cols).rstrip() for t in table]
+    return "\n".join(lines)
