@@ -26,4 +26,6 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2
 fi
 echo "setup: installing kvbridge with all engines and test tools"
 pip_q -e '.[all,dev]'
-"$PY" -c "import kvbridge, torch, mooncake.engine, nixl_cu12, ucxx" || { echo "setup: an engine failed to import" >&2; exit 1; }
+echo "setup: installing the example plugin kvbridge-zmq (its conformance test runs with kvbridge's)"
+pip_q -e examples/kvbridge-zmq
+"$PY" -c "import kvbridge, kvbridge_zmq, torch, mooncake.engine, nixl_cu12, ucxx" || { echo "setup: an engine failed to import" >&2; exit 1; }

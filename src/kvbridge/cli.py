@@ -62,6 +62,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo.run_from_args(args)
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from kvbridge.testing import runner
+
+    return runner.run_from_args(args)
+
+
 def _cmd_bench_plan(args: argparse.Namespace) -> int:
     from kvbridge.bench import plan
 
@@ -88,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
+
+    conformance = sub.add_parser("conformance", help="run the backend conformance suite against an installed backend")
+    from kvbridge.testing.runner import add_arguments as add_conformance_arguments
+
+    add_conformance_arguments(conformance)
+    conformance.set_defaults(func=_cmd_conformance)
 
     bench = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)

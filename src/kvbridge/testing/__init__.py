@@ -1,11 +1,17 @@
-"""Test helpers shipped in the wheel (the backend conformance suite lives here)."""
+"""Test helpers shipped in the wheel.
+
+- :mod:`~kvbridge.testing.conformance`: ``BackendConformance``, the suite every backend passes;
+- :mod:`~kvbridge.testing.harness`: its fixture contract (driver processes, local managers);
+- :mod:`~kvbridge.testing.requirements`: ``requires(...)``, capabilities a test needs;
+- :mod:`~kvbridge.testing.e2e`, :mod:`~kvbridge.testing.hybrid`: the prefill and decode driver processes;
+- :mod:`~kvbridge.testing.runner`: ``kvbridge conformance NAME``.
+
+Importing this package imports neither pytest nor an engine.
+"""
 
 from __future__ import annotations
 
-from kvbridge.core.plugins import get_registry
+# Installed backends whose engine is importable (what end-to-end tests run over).
+from kvbridge.config import available_backends
 
-
-def available_backends() -> list[str]:
-    """Installed backends whose engine is importable, by name (what end-to-end tests run over)."""
-    registry = get_registry()
-    return sorted(name for name in registry.backends if registry.backend_available(name))
+__all__ = ["available_backends"]

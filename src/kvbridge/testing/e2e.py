@@ -6,18 +6,24 @@ destination byte against the pattern computed with plain numpy indexing of the
 source pages (never through the planner) and checks that pages no request
 wrote still hold the sentinel.
 
-Run as ``python -m kvbridge.testing.e2e prefill|decode|hold --scenario JSON``.
+Run as ``python -m kvbridge.testing.e2e ROLE --scenario JSON``.
 Prefill prints ``BOOTSTRAP host:port`` first; decode prints one JSON result line.
 ``hold`` is a prefill rank for fault tests: it prints ``BOOTSTRAP host:port``,
 creates a sender for every room of the schedule and never sends, then prints
 one JSON line with each room's final state once every room has finished
-(aborted, timed out) or the deadline has passed.
+(aborted, timed out) or the deadline has passed. ``prefill-close`` and
+``decode-close`` put the first wave's rooms in flight (prefill sends each its
+first chunk, never the last) and then close their manager; they print one JSON
+line with each room's state before and after the close and how long it took.
+``engine`` is a bare destination engine (no session) for tests of the backend
+contract: it prints ``ENGINE <metadata hex> <KVArgs JSON>`` and waits to be killed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -25,8 +31,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvbridge.core.backend import BackendConfig
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.plugins import get_registry
 from kvbridge.core.session import (
     KV_PAGE_SPACE,
     METADATA_SPACE,
@@ -59,6 +67,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     heartbeat_interval: float = 0.2
     heartbeat_timeout: float = 2.0
     deadline: float = 300.0  # whole run, seconds
+    backend_options: dict[str, str] = {}  # SessionConfig.backend_options
 
     def session_config(self) -> SessionConfig:
         return SessionConfig(
@@ -67,6 +76,7 @@ class Scenario(msgspec.Struct, kw_only=True):
             transfer_timeout=self.transfer_timeout,
             heartbeat_interval=self.heartbeat_interval,
             heartbeat_timeout=self.heartbeat_timeout,
+            backend_options=dict(self.backend_options),
         )
 
 
@@ -289,9 +299,78 @@ def run_decode(sc: Scenario, bootstrap: str) -> int:
     return 0 if not result["failed"] and not result["mismatched_regions"] else 1
 
 
+# -- closing with rooms in flight ---------------------------------------------------------
+def _closing(mgr: PrefillManager | DecodeManager, rooms: list[Any], role: str) -> dict[str, Any]:
+    """Close ``mgr`` now; report how long it took and every room's state before and after."""
+    before = {str(r.room): r.poll().name for r in rooms}
+    t0 = time.monotonic()
+    mgr.close()
+    seconds = time.monotonic() - t0
+    after = {str(r.room): {"state": r.poll().name, "reason": r.failure()} for r in rooms}
+    return {"role": role, "before_close": before, "close_seconds": seconds, "rooms": after,
+            "active_rooms": mgr.active_rooms()}
+
+
+def run_prefill_close(sc: Scenario) -> int:
+    pools = prefill_pools(sc)
+    server = BootstrapServer("127.0.0.1")
+    print(f"BOOTSTRAP {server.address}", flush=True)
+    mgr = PrefillManager(pools.kvargs, sc.backend, bootstrap=server.address, config=sc.session_config())
+    try:
+        wave = schedule(sc)[:sc.concurrency]
+        senders = [Sender(mgr, req.room, metadata_row=slot) for slot, req in enumerate(wave)]
+        deadline = time.monotonic() + sc.deadline
+        while time.monotonic() < deadline and any(s.poll() == Poll.BOOTSTRAPPING for s in senders):
+            time.sleep(0.002)
+        for sender, req in zip(senders, wave):
+            sender.send(req.src_pages[:(len(req.src_pages) + 1) // 2])  # never the last chunk
+        result = _closing(mgr, senders, "prefill-close")
+    finally:
+        mgr.close()
+        server.close()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def run_decode_close(sc: Scenario, bootstrap: str) -> int:
+    pools = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
+    mgr = DecodeManager(pools.kvargs, sc.backend, config=sc.session_config())
+    try:
+        receivers, cursor = [], 0
+        for slot, req in enumerate(schedule(sc)[:sc.concurrency]):
+            recv = Receiver(mgr, req.room, bootstrap=bootstrap)
+            recv.init(np.arange(cursor, cursor + len(req.src_pages)), metadata_row=slot)
+            cursor += len(req.src_pages)
+            receivers.append(recv)
+        # In flight: prefill has written a chunk into every room (its host never sends the last).
+        deadline = time.monotonic() + sc.deadline
+        while time.monotonic() < deadline and any(r.poll() in (Poll.BOOTSTRAPPING, Poll.WAITING_FOR_INPUT) for r in receivers):
+            time.sleep(0.002)
+        result = _closing(mgr, receivers, "decode-close")
+    finally:
+        mgr.close()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+# -- a bare engine ----------------------------------------------------------------------------
+def run_engine(sc: Scenario) -> int:
+    """A destination engine without a session: registers decode pools, prints how to reach them, waits."""
+    pools = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
+    backend = get_registry().load_backend(sc.backend)(
+        BackendConfig(name=f"engine-{os.getpid()}", transfer_timeout=sc.transfer_timeout, options=dict(sc.backend_options)))
+    backend.register(pools.kvargs.regions)
+    print(f"ENGINE {backend.metadata().hex()} {msgspec.json.encode(pools.kvargs).decode()}", flush=True)
+    try:
+        time.sleep(sc.deadline)  # until the test kills it
+    finally:
+        backend.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbridge.testing.e2e")
-    parser.add_argument("role", choices=["prefill", "decode", "hold"])
+    parser.add_argument("role", choices=["prefill", "decode", "hold", "prefill-close", "decode-close", "engine"])
     parser.add_argument("--scenario", required=True, help="Scenario as JSON")
     parser.add_argument("--bootstrap", help="decode: the prefill bootstrap address")
     args = parser.parse_args(argv)
@@ -300,8 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         return run_prefill(sc)
     if args.role == "hold":
         return run_hold(sc)
+    if args.role == "prefill-close":
+        return run_prefill_close(sc)
+    if args.role == "engine":
+        return run_engine(sc)
     if not args.bootstrap:
-        parser.error("decode needs --bootstrap")
+        parser.error(f"{args.role} needs --bootstrap")
+    if args.role == "decode-close":
+        return run_decode_close(sc, args.bootstrap)
     return run_decode(sc, args.bootstrap)
 
 

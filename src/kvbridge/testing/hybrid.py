@@ -58,6 +58,7 @@ class Spec(msgspec.Struct, kw_only=True):
     pages: int = 40
     max_request_pages: int = 5
     progress: bool = False  # decode prints a JSON progress line per finished request
+    backend_options: dict[str, str] = {}  # SessionConfig.backend_options
 
 
 PAGE, RATIO = 8, 4
@@ -192,7 +193,8 @@ def requests(spec: Spec) -> list[Request]:
 
 def config(spec: Spec) -> SessionConfig:
     return SessionConfig(bootstrap_timeout=30, waiting_timeout=spec.timeout, transfer_timeout=30,
-                         heartbeat_interval=0.3, heartbeat_timeout=5, strict_index_lengths=spec.strict)
+                         heartbeat_interval=0.3, heartbeat_timeout=5, strict_index_lengths=spec.strict,
+                         backend_options=dict(spec.backend_options))
 
 
 def stage_layers(stage: int, pp: int) -> set[int] | None:
@@ -238,7 +240,7 @@ def run_prefill(spec: Spec) -> int:
             half = len(req.src_pages) // 2
             c4 = c4_token_indices(req.src_pages, PAGE // RATIO, req.tokens, RATIO)
             for (b, m), s in zip(ranks, senders):
-                state = {}
+                state: dict[str, Any] = {}
                 if m.kvargs.index_spaces and any(x.name == SWA_PAGE_SPACE for x in m.kvargs.index_spaces):
                     state[SWA_PAGE_SPACE] = req.src_swa
                 if any(x.name == SLOT_SPACE for x in m.kvargs.index_spaces):
@@ -274,10 +276,10 @@ def run_decode(spec: Spec, bootstrap: str) -> int:
             t0 = time.monotonic()
             recvs = [Receiver(m, req.room, bootstrap=bootstrap) for _, m in ranks]
             c4 = c4_token_indices(req.dst_c4_rows, spec.c4_row_tokens, req.tokens, RATIO)
-            for r in recvs:
-                r.init(req.dst_pages, state_indices={SWA_PAGE_SPACE: req.dst_swa, SLOT_SPACE: req.dst_slot,
-                                                     C4_SPACE: c4, C128_SPACE: req.dst_slot[:1]},
-                       metadata_row=req.dst_meta)
+            for recv in recvs:
+                recv.init(req.dst_pages, state_indices={SWA_PAGE_SPACE: req.dst_swa, SLOT_SPACE: req.dst_slot,
+                                                        C4_SPACE: c4, C128_SPACE: req.dst_slot[:1]},
+                          metadata_row=req.dst_meta)
             _wait(recvs, deadline)
             result["latency_s"].append(time.monotonic() - t0)
             result["rooms"][str(req.room)] = [[r.poll().name, r.failure()] for r in recvs]

@@ -1,24 +1,37 @@
-"""kvbridge-zmq: registers the ``zmq`` backend. Importing this module imports no engine."""
+"""kvbridge-zmq: registers the ``zmq`` backend with kvbridge.
+
+kvbridge finds this module through the ``kvbridge`` entry point in
+``pyproject.toml`` and calls its hook when it builds its plugin registry.
+It must stay cheap to import: the backend class is named by a string and
+imported only when a manager selects ``zmq``.
+"""
+
+from __future__ import annotations
 
 from kvbridge import BackendCapabilities, BackendSpec, hookimpl
 
+__all__ = ["CAPABILITIES", "kvbridge_register_backends"]
+
+#: Declared here, not in ``backend``, so the registration and ``ZmqBackend.capabilities``
+#: are one object and listing plugins imports nothing more.
 CAPABILITIES = BackendCapabilities(
-    memory_kinds=("dram",),
-    native_notifications=False,
-    # Bytes travel in messages and the receiver places them: the decode
-    # process must be running (it is: its receiver thread does the writes).
-    one_sided=False,
+    memory_kinds=("dram",),  # bytes are copied with memmove: host memory only
+    max_descriptors_per_batch=None,  # the backend cuts plans into messages itself
+    max_descriptors_in_flight=None,
+    native_notifications=False,  # completion reaches decode through kvbridge's control plane
+    one_sided=False,  # the decode process places the bytes: its receiver thread must run
 )
 
 
 @hookimpl
-def kvbridge_register_backends():
+def kvbridge_register_backends() -> list[BackendSpec]:
+    """Register ``zmq``; ``requires`` names the modules that must be importable to use it."""
     return [
         BackendSpec(
             name="zmq",
             factory="kvbridge_zmq.backend:ZmqBackend",
             capabilities=CAPABILITIES,
-            requires=("zmq",),
+            requires=("zmq", "numpy"),
             description="portable: bytes over pyzmq, bounds-checked and placed by the receiver",
         )
     ]

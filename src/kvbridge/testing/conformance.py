@@ -1,0 +1,666 @@
+"""The backend conformance suite: what every kvbridge transport must do, end to end.
+
+A backend's distribution runs it with one small test file::
+
+    from kvbridge.testing.conformance import BackendConformance
+
+    class TestMyTransport(BackendConformance):
+        backend = "mytransport"        # the name its BackendSpec registers
+        # backend_options = {"key": "value"}   optional, for every manager
+        # timeout_scale = 2.0                  optional, for slow transports
+
+or, for any installed backend, ``kvbridge conformance mytransport``. The
+built-in backends run it the same way (``tests/test_conformance.py``).
+
+What it checks, with real engines in separate prefill and decode processes:
+the Backend contract (writes land byte-exact and nowhere else, a passed
+deadline moves nothing, removed peers and closed engines refuse writes);
+pages fragmented and contiguous, in several chunks, many requests in flight;
+the metadata row as the commit point; every state handler across
+heterogeneous TP and PP; a killed or frozen peer failing rooms within their
+deadlines; out-of-bounds destinations rejected before a byte moves; aborts
+from either side; managers closing with rooms in flight. Each test is
+written against the source pattern with plain numpy, never through the
+planner. Tests that need a capability (:func:`~kvbridge.testing.requirements.requires`)
+are skipped, naming it, when the registration does not declare it.
+
+Needs pytest and numpy only (plus pyzmq, a kvbridge dependency).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvbridge.core import protocol as P
+from kvbridge.core.backend import Backend, BackendConfig, TransferError, TransferTimeout
+from kvbridge.core.layout import KVArgs, Region
+from kvbridge.core.plan import TransferPlan, plan_pages
+from kvbridge.core.plugins import get_registry
+from kvbridge.core.session import Poll, Receiver, Sender
+from kvbridge.testing.e2e import SENTINEL, Pools, meta_row_for, pattern, schedule
+from kvbridge.testing.harness import (
+    START_WAIT,
+    BackendHarness,
+    Child,
+    LocalDecode,
+    LocalPrefill,
+    RawClient,
+    all_sentinel,
+    check_contract,
+    finished,
+    snapshot,
+    unchanged,
+    wait_until,
+)
+from kvbridge.testing.requirements import requires
+
+__all__ = ["BackendConformance", "requires"]
+
+#: How a prefill sender may fail when its decode dies or freezes mid-transfer.
+DEAD_PEER_REASON = (r"transfer of chunk \d+ to '.+' failed: |transfer did not complete within transfer_timeout="
+                    r"|decode peer '.+' sent no heartbeat")
+#: TP pairs (prefill, decode) x page layouts every backend runs: each cell is a separate
+#: (small) run, so a backend cannot pass on a subset.
+TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+TP_CASES = [(p, d, layout) for p, d in TP_PAIRS for layout in ("nhd", "hnd")]
+PAGE, PAGES, BYTES = 256, 64, 4096  # in-process engine pair: a page region and a byte region per side
+ENGINE_TIMEOUT = 5.0  # BackendConfig.transfer_timeout of in-process engines, as in the e2e scenarios
+
+
+@dataclass
+class Engines:
+    """Two engines of the backend in this process: ``source`` writes into ``dest`` (peer ``"dest"``)."""
+
+    source: Backend
+    dest: Backend
+    src: list[np.ndarray]  # [pages (PAGES, PAGE), bytes (BYTES,)], a pattern
+    dst: list[np.ndarray]  # the same shapes, zeroed before each test
+    src_regions: list[Region]
+    dst_regions: list[Region]
+
+    def add_dest(self) -> None:
+        self.source.add_peer("dest", self.dest.metadata(), self.dst_regions)
+
+    def plan(self, src_pages: list[int], dst_pages: list[int]) -> TransferPlan:
+        plan = plan_pages([self.src[0].ctypes.data], [self.dst[0].ctypes.data], [PAGE], src_pages, dst_pages)
+        plan.validate(self.src_regions, self.dst_regions)
+        return plan
+
+
+def _regions(arrays: list[np.ndarray]) -> list[Region]:
+    pages, raw = arrays
+    return [Region(name="pages", addr=pages.ctypes.data, nbytes=pages.nbytes, stride=PAGE, role="k",
+                   index_space="kv_page", layer=0),
+            Region(name="bytes", addr=raw.ctypes.data, nbytes=raw.nbytes, stride=64, role="metadata",
+                   index_space="metadata_row")]
+
+
+def _engine(cls: type[BackendConformance], role: str) -> Backend:
+    factory = get_registry().load_backend(cls.backend)
+    engine: Backend = factory(BackendConfig(name=f"conformance-{role}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                                            transfer_timeout=ENGINE_TIMEOUT * cls.timeout_scale,
+                                            options=dict(cls.backend_options)))
+    return engine
+
+
+def _write(engine: Backend, peer: str, plan: TransferPlan, deadline: float, slack: float) -> None:
+    """``engine.write``, failing the test (not hanging it) if it neither returns nor raises by its deadline."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            engine.write(peer, plan, deadline)
+            outcome.append(None)
+        except BaseException as exc:  # re-raised in the test's thread
+            outcome.append(exc)
+
+    writer = threading.Thread(target=run, name="conformance-write", daemon=True)
+    writer.start()
+    writer.join(max(0.0, deadline - time.monotonic()) + slack)
+    if writer.is_alive():
+        pytest.fail(f"write to {peer!r} neither returned nor raised within {slack}s after its deadline")
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+class BackendConformance(BackendHarness):
+    """Subclass with ``backend = "<registered name>"``; see the module docstring."""
+
+    # -- 1. the Backend contract, two engines in this process ------------------------------------------
+    @pytest.fixture(scope="class")
+    def _engines(self, request: pytest.FixtureRequest) -> Iterator[Engines]:
+        cls = request.cls
+        check_contract(cls)
+        rng = np.random.default_rng(7)
+        src = [rng.integers(1, 256, (PAGES, PAGE), dtype=np.uint8), rng.integers(1, 256, BYTES, dtype=np.uint8)]
+        dst = [np.zeros((PAGES, PAGE), np.uint8), np.zeros(BYTES, np.uint8)]
+        source = _engine(cls, "source")
+        try:
+            dest = _engine(cls, "dest")
+        except BaseException:
+            source.close()
+            raise
+        try:
+            engines = Engines(source, dest, src, dst, _regions(src), _regions(dst))
+            source.register(engines.src_regions)
+            dest.register(engines.dst_regions)
+            engines.add_dest()
+            yield engines
+        finally:
+            source.close()
+            dest.close()
+
+    @pytest.fixture
+    def engines(self, _engines: Engines) -> Engines:
+        for a in _engines.dst:
+            a.fill(0)
+        return _engines
+
+    def test_registration_names_a_backend_class_declaring_the_same_capabilities(self) -> None:
+        spec = get_registry().backend_spec(self.backend)
+        factory = get_registry().load_backend(self.backend)
+        assert isinstance(factory, type) and issubclass(factory, Backend), (
+            f"BackendSpec.factory {spec.factory!r} must name a subclass of kvbridge.core.backend.Backend, got {factory!r}")
+        assert factory.capabilities == spec.capabilities, (
+            f"{factory.__qualname__}.capabilities {factory.capabilities} differ from the registration's "
+            f"{spec.capabilities}: use one BackendCapabilities object for both")
+
+    def test_a_write_lands_byte_exact_and_touches_nothing_else(self, engines: Engines) -> None:
+        # Fragmented and contiguous pages, plus descriptors of odd sizes at odd offsets
+        # (heterogeneous TP moves parts of items).
+        src_pages, dst_pages = [3, 4, 5, 9, 20, 21, 63, 0], [0, 1, 2, 10, 40, 41, 7, 63]
+        offsets = np.array([[1, 7, 3], [100, 50, 17], [333, 1000, 251], [2048, 4000, 96]])
+        odd = TransferPlan(engines.src[1].ctypes.data + offsets[:, 0], engines.dst[1].ctypes.data + offsets[:, 1],
+                           offsets[:, 2].copy())
+        plan = TransferPlan.concat([engines.plan(src_pages, dst_pages), odd])
+        plan.validate(engines.src_regions, engines.dst_regions)
+        _write(engines.source, "dest", plan, time.monotonic() + self.scaled(5.0), self.slack)
+
+        want_pages = np.zeros_like(engines.dst[0])
+        want_pages[dst_pages] = engines.src[0][src_pages]
+        want_bytes = np.zeros_like(engines.dst[1])
+        for s, d, n in offsets:
+            want_bytes[d:d + n] = engines.src[1][s:s + n]
+        np.testing.assert_array_equal(engines.dst[0], want_pages)
+        np.testing.assert_array_equal(engines.dst[1], want_bytes)
+
+    def test_a_write_whose_deadline_has_passed_raises_transfer_timeout_and_moves_nothing(self, engines: Engines) -> None:
+        with pytest.raises(TransferTimeout):
+            _write(engines.source, "dest", engines.plan(list(range(8)), list(range(8))), time.monotonic() - 0.001, self.slack)
+        time.sleep(0.2)  # an engine that posted anyway would have landed by now
+        assert not engines.dst[0].any(), "a write past its deadline moved bytes"
+
+    def test_a_write_to_a_removed_peer_raises_transfer_error_naming_it(self, engines: Engines) -> None:
+        engines.source.remove_peer("dest")
+        try:
+            with pytest.raises(TransferError, match="'dest'"):
+                _write(engines.source, "dest", engines.plan([1], [1]), time.monotonic() + self.scaled(5.0), self.slack)
+            engines.source.remove_peer("dest")  # unknown peers are ignored
+        finally:
+            engines.add_dest()
+        assert not engines.dst[0].any()
+
+    def test_adding_a_known_peer_again_replaces_it_and_writes_still_land(self, engines: Engines) -> None:
+        # Core re-adds a peer whose decode handshakes again, without removing it first.
+        engines.add_dest()
+        _write(engines.source, "dest", engines.plan([5, 6], [8, 9]), time.monotonic() + self.scaled(5.0), self.slack)
+        np.testing.assert_array_equal(engines.dst[0][[8, 9]], engines.src[0][[5, 6]])
+
+    def test_close_is_idempotent_and_a_later_write_raises(self, engines: Engines) -> None:
+        closing = _engine(type(self), "closing")
+        try:
+            closing.register(engines.src_regions)
+            closing.add_peer("dest", engines.dest.metadata(), engines.dst_regions)
+        finally:
+            closing.close()
+        closing.close()
+        with pytest.raises(TransferError):
+            _write(closing, "dest", engines.plan([1], [1]), time.monotonic() + self.scaled(5.0), self.slack)
+        assert not engines.dst[0].any()
+
+    def test_a_write_to_a_frozen_peer_returns_by_its_deadline_and_the_peer_recovers(
+        self, engines: Engines, children: Callable[..., Child]
+    ) -> None:
+        # The peer's process is stopped (SIGSTOP): engines that need it to answer must give
+        # up at the deadline; engines that write into a stopped process (CMA) may succeed.
+        # The deadline is the one core gives every write: now + BackendConfig.transfer_timeout.
+        sc = self.scenario(decode_pages=1024)
+        peer = children("engine", sc)
+        hex_meta, kvargs_json = peer.first_line("ENGINE")
+        regions = list(msgspec.json.decode(kvargs_json, type=KVArgs).regions)
+        engines.source.add_peer("frozen", bytes.fromhex(hex_meta), regions)
+        try:
+            plan = plan_pages([engines.src[0].ctypes.data], [regions[0].addr], [PAGE], np.arange(PAGES), np.arange(PAGES))
+            plan.validate(engines.src_regions, regions)
+            _write(engines.source, "frozen", plan, time.monotonic() + self.scaled(5.0), self.slack)  # connected
+            peer.freeze()
+            budget = self.scaled(ENGINE_TIMEOUT)
+            t0 = time.monotonic()
+            try:
+                _write(engines.source, "frozen", plan, t0 + budget, self.slack)
+            except TransferTimeout:
+                pass
+            assert time.monotonic() - t0 < budget + self.slack
+            peer.thaw()
+            _write(engines.source, "frozen", plan, time.monotonic() + self.scaled(5.0), self.slack)
+        finally:
+            engines.source.remove_peer("frozen")
+            peer.kill()
+
+    @requires("vram", "cuda_device")
+    def test_gpu_memory_pages_arrive_byte_exact(self) -> None:
+        import torch
+
+        src_t = torch.randint(1, 256, (PAGES, PAGE), dtype=torch.uint8, device="cuda")
+        dst_t = torch.zeros_like(src_t)
+        regions = [Region(name="pages", addr=t.data_ptr(), nbytes=t.numel(), stride=PAGE, role="k", index_space="kv_page",
+                          layer=0, mem="vram", device=t.device.index or 0) for t in (src_t, dst_t)]
+        source, dest = _engine(type(self), "gpu-source"), _engine(type(self), "gpu-dest")
+        try:
+            source.register(regions[:1])
+            dest.register(regions[1:])
+            source.add_peer("dest", dest.metadata(), regions[1:])
+            s, d = [3, 4, 5, 9, 63], [0, 1, 2, 30, 31]
+            _write(source, "dest", plan_pages([src_t.data_ptr()], [dst_t.data_ptr()], [PAGE], s, d),
+                   time.monotonic() + self.scaled(5.0), self.slack)
+            torch.cuda.synchronize()
+            want = np.zeros((PAGES, PAGE), np.uint8)
+            want[d] = src_t.cpu().numpy()[s]
+            np.testing.assert_array_equal(dst_t.cpu().numpy(), want)
+        finally:
+            source.close()
+            dest.close()
+
+    # -- 2. pages end to end: many requests, chunks, the commit point --------------------------------
+    def test_fragmented_and_contiguous_requests_in_chunks_arrive_byte_exact_with_64_in_flight(
+        self, children: Callable[..., Child]
+    ) -> None:
+        # Lengths 1..1024 pages, half fragmented and half contiguous on each side, 1-4
+        # chunks each, 64 requests initiated before any is waited on. Decode checks every
+        # destination byte and that every page no request wrote still holds the sentinel.
+        sc = self.scenario(requests=200, max_pages=1024, concurrency=64, max_chunks=4, prefill_pages=16384,
+                           decode_pages=64 * 1024 + 1024, deadline=120.0)
+        prefill = children("prefill", sc)
+        decode = children("decode", sc, bootstrap=prefill.bootstrap)
+        rc_d, d = decode.finish(sc.deadline + 10)
+        rc_p, p = prefill.finish()
+        assert rc_d == 0 and d is not None, decode.stderr()[-3000:]
+        assert d["requests"] == sc.requests and d["failed"] == [] and d["mismatched_regions"] == 0
+        assert d["active_rooms"] == 0
+        assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
+
+    def test_thousands_of_one_page_requests_leave_no_rooms_behind(self, children: Callable[..., Child]) -> None:
+        sc = self.scenario(requests=4096, max_pages=1, max_chunks=1, concurrency=64, deadline=60.0)
+        prefill = children("prefill", sc)
+        decode = children("decode", sc, bootstrap=prefill.bootstrap)
+        rc_d, d = decode.finish(sc.deadline + 10)
+        rc_p, p = prefill.finish()
+        assert rc_d == 0 and d is not None, decode.stderr()[-3000:]
+        assert d["requests"] == sc.requests and d["failed"] == [] and d["mismatched_regions"] == 0
+        assert d["active_rooms"] == 0
+        assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
+
+    def test_success_follows_every_page_and_the_metadata_row_lands_last(
+        self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
+    ) -> None:
+        # Requests of up to 2048 pages in up to 8 chunks, one at a time, into every other
+        # decode page (nothing coalesces). Decode watches its own memory while it polls:
+        # when the metadata row appears every page must be there, and SUCCESS must come
+        # only after both (write() returns once bytes have landed, not once posted).
+        sc = self.scenario(requests=4, max_pages=2048, max_chunks=8, concurrency=1, prefill_pages=4096,
+                           decode_pages=4 * 2 * 2048)
+        words = sc.page_nbytes // 4
+        decode = local_decode(sc, meta_rows=sc.requests)
+        prefill = children("prefill", sc)
+        expected = [np.full_like(a, SENTINEL) for a in decode.pools.kv]
+        expected_meta = np.full_like(decode.pools.meta, SENTINEL)
+        cursor = 0
+        for row, req in enumerate(schedule(sc)):
+            dst = cursor + 2 * np.arange(len(req.src_pages))
+            cursor += 2 * len(req.src_pages)
+            want = [pattern(e, np.asarray(req.src_pages), words) for e in range(len(expected))]
+
+            def pages_landed() -> bool:
+                return all(np.array_equal(got[dst], w) for got, w in zip(decode.pools.kv, want))
+
+            def meta_landed() -> bool:
+                return np.array_equal(decode.pools.meta[row], meta_row_for(req.room))
+
+            recv = Receiver(decode.mgr, req.room, bootstrap=prefill.bootstrap)
+            recv.init(dst, metadata_row=row)
+            pages_when_meta_landed = None
+            deadline = time.monotonic() + sc.waiting_timeout
+            while True:
+                state = recv.poll()  # read first: whatever is checked after a SUCCESS had landed before it
+                if pages_when_meta_landed is None and meta_landed():
+                    pages_when_meta_landed = pages_landed()
+                if state in (Poll.SUCCESS, Poll.FAILED):
+                    break
+                assert time.monotonic() < deadline, f"room {req.room} not finished within {sc.waiting_timeout}s"
+                time.sleep(0.0002)
+            assert state == Poll.SUCCESS, recv.failure()
+            assert pages_when_meta_landed is not False, f"room {req.room}: the metadata row landed before every page had"
+            assert meta_landed() and pages_landed(), f"room {req.room}: SUCCESS before every byte had landed"
+            for e, w in enumerate(want):
+                expected[e][dst] = w
+            expected_meta[row] = meta_row_for(req.room)
+        for e, (got, exp) in enumerate(zip(decode.pools.kv, expected)):
+            np.testing.assert_array_equal(got, exp, err_msg=f"region {e}: a byte outside the requests changed")
+        np.testing.assert_array_equal(decode.pools.meta, expected_meta)
+        rc, result = prefill.finish()
+        assert rc == 0 and result == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
+        assert decode.mgr.active_rooms() == 0
+
+    # -- 3. every state handler, heterogeneous TP and PP ---------------------------------------------
+    @staticmethod
+    def _all_succeeded(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+        for side in (prefill, decode):
+            for room, states in side["rooms"].items():
+                assert all(state == "SUCCESS" for state, _ in states), f"{side['role']} room {room}: {states}"
+        assert decode["mismatches"] == []
+
+    @pytest.mark.parametrize("prefill_tp, decode_tp, layout", TP_CASES, ids=[f"tp{p}to{d}-{lay}" for p, d, lay in TP_CASES])
+    def test_every_state_handler_arrives_byte_exact_across_tp(
+        self, children: Callable[..., Child], prefill_tp: int, decode_tp: int, layout: str
+    ) -> None:
+        # Full KV, SWA, NSA indexer, Mamba conv/temporal, DeepSeek-V4 compressed caches into
+        # decode host rows of another geometry, draft pools and metadata rows, every rank's
+        # every buffer checked against the global tensors sliced with plain numpy.
+        spec = self.hybrid_spec(prefill_tp=prefill_tp, decode_tp=decode_tp, layout=layout, draft=True)
+        self._all_succeeded(*self.run_hybrid(children, spec)[:2])
+
+    def test_mla_pages_arrive_once_from_one_prefill_rank(self, children: Callable[..., Child]) -> None:
+        spec = self.hybrid_spec(prefill_tp=2, decode_tp=4, mla=True, draft=True)
+        self._all_succeeded(*self.run_hybrid(children, spec)[:2])
+
+    @pytest.mark.parametrize("prefill_tp", [1, 2])
+    def test_prefill_pp2_stages_send_their_layers_into_decode_pp1(self, children: Callable[..., Child], prefill_tp: int) -> None:
+        spec = self.hybrid_spec(prefill_pp=2, prefill_tp=prefill_tp, decode_tp=1)
+        self._all_succeeded(*self.run_hybrid(children, spec)[:2])
+
+    def test_without_draft_pools_nothing_changes(self, children: Callable[..., Child]) -> None:
+        self._all_succeeded(*self.run_hybrid(children, self.hybrid_spec(draft=False, prefill_tp=2, decode_tp=1))[:2])
+
+    @pytest.mark.parametrize("row_tokens", [2, 3], ids=["aligned", "unaligned"])
+    def test_dsv4_c4_lands_in_host_rows_aligned_or_not(self, children: Callable[..., Child], row_tokens: int) -> None:
+        # 2: decode host rows line up with prefill device pages; 3: they do not (token runs).
+        self._all_succeeded(*self.run_hybrid(children, self.hybrid_spec(c4_row_tokens=row_tokens))[:2])
+
+    # -- the index-length policy (core's, identical on every backend) ----------------------------------
+    def test_page_indexed_state_mismatch_is_trimmed_with_a_warning(self, children: Callable[..., Child]) -> None:
+        prefill, decode, logs = self.run_hybrid(children, self.hybrid_spec(extra_swa_pages=1, prefill_tp=2, decode_tp=1))
+        self._all_succeeded(prefill, decode)
+        assert "room 1000: swa_page index lists differ (prefill" in logs and "sending the first" in logs
+
+    def test_strict_makes_a_page_indexed_mismatch_an_error(self, children: Callable[..., Child]) -> None:
+        prefill, decode, _ = self.run_hybrid(children, self.hybrid_spec(extra_swa_pages=1, strict=True, requests=2))
+        for side in (prefill, decode):
+            for states in side["rooms"].values():
+                assert states[0][0] == "FAILED" and "strict_index_lengths is set" in states[0][1]
+        assert decode["mismatches"] == []  # nothing outside the failed rooms' own items was touched
+
+    def test_slot_indexed_mismatch_is_an_error_on_both_sides(self, children: Callable[..., Child]) -> None:
+        prefill, decode, _ = self.run_hybrid(children, self.hybrid_spec(extra_slots=1, requests=2, prefill_tp=2, decode_tp=2))
+        for side in (prefill, decode):
+            for states in side["rooms"].values():
+                for state, reason in states:
+                    assert state == "FAILED" and "'slot' is slot-indexed; they must match" in reason
+        assert decode["mismatches"] == []
+
+    # -- 4. dead and frozen peers --------------------------------------------------------------------
+    def _big_request(self) -> Any:
+        # One request of at least 10,000 pages; prefill sends every other source page, so
+        # nothing coalesces: one descriptor per page and region, seconds of work on slow engines.
+        big = self.scenario(prefill_pages=32768, decode_pages=16384, max_pages=16384, max_chunks=1, requests=1)
+        return next(s for s in (msgspec.structs.replace(big, seed=i) for i in range(100))
+                    if len(schedule(s)[0].src_pages) >= 10_000)
+
+    def test_decode_killed_mid_transfer_fails_the_sender_in_time_and_the_prefill_serves_the_next_decode(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        big = self._big_request()
+        (req,) = schedule(big)
+        prefill = local_prefill(big)
+        doomed = children("decode", big, bootstrap=prefill.address)
+        sender = Sender(prefill.mgr, req.room)
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        sender.send(np.arange(len(req.src_pages)) * 2, last=True)
+        time.sleep(0.02)  # let the write start; the fastest backend here needs ~0.17 s for it all
+        assert sender.poll() == Poll.TRANSFERRING, "the chunk finished before the kill; make it larger"
+
+        doomed.kill()
+        cfg = prefill.mgr.config
+        bound = cfg.transfer_timeout + cfg.heartbeat_timeout + self.slack
+        elapsed = wait_until(finished(sender), bound, "sender after the decode was killed")
+        assert sender.poll() == Poll.FAILED
+        assert elapsed < bound
+        assert re.match(DEAD_PEER_REASON, sender.failure() or ""), sender.failure()
+        self.serve_a_fresh_decode(prefill, children, self.scenario(prefill_pages=big.prefill_pages, seed=1))
+
+    def test_decode_frozen_mid_transfer_fails_the_sender_in_time_and_the_prefill_serves_another_decode(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # SIGSTOP: the decode's sockets stay open but nothing answers. The host is still
+        # prefilling (the last chunk never comes), so only failure detection ends the room,
+        # also on engines that can write into a stopped process (CMA).
+        big = self._big_request()
+        (req,) = schedule(big)
+        prefill = local_prefill(big)
+        frozen = children("decode", big, bootstrap=prefill.address)
+        sender = Sender(prefill.mgr, req.room)
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        sender.send(np.arange(len(req.src_pages) - 1) * 2)
+        time.sleep(0.02)  # let the write start
+        frozen.freeze()
+        try:
+            cfg = prefill.mgr.config
+            bound = cfg.transfer_timeout + cfg.heartbeat_timeout + self.slack
+            elapsed = wait_until(finished(sender), bound, "sender after the decode froze")
+            assert sender.poll() == Poll.FAILED
+            assert elapsed < bound
+            assert re.match(DEAD_PEER_REASON, sender.failure() or ""), sender.failure()
+            # A stopped peer must not hold up the engine for the others.
+            self.serve_a_fresh_decode(prefill, children, self.scenario(prefill_pages=big.prefill_pages, seed=1))
+        finally:
+            frozen.kill()  # SIGCONT, then SIGKILL
+
+    def test_prefill_killed_fails_the_waiting_receiver_within_the_heartbeat_timeout(
+        self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
+    ) -> None:
+        sc = self.scenario(requests=1, bootstrap_timeout=30.0)  # the holder keeps its sender open
+        holder = children("hold", sc)
+        decode = local_decode(sc)
+        (req,) = schedule(sc)
+        recv = Receiver(decode.mgr, req.room, bootstrap=holder.bootstrap)
+        recv.init(np.arange(len(req.src_pages)), metadata_row=0)
+        wait_until(lambda: recv.poll() == Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "handshake with the holder")
+        time.sleep(3 * sc.heartbeat_interval)  # heartbeats are flowing
+
+        holder.kill()
+        bound = sc.heartbeat_timeout + self.slack
+        elapsed = wait_until(finished(recv), bound, "receiver after the prefill was killed")
+        assert recv.poll() == Poll.FAILED
+        assert re.fullmatch(
+            rf"prefill tp0/pp0 at 127\.0\.0\.1:\d+ sent nothing for \d+\.\ds \(heartbeat_timeout={sc.heartbeat_timeout}s\)",
+            recv.failure() or "",
+        ), recv.failure()
+        assert elapsed < bound
+        assert decode.mgr.active_rooms() == 0
+
+    # -- 5. destinations outside the registered memory -----------------------------------------------
+    @pytest.mark.parametrize("bad", ["past-the-end", "negative"])
+    def test_receiver_init_with_a_page_outside_the_pool_fails_at_once_and_sends_nothing(
+        self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child], bad: str
+    ) -> None:
+        sc = self.scenario(requests=1)
+        prefill = children("prefill", sc)
+        decode = local_decode(sc)
+        (req,) = schedule(sc)
+        n = len(req.src_pages)
+        recv = Receiver(decode.mgr, req.room, bootstrap=prefill.bootstrap)
+        # Once the handshake is done a request would go out at once.
+        wait_until(lambda: recv.poll() == Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "handshake")
+        dst = np.arange(n)
+        dst[-1] = sc.decode_pages if bad == "past-the-end" else -1
+        recv.init(dst, metadata_row=0)
+        assert recv.poll() == Poll.FAILED
+        assert recv.failure() == (
+            f"room {req.room}: destination kv_page index[{n - 1}] = {dst[-1]} is out of range "
+            f"(valid range is 0..{sc.decode_pages - 1})"
+        )
+
+        # Prefill takes one request per room (a bad one would have failed its sender), so this
+        # retry can only succeed if nothing was sent for the failed receiver.
+        retry = Receiver(decode.mgr, req.room, bootstrap=prefill.bootstrap)
+        dst = np.arange(n) + 7
+        retry.init(dst, metadata_row=0)
+        wait_until(finished(retry), self.scaled(10.0), "retry")
+        assert retry.poll() == Poll.SUCCESS, retry.failure()
+        words = sc.page_nbytes // 4
+        for e, got in enumerate(decode.pools.kv):
+            expected = np.full_like(got, SENTINEL)
+            expected[dst] = pattern(e, np.asarray(req.src_pages), words)
+            np.testing.assert_array_equal(got, expected, err_msg=f"region {e}")
+        np.testing.assert_array_equal(decode.pools.meta[0], meta_row_for(req.room))
+        assert (decode.pools.meta[1:] == SENTINEL).all()
+        rc, result = prefill.finish()
+        assert rc == 0 and result == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
+
+    @pytest.mark.parametrize("sender_first", [True, False], ids=["sender-created", "no-sender-yet"])
+    def test_hostile_request_for_a_page_outside_the_pool_gets_failed_and_moves_no_bytes(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child],
+        raw_clients: Callable[[str, str], RawClient], sender_first: bool,
+    ) -> None:
+        sc = self.scenario()
+        prefill = local_prefill(sc)
+        before = snapshot(prefill.pools)
+        claimed = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)  # the memory the hostile client describes
+        hostile = raw_clients(prefill.mgr.control_address, "hostile")
+        hostile.handshake(claimed, self.backend, self.backend_options)
+        room, bad = 4242, sc.decode_pages + 5
+        sender = Sender(prefill.mgr, room) if sender_first else None
+
+        reply = hostile.ask(P.TransferRequest(room=room, indices={"kv_page": np.array([0, bad], "<i4").tobytes()},
+                                              metadata_row=0))
+        reason = (
+            f"bad transfer request from decode {hostile.identity!r}: destination kv_page index[1] = {bad} "
+            f"is out of range (valid range is 0..{sc.decode_pages - 1})"
+        )
+        assert reply == P.Failed(room=room, reason=reason)
+        if sender is not None:
+            assert sender.poll() == Poll.FAILED and sender.failure() == reason
+        assert prefill.mgr.active_rooms() == 0  # nothing pending, nothing held
+        assert unchanged(prefill.pools, before)
+        assert all_sentinel(claimed)
+
+        self.serve_a_fresh_decode(prefill, children, self.scenario(seed=1))
+        assert all_sentinel(claimed)
+
+    # -- 6. aborts -----------------------------------------------------------------------------------
+    def test_receiver_abort_fails_the_waiting_sender_with_aborted_by_decode(
+        self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
+    ) -> None:
+        sc = self.scenario(requests=1, bootstrap_timeout=30.0)
+        holder = children("hold", sc)  # its sender waits and never sends
+        decode = local_decode(sc)
+        (req,) = schedule(sc)
+        recv = Receiver(decode.mgr, req.room, bootstrap=holder.bootstrap)
+        wait_until(lambda: recv.poll() == Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "handshake")
+        recv.init(np.arange(len(req.src_pages)), metadata_row=0)
+        time.sleep(0.3)  # the request reaches the holder's sender, which then waits
+
+        recv.abort("the user cancelled the request")
+        assert recv.poll() == Poll.FAILED and recv.failure() == "the user cancelled the request"
+        assert decode.mgr.active_rooms() == 0
+        rc, result = holder.finish()
+        assert rc == 0, holder.stderr()[-3000:]
+        assert result == {
+            "role": "hold",
+            "rooms": {str(req.room): {"state": "FAILED", "reason": "aborted by decode: the user cancelled the request"}},
+            "active_rooms": 0,
+        }
+
+    def test_sender_abort_fails_the_receiver_with_the_prefill_reason(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        sc = self.scenario(requests=1)
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc)
+        decode = children("decode", sc, bootstrap=prefill.address)
+        sender = Sender(prefill.mgr, req.room)
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+
+        sender.abort("prefill dropped the request: out of KV memory")
+        assert sender.poll() == Poll.FAILED and sender.failure() == "prefill dropped the request: out of KV memory"
+        assert prefill.mgr.active_rooms() == 0
+        rc, result = decode.finish()
+        assert rc == 1 and result is not None
+        assert result["failed"] == [{
+            "room": req.room,
+            "reason": f"prefill tp0/pp0 at {prefill.mgr.control_address}: prefill dropped the request: out of KV memory",
+        }]
+        assert result["active_rooms"] == 0
+
+    # -- 7. closing with rooms in flight -------------------------------------------------------------
+    def _closed_cleanly(self, closer: Child, role: str, transfer_timeout: float) -> dict[str, Any]:
+        rc, result = closer.finish()
+        assert rc == 0, f"{role} exited with {rc}:\n{closer.stderr()[-3000:]}"
+        assert result is not None and result["role"] == f"{role}-close"
+        assert set(result["before_close"].values()) == {"TRANSFERRING"}, result["before_close"]
+        # In-flight writes to a live peer finish, or end at their deadline: close never waits longer.
+        assert result["close_seconds"] < transfer_timeout, result["close_seconds"]
+        assert result["rooms"] == {room: {"state": "FAILED", "reason": f"{role} manager closed"} for room in result["before_close"]}
+        assert result["active_rooms"] == 0
+        return result
+
+    def test_prefill_manager_closed_with_rooms_in_flight_fails_every_room_on_both_sides_and_exits_cleanly(
+        self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
+    ) -> None:
+        sc = self.scenario(requests=8, max_pages=256, concurrency=8, decode_pages=8 * 256)
+        closer = children("prefill-close", sc)
+        decode = local_decode(sc)
+        receivers, cursor = [], 0
+        for row, req in enumerate(schedule(sc)):
+            recv = Receiver(decode.mgr, req.room, bootstrap=closer.bootstrap)
+            recv.init(np.arange(cursor, cursor + len(req.src_pages)), metadata_row=row)
+            cursor += len(req.src_pages)
+            receivers.append(recv)
+        self._closed_cleanly(closer, "prefill", sc.transfer_timeout)
+        # Decode hears the close or, if that message was lost with the socket, stops hearing heartbeats.
+        wait_until(lambda: all(finished(r)() for r in receivers), sc.heartbeat_timeout + self.slack, "receivers")
+        for recv in receivers:
+            assert recv.poll() == Poll.FAILED
+            assert re.fullmatch(r"prefill tp0/pp0 at 127\.0\.0\.1:\d+(: prefill manager closed| sent nothing for .*)",
+                                recv.failure() or ""), recv.failure()
+        assert decode.mgr.active_rooms() == 0
+
+    def test_decode_manager_closed_with_rooms_in_flight_fails_every_room_on_both_sides_and_exits_cleanly(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        sc = self.scenario(requests=8, max_pages=256, concurrency=8, decode_pages=8 * 256)
+        prefill = local_prefill(sc)
+        closer = children("decode-close", sc, bootstrap=prefill.address)
+        wave = schedule(sc)
+        senders = [Sender(prefill.mgr, req.room, metadata_row=row) for row, req in enumerate(wave)]
+        wait_until(lambda: all(s.poll() >= Poll.WAITING_FOR_INPUT for s in senders), self.scaled(START_WAIT), "requests")
+        for sender, req in zip(senders, wave):
+            sender.send(req.src_pages[:(len(req.src_pages) + 1) // 2])  # never the last chunk
+        self._closed_cleanly(closer, "decode", sc.transfer_timeout)
+        wait_until(lambda: all(finished(s)() for s in senders), sc.heartbeat_timeout + self.slack, "senders")
+        for sender in senders:
+            assert sender.poll() == Poll.FAILED
+            assert re.match(r"aborted by decode: decode manager closed$|" + DEAD_PEER_REASON, sender.failure() or ""), (
+                sender.failure())
+        assert prefill.mgr.active_rooms() == 0
+        self.serve_a_fresh_decode(prefill, children, self.scenario(seed=1))

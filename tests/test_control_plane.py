@@ -1,0 +1,271 @@
+"""Control-plane behaviour of the session layer, with real processes on 127.0.0.1.
+
+What is checked here does not depend on the transport (the conformance suite,
+``kvbridge.testing.conformance``, covers what does, for every backend): hostile
+and malformed control messages, requests and aborts from a decode that does
+not own the room, incompatible layouts at handshake, and a bootstrap endpoint
+nobody listens on. It runs against one built-in backend, through the same
+fixtures as the conformance suite (``kvbridge.testing.harness``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbridge.core import protocol as P
+from kvbridge.core.layout import KVArgs
+from kvbridge.core.session import Poll, Receiver, Sender
+from kvbridge.testing.e2e import Pools, meta_row_for, schedule
+from kvbridge.testing.harness import START_WAIT, BackendHarness, finished, send_all, wait_until
+
+HOSTILE_META = b"127.0.0.1:1"  # engine metadata in Hellos that are refused before the backend sees them
+
+
+# -- malformed and wrong-version control messages ------------------------------------------------
+KNOWN_TAGS = ["register", "register_ack", "lookup", "lookup_reply", "hello", "hello_ack", "transfer_request",
+              "chunk_done", "done", "failed", "abort", "heartbeat", "reject"]
+ROOMS = st.integers(0, 2**40)
+MSGPACK_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=16) | st.binary(max_size=16),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One fuzzed payload, who sends it, and the reply it must get."""
+
+    payload: bytes
+    handshaken: bool
+    expect: Callable[[P.Message, str], bool]  # (reply, sender identity) -> ok
+    what: str
+
+
+_ANY: Any = object()
+
+
+def _reject(text: str | None = None, room: int | None = _ANY) -> Callable[[P.Message, str], bool]:
+    """A Reject with a reason; ``text`` (formatted with the sender's identity) and ``room`` when given."""
+    return lambda r, ident: (
+        isinstance(r, P.Reject)
+        and bool(r.reason)
+        and (room is _ANY or r.room == room)
+        and (text is None or r.reason == text.format(ident=ident))
+    )
+
+
+def _probes(kvargs: KVArgs, backend: str) -> st.SearchStrategy[Probe]:
+    random_bytes = st.binary(max_size=300).map(lambda b: Probe(b, False, _reject(), "random bytes"))
+    wrong_shape = MSGPACK_VALUES.map(lambda v: Probe(msgspec.msgpack.encode(v), False, _reject(), "msgpack of a wrong shape"))
+    known_tag_wrong_fields = st.builds(
+        lambda tag, fields: Probe(msgspec.msgpack.encode({"type": tag, "v": 1, **fields}), False, _reject(), "wrong fields"),
+        st.sampled_from(KNOWN_TAGS),
+        st.dictionaries(st.text(max_size=12).filter(lambda k: k not in ("type", "v")), MSGPACK_VALUES, min_size=1, max_size=4),
+    )
+
+    def versioned(v: int, room: int) -> st.SearchStrategy[P.Message]:
+        return st.sampled_from([
+            P.Heartbeat(v=v),
+            P.Lookup(v=v),
+            P.Abort(v=v, room=room, reason="x"),
+            P.TransferRequest(v=v, room=room, indices={"kv_page": P.pack_indices([0, 1])}, metadata_row=0),
+            P.Hello(v=v, peer_id="x", backend=backend, backend_meta=HOSTILE_META, kvargs=kvargs),
+        ])
+
+    wrong_version = st.tuples(st.integers(-(2**63), 2**63 - 1).filter(lambda v: v != P.PROTOCOL_VERSION), ROOMS, st.booleans()).flatmap(
+        lambda t: versioned(t[0], t[1]).map(lambda msg: Probe(
+            P.encode(msg), t[2],
+            _reject(f"protocol version {t[0]} is not supported (this side speaks {P.PROTOCOL_VERSION}); "
+                    "run the same kvbridge version on prefill and decode", room=None),
+            f"version {t[0]}",
+        ))
+    )
+    unknown_tag = st.builds(
+        lambda tag, fields: Probe(
+            msgspec.msgpack.encode({"type": tag, "v": 1, **fields}), False,
+            lambda r, ident: isinstance(r, P.Reject) and r.reason.startswith(f"malformed {tag!r} message: "),
+            f"unknown tag {tag!r}",
+        ),
+        st.text(min_size=1, max_size=20).filter(lambda t: t not in KNOWN_TAGS),
+        st.dictionaries(st.text(max_size=12).filter(lambda k: k not in ("type", "v")), MSGPACK_VALUES, max_size=3),
+    )
+    before_hello = st.builds(
+        lambda msg: Probe(
+            P.encode(msg), False,
+            _reject(f"{type(msg).__name__} from {{ident!r}} before a handshake; send Hello first", getattr(msg, "room", None)),
+            f"{type(msg).__name__} before Hello",
+        ),
+        st.one_of(
+            st.builds(P.TransferRequest, room=ROOMS, indices=st.just({"kv_page": P.pack_indices([3])}), metadata_row=st.integers(0, 7)),
+            st.builds(P.ChunkDone, room=ROOMS, chunk=st.integers(0, 9), last=st.booleans()),
+            st.builds(P.Done, room=ROOMS),
+            st.just(P.Heartbeat()),
+        ),
+    )
+    ragged_indices = st.builds(
+        lambda room, space, data: Probe(
+            P.encode(P.TransferRequest(room=room, indices={space: data}, metadata_row=0)), True,
+            lambda r, ident: r == P.Failed(room=room, reason=(
+                f"bad transfer request from decode {ident!r}: index list {space!r} has {len(data)} bytes, "
+                "not a multiple of 4 (int32)"
+            )),
+            "ragged index bytes",
+        ),
+        ROOMS,
+        st.sampled_from(["kv_page", "metadata_row", "no_such_space"]),
+        st.binary(max_size=64).filter(lambda b: len(b) % 4 != 0),
+    )
+    return st.one_of(random_bytes, wrong_shape, known_tag_wrong_fields, wrong_version, unknown_tag, before_hello, ragged_indices)
+
+
+# -- incompatible layouts at handshake -------------------------------------------------------------
+LAYOUT_CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+    # case: (scenario changes, KVArgs changes on decode, the difference both sides must name)
+    "page_size": ({}, {"page_size": 32}, "page size differs: prefill 16 tokens, decode 32"),
+    "dtype": ({}, {"dtype": "float16"}, "KV dtype differs: prefill 'bfloat16', decode 'float16'"),
+    "missing_layer": (
+        {"layers": 1}, {},
+        "decode registered no region for 2 prefill region(s): kv/k layer 1 ('k1'), kv/v layer 1 ('v1'); "
+        "both sides must run the same model config",
+    ),
+}
+
+
+class TestControlPlane(BackendHarness):
+    backend = "ucx"  # any built-in backend: nothing here depends on the transport
+
+    # -- a decode that does not own the room ---------------------------------------------------
+    def test_bad_request_from_another_decode_does_not_fail_a_room_it_does_not_own(
+        self, local_prefill, children, raw_clients
+    ):
+        sc = self.scenario(requests=1)
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc)
+        decode = children("decode", sc, bootstrap=prefill.address)
+        prefill.pools.meta[0] = meta_row_for(req.room)
+        sender = Sender(prefill.mgr, req.room, metadata_row=0)
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+
+        hostile = raw_clients(prefill.mgr.control_address, "hostile")
+        hostile.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency), self.backend, self.backend_options)
+        reply = hostile.ask(P.TransferRequest(room=req.room, indices={"kv_page": b"\x01\x02\x03"}, metadata_row=0))
+        assert isinstance(reply, P.Failed) and reply.room == req.room
+        assert sender.poll() == Poll.WAITING_FOR_INPUT, f"the real decode's room was failed: {sender.failure()}"
+
+        send_all(sender, req.src_pages, req.chunks)
+        wait_until(finished(sender), 10.0, "sender")
+        assert sender.poll() == Poll.SUCCESS, sender.failure()
+        rc, result = decode.finish()
+        assert rc == 0 and result is not None and result["failed"] == [] and result["mismatched_regions"] == 0
+
+    def test_abort_from_another_decode_does_not_drop_a_pending_request_it_does_not_own(
+        self, local_prefill, children, raw_clients
+    ):
+        sc = self.scenario(requests=1)
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc)
+        decode = children("decode", sc, bootstrap=prefill.address)
+        # No sender yet: decode's request waits in the prefill manager for the host to create one.
+        wait_until(lambda: prefill.mgr.active_rooms() == 1, self.scaled(START_WAIT), "decode's request pending")
+
+        hostile = raw_clients(prefill.mgr.control_address, "hostile")
+        hostile.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency), self.backend, self.backend_options)
+        hostile.send(P.Abort(room=req.room, reason="not mine to abort"))
+        assert isinstance(hostile.ask(P.Heartbeat()), P.Heartbeat)  # the Abort has been handled
+
+        prefill.pools.meta[0] = meta_row_for(req.room)
+        sender = Sender(prefill.mgr, req.room, metadata_row=0)
+        assert sender.poll() == Poll.WAITING_FOR_INPUT, "the real decode's pending request was dropped"
+        send_all(sender, req.src_pages, req.chunks)
+        wait_until(finished(sender), 10.0, "sender")
+        assert sender.poll() == Poll.SUCCESS, sender.failure()
+        rc, result = decode.finish()
+        assert rc == 0 and result is not None and result["failed"] == []
+
+    # -- malformed and wrong-version control messages ---------------------------------------------
+    def test_garbage_control_messages_are_refused_and_the_prefill_keeps_serving(
+        self, local_prefill, children, raw_clients, caplog
+    ):
+        caplog.set_level(logging.WARNING)
+        sc = self.scenario()
+        # A long heartbeat timeout keeps the hand-made peer's handshake alive through shrinking.
+        prefill = local_prefill(sc, config=msgspec.structs.replace(sc, heartbeat_timeout=120.0).session_config())
+        claimed = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
+        stranger = raw_clients(prefill.mgr.control_address, "stranger")  # never says Hello
+        peer = raw_clients(prefill.mgr.control_address, "peer")
+        peer.handshake(claimed, self.backend, self.backend_options)
+
+        @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(_probes(claimed.kvargs, self.backend))
+        def refused(probe: Probe) -> None:
+            client = peer if probe.handshaken else stranger
+            reply = client.ask_raw(probe.payload)
+            assert probe.expect(reply, client.identity), f"{probe.what}: {probe.payload[:80]!r} got {reply}"
+
+        refused()
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("kvbridge")]
+        assert not errors, [r.getMessage() for r in errors]
+        assert prefill.mgr.active_rooms() == 0
+        assert isinstance(peer.ask(P.Heartbeat()), P.Heartbeat)  # the fuzzing peer is still connected
+        self.serve_a_fresh_decode(prefill, children, self.scenario(seed=1))
+
+    def test_unknown_message_type_without_a_version_is_not_reported_as_a_version_mismatch(
+        self, local_prefill, raw_clients
+    ):
+        # "v" is optional on the wire (it defaults to the current version), so a message
+        # without it must be refused for what is wrong with it, not as "protocol version -1".
+        prefill = local_prefill(self.scenario())
+        client = raw_clients(prefill.mgr.control_address, "client")
+        reply = client.ask_raw(msgspec.msgpack.encode({"type": "bogus"}))
+        assert isinstance(reply, P.Reject)
+        assert reply.reason.startswith("malformed 'bogus' message: "), reply.reason
+
+    # -- incompatible layouts at handshake ---------------------------------------------------------
+    @pytest.mark.parametrize("case", sorted(LAYOUT_CHANGES))
+    def test_incompatible_layout_fails_the_handshake_and_both_sides_name_the_difference(self, local_decode, children, case):
+        sc = self.scenario(requests=1, bootstrap_timeout=30.0)
+        sc_changes, kv_changes, difference = LAYOUT_CHANGES[case]
+        holder = children("hold", sc)
+        decode_sc = msgspec.structs.replace(sc, **sc_changes)
+        pools = Pools(decode_sc, decode_sc.decode_pages, meta_rows=decode_sc.concurrency)
+        decode = local_decode(decode_sc, kvargs=msgspec.structs.replace(pools.kvargs, **kv_changes))
+        recv = Receiver(decode.mgr, schedule(sc)[0].room, bootstrap=holder.bootstrap)
+        wait_until(finished(recv), 10.0, "receiver")
+        assert recv.poll() == Poll.FAILED
+
+        logged = re.compile(rf"rejected handshake from {re.escape(repr(decode.mgr.peer_id))}: (.*)$", re.M)
+        wait_until(lambda: logged.search(holder.stderr()) is not None, 5.0, "prefill logging the rejection")
+        problem = logged.search(holder.stderr()).group(1)  # type: ignore[union-attr]
+        assert problem == f"incompatible layouts: {difference}"
+        assert re.fullmatch(r"prefill tp0/pp0 at 127\.0\.0\.1:\d+ rejected the handshake: (.*)", recv.failure() or "")
+        assert recv.failure().endswith(f" rejected the handshake: {problem}")  # type: ignore[union-attr]
+        assert decode.mgr.active_rooms() == 0
+
+    # -- bootstrap timeout -----------------------------------------------------------------------------
+    def test_receiver_fails_within_the_bootstrap_timeout_when_nothing_listens(self, local_decode):
+        with socket.socket() as s:  # a port nothing listens on once closed
+            s.bind(("127.0.0.1", 0))
+            address = "127.0.0.1:%d" % s.getsockname()[1]
+        sc = self.scenario(bootstrap_timeout=2.0)
+        decode = local_decode(sc)
+        t0 = time.monotonic()
+        recv = Receiver(decode.mgr, 1, bootstrap=address)
+        recv.init([0, 1], metadata_row=0)
+        wait_until(finished(recv), sc.bootstrap_timeout + self.slack, "receiver")
+        elapsed = time.monotonic() - t0
+        assert recv.poll() == Poll.FAILED
+        assert "bootstrap_timeout=2.0s" in (recv.failure() or ""), recv.failure()
+        assert sc.bootstrap_timeout <= elapsed < sc.bootstrap_timeout + self.slack
+        assert decode.mgr.active_rooms() == 0
