@@ -438,15 +438,17 @@ class PrefillManager(TransferManager):
 
     def _drop_peer(self, peer: _DecodePeer, reason: str) -> None:
         log.warning("prefill: %s; dropping it", reason)
+        # Fail its rooms while it is still a known peer, so each Failed goes out: a
+        # decode that was only frozen learns of it when it resumes.
+        for sender in list(self._senders.values()):
+            if peer.peer_id in sender._requests:
+                self._fail_sender(sender, reason, "peer_dead")
         self._peers.pop(peer.peer_id, None)
         peer.jobs.put(None)
         for room, reqs in list(self._pending.items()):
             reqs.pop(peer.peer_id, None)
             if not reqs:
                 del self._pending[room]
-        for sender in list(self._senders.values()):
-            if peer.peer_id in sender._requests:
-                self._fail_sender(sender, reason, "peer_dead")
         try:
             self.backend.remove_peer(peer.peer_id)
         except Exception:
@@ -800,7 +802,9 @@ class DecodeManager(TransferManager):
                 elif not rank.acked:
                     self._fail_server(server, f"{rank.label} rejected the handshake: {msg.reason}", "layout")
                 else:
-                    log.warning("decode: %s rejected a message: %s", rank.label, msg.reason)
+                    # An acked rank refusing a room-less message (a heartbeat) has dropped
+                    # this decode rank: fail its rooms now; the next receiver reconnects.
+                    self._fail_server(server, f"{rank.label} no longer knows this decode rank: {msg.reason}", "peer_dead")
             elif isinstance(msg, (P.ChunkDone, P.Done, P.Failed, P.Abort)):
                 target = self._receivers.get(msg.room)
                 if target is None or target._server is not server:
