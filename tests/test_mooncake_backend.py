@@ -8,12 +8,10 @@ slicing of the source, independently of the planner.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -22,86 +20,21 @@ pytest.importorskip("mooncake.engine")
 
 from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
 from kvbridge.core.layout import Region  # noqa: E402
-from kvbridge.core.plan import TransferPlan, plan_pages  # noqa: E402
+from kvbridge.testing import pair  # noqa: E402
+from kvbridge.testing.pair import ROWS, SENTINEL, Destination, pattern_buffers, standard_layout  # noqa: E402
+from kvbridge.core.plan import TransferPlan  # noqa: E402
 from kvbridge.plugins.mooncake import CAPABILITIES  # noqa: E402
 from kvbridge.plugins.mooncake.backend import MooncakeBackend  # noqa: E402
 
-SENTINEL = 0xA5
-PAGE_ITEMS = (4096, 1024, 256)  # item bytes of the three page regions (multiples of 4)
+
 SRC_PAGES, DST_PAGES = 64, 48
-ROW_BYTES, ROWS = 16, 10_000  # a region of small rows, for plans of thousands of descriptors
 WAIT = 20.0  # bound on every wait for the other process
 
 
-def _layout(pages: int) -> list[tuple[str, int, int, str]]:
-    """(name, item bytes, item count, index space) of every region on one side."""
-    regions = [(f"page{e}", item, pages, "kv_page") for e, item in enumerate(PAGE_ITEMS)]
-    return regions + [("rows", ROW_BYTES, ROWS, "row")]
-
-
-def _region(name: str, buf: np.ndarray, item: int, space: str, layer: int) -> Region:
-    return Region(name=name, addr=buf.ctypes.data, nbytes=buf.nbytes, stride=item,
-                  role="kv" if space == "kv_page" else "metadata", index_space=space, layer=layer)
-
-
-def _destination(conn: Any, layout: list[tuple[str, int, int, str]]) -> None:
-    """Child process: register sentinel-filled buffers, then serve fill/dump/quit requests."""
-    backend = MooncakeBackend(BackendConfig(host="127.0.0.1", name="decode", transfer_timeout=5.0))
-    bufs = [np.full(item * count, SENTINEL, np.uint8) for _, item, count, _ in layout]
-    regions = [_region(n, b, item, space, i) for i, (b, (n, item, _, space)) in enumerate(zip(bufs, layout))]
-    backend.register(regions)
-    conn.send((backend.metadata(), regions))
-    while conn.poll(60):  # exit on its own if the parent goes away
-        cmd = conn.recv()
-        if cmd == "fill":
-            for b in bufs:
-                b.fill(SENTINEL)
-            conn.send("ok")
-        elif cmd == "dump":
-            conn.send([b.tobytes() for b in bufs])
-        else:
-            break
-    backend.close()
-
-
-@dataclass
-class Destination:
-    process: Any
-    conn: Any
-    metadata: bytes
-    regions: list[Region]
-
-    def ask(self, cmd: str) -> Any:
-        self.conn.send(cmd)
-        assert self.conn.poll(WAIT), f"destination did not answer {cmd!r} within {WAIT} s"
-        return self.conn.recv()
-
-    def buffers(self) -> list[np.ndarray]:
-        return [np.frombuffer(b, np.uint8) for b in self.ask("dump")]
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.conn.send("quit")
-            except OSError:
-                pass
-            self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
 
 
 def start_destination() -> Destination:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_destination, args=(child, _layout(DST_PAGES)), daemon=True)
-    proc.start()
-    child.close()
-    if not parent.poll(WAIT):
-        proc.kill()
-        pytest.fail(f"destination process sent no metadata within {WAIT} s (exit code {proc.exitcode})")
-    metadata, regions = parent.recv()
-    return Destination(proc, parent, metadata, regions)
+    return pair.start_destination("mooncake", standard_layout(DST_PAGES, ROWS))
 
 
 @dataclass
@@ -114,13 +47,7 @@ class Source:
 @pytest.fixture(scope="module")
 def source():
     backend = MooncakeBackend(BackendConfig(host="127.0.0.1", name="prefill", transfer_timeout=5.0))
-    bufs, regions = [], []
-    for e, (name, item, count, space) in enumerate(_layout(SRC_PAGES)):
-        # Word w of region e holds (e+1) << 28 | w: every 4 bytes say which region and where.
-        words = np.arange(item * count // 4, dtype=np.uint32) | np.uint32((e + 1) << 28)
-        buf = words.view(np.uint8)
-        bufs.append(buf)
-        regions.append(_region(name, buf, item, space, e))
+    bufs, regions = pattern_buffers(standard_layout(SRC_PAGES, ROWS))
     backend.register(regions)
     yield Source(backend, bufs, regions)
     backend.close()
@@ -141,21 +68,11 @@ def dest(dest_proc):
 
 
 def page_plan(source: Source, dest: Destination, src_idx, dst_idx, which=slice(0, 3)) -> TransferPlan:
-    s, d = source.regions[which], dest.regions[which]
-    plan = plan_pages([r.addr for r in s], [r.addr for r in d], [r.stride for r in s], src_idx, dst_idx)
-    plan.validate(source.regions, dest.regions)
-    return plan
+    return pair.page_plan(source.regions, dest.regions, src_idx, dst_idx, which)
 
 
 def expected(source: Source, which: range, src_idx, dst_idx) -> list[np.ndarray]:
-    """Sentinel everywhere except the written items, copied by plain numpy indexing."""
-    out = []
-    for e in which:
-        item = _layout(DST_PAGES)[e][1]
-        exp = np.full(item * _layout(DST_PAGES)[e][2], SENTINEL, np.uint8)
-        exp.reshape(-1, item)[np.asarray(dst_idx)] = source.bufs[e].reshape(-1, item)[np.asarray(src_idx)]
-        out.append(exp)
-    return out
+    return pair.expected(source.bufs, standard_layout(DST_PAGES, ROWS), which, src_idx, dst_idx)
 
 
 FRAGMENTED = {

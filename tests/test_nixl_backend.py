@@ -9,7 +9,6 @@ through both request paths (``xfer_mode`` ``descs`` and ``prepped``).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -17,7 +16,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -26,12 +24,13 @@ pytest.importorskip("nixl_cu12")
 
 from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
 from kvbridge.core.layout import Region  # noqa: E402
+from kvbridge.testing import pair  # noqa: E402
+from kvbridge.testing.pair import SENTINEL, Destination, pattern, pattern_buffers, region, standard_layout  # noqa: E402
 from kvbridge.core.plan import TransferPlan, plan_pages  # noqa: E402
 from kvbridge.plugins.nixl import CAPABILITIES  # noqa: E402
 from kvbridge.plugins.nixl.backend import NixlBackend  # noqa: E402
 
-SENTINEL = 0xA5
-PAGE_ITEMS = (4096, 1024, 256)  # item bytes of the three page regions (multiples of 4)
+
 SRC_PAGES, DST_PAGES = 64, 48
 ROW_BYTES, ROWS = 16, 120_000  # a region of small rows, for plans of tens of thousands of descriptors
 MODES = ("descs", "prepped")
@@ -41,80 +40,13 @@ SLACK = 0.5  # seconds a write may overrun its deadline (polling, a loaded 2-cor
 Layout = list[tuple[str, int, int, str]]
 
 
-def _layout(pages: int) -> Layout:
-    """(name, item bytes, item count, index space) of every region on one side."""
-    regions = [(f"page{e}", item, pages, "kv_page") for e, item in enumerate(PAGE_ITEMS)]
-    return regions + [("rows", ROW_BYTES, ROWS, "row")]
 
 
 BIG_LAYOUT: Layout = [("big", 1 << 20, 64, "kv_page")]  # 64 MiB: more than loopback TCP buffers hold
 
 
-def _region(name: str, buf: np.ndarray, item: int, space: str, layer: int) -> Region:
-    return Region(name=name, addr=buf.ctypes.data, nbytes=buf.nbytes, stride=item,
-                  role="kv" if space == "kv_page" else "metadata", index_space=space, layer=layer)
-
-
-def _destination(conn: Any, layout: Layout) -> None:
-    """Child process: register sentinel-filled buffers, then serve fill/dump/quit requests."""
-    backend = NixlBackend(BackendConfig(host="127.0.0.1", name="decode", transfer_timeout=5.0))
-    bufs = [np.full(item * count, SENTINEL, np.uint8) for _, item, count, _ in layout]
-    regions = [_region(n, b, item, space, i) for i, (b, (n, item, _, space)) in enumerate(zip(bufs, layout))]
-    backend.register(regions)
-    conn.send((backend.metadata(), regions))
-    while conn.poll(60):  # exit on its own if the parent goes away
-        cmd = conn.recv()
-        if cmd == "fill":
-            for b in bufs:
-                b.fill(SENTINEL)
-            conn.send("ok")
-        elif cmd == "dump":
-            conn.send([b.tobytes() for b in bufs])
-        else:
-            break
-    backend.close()
-
-
-@dataclass
-class Destination:
-    process: Any
-    conn: Any
-    metadata: bytes
-    regions: list[Region]
-
-    def ask(self, cmd: str) -> Any:
-        self.conn.send(cmd)
-        assert self.conn.poll(WAIT), f"destination did not answer {cmd!r} within {WAIT} s"
-        return self.conn.recv()
-
-    def buffers(self) -> list[np.ndarray]:
-        return [np.frombuffer(b, np.uint8) for b in self.ask("dump")]
-
-    def stop(self) -> int | None:
-        """Ask the process to close its agent and exit; return its exit code."""
-        if self.process.is_alive():
-            try:
-                self.conn.send("quit")
-            except OSError:
-                pass
-            self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        return self.process.exitcode
-
-
 def start_destination(layout: Layout | None = None) -> Destination:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_destination, args=(child, layout or _layout(DST_PAGES)), daemon=True)
-    proc.start()
-    child.close()
-    if not parent.poll(WAIT):
-        proc.kill()
-        pytest.fail(f"destination process sent no metadata within {WAIT} s (exit code {proc.exitcode})")
-    metadata, regions = parent.recv()
-    return Destination(proc, parent, metadata, regions)
+    return pair.start_destination("nixl", layout or standard_layout(DST_PAGES, ROWS))
 
 
 @dataclass
@@ -124,18 +56,9 @@ class Source:
     regions: list[Region]
 
 
-def _pattern(e: int, nbytes: int) -> np.ndarray:
-    # Word w of region e holds (e+1) << 28 | w: every 4 bytes say which region and where.
-    return (np.arange(nbytes // 4, dtype=np.uint32) | np.uint32((e + 1) << 28)).view(np.uint8)
-
-
 @pytest.fixture(scope="module")
 def source():
-    bufs, regions = [], []
-    for e, (name, item, count, space) in enumerate(_layout(SRC_PAGES)):
-        buf = _pattern(e, item * count)
-        bufs.append(buf)
-        regions.append(_region(name, buf, item, space, e))
+    bufs, regions = pattern_buffers(standard_layout(SRC_PAGES, ROWS))
     backends = {}
     for mode in MODES:
         backends[mode] = NixlBackend(BackendConfig(host="127.0.0.1", name=f"prefill-{mode}", transfer_timeout=5.0,
@@ -162,21 +85,11 @@ def dest(dest_proc):
 
 
 def page_plan(source: Source, dest: Destination, src_idx, dst_idx, which=slice(0, 3)) -> TransferPlan:
-    s, d = source.regions[which], dest.regions[which]
-    plan = plan_pages([r.addr for r in s], [r.addr for r in d], [r.stride for r in s], src_idx, dst_idx)
-    plan.validate(source.regions, dest.regions)
-    return plan
+    return pair.page_plan(source.regions, dest.regions, src_idx, dst_idx, which)
 
 
 def expected(source: Source, which: range, src_idx, dst_idx) -> list[np.ndarray]:
-    """Sentinel everywhere except the written items, copied by plain numpy indexing."""
-    out = []
-    for e in which:
-        _, item, count, _ = _layout(DST_PAGES)[e]
-        exp = np.full(item * count, SENTINEL, np.uint8)
-        exp.reshape(-1, item)[np.asarray(dst_idx)] = source.bufs[e].reshape(-1, item)[np.asarray(src_idx)]
-        out.append(exp)
-    return out
+    return pair.expected(source.bufs, standard_layout(DST_PAGES, ROWS), which, src_idx, dst_idx)
 
 
 FRAGMENTED = {
@@ -351,9 +264,9 @@ def test_write_to_a_frozen_destination_raises_timeout_at_its_deadline_and_the_pe
     # process without its help; over TCP the stopped receiver stalls the put.
     frozen = start_destination(BIG_LAYOUT)
     backend = NixlBackend(BackendConfig(name="prefill-tcp", options={"ucx_engine_config": "TLS=tcp"}))
-    buf = _pattern(0, frozen.regions[0].nbytes)
+    buf = pattern(0, frozen.regions[0].nbytes)
     try:
-        src = _region("big", buf, 1 << 20, "kv_page", 0)
+        src = region("big", buf, 1 << 20, "kv_page", 0)
         backend.register([src])
         backend.add_peer("frozen", frozen.metadata, frozen.regions)
         plan = plan_pages([src.addr], [frozen.regions[0].addr], [src.stride], np.arange(64), np.arange(64)[::-1])
@@ -395,9 +308,9 @@ def test_a_deadline_that_passes_between_requests_stops_the_write_there():
     # between them: 64 requests of 1 MiB cannot all be posted within 1 ms.
     big = start_destination(BIG_LAYOUT)
     backend = NixlBackend(BackendConfig(name="prefill-1mib", options={"max_post_bytes": str(1 << 20)}))
-    buf = _pattern(0, big.regions[0].nbytes)
+    buf = pattern(0, big.regions[0].nbytes)
     try:
-        src = _region("big", buf, 1 << 20, "kv_page", 0)
+        src = region("big", buf, 1 << 20, "kv_page", 0)
         backend.register([src])
         backend.add_peer("big", big.metadata, big.regions)
         plan = plan_pages([src.addr], [big.regions[0].addr], [64 << 20], [0], [0])  # one 64 MiB descriptor

@@ -4,7 +4,8 @@
 - :mod:`~kvbridge.testing.harness`: its fixture contract (driver processes, local managers);
 - :mod:`~kvbridge.testing.requirements`: ``requires(...)``, capabilities a test needs;
 - :mod:`~kvbridge.testing.e2e`, :mod:`~kvbridge.testing.hybrid`: the prefill and decode driver processes;
-- :mod:`~kvbridge.testing.runner`: ``kvbridge conformance NAME``.
+- :mod:`~kvbridge.testing.runner`: ``kvbridge conformance NAME``;
+- :mod:`~kvbridge.testing.pair`: a destination engine in its own process, for tests of one adapter.
 
 Importing this package imports neither pytest nor an engine.
 """
