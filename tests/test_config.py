@@ -111,7 +111,8 @@ def test_unknown_backend_exits_2_listing_installed_backends_and_a_missing_plugin
     out = run_server("--transfer-backend", "rdma9")
     assert out.returncode == 2
     assert "unknown transfer backend 'rdma9'" in out.stderr
-    assert "installed backends: mooncake, nixl, ucx" in out.stderr
+    # Whatever else is installed (third-party plugins), every installed backend is listed.
+    assert f"installed backends: {', '.join(sorted(get_registry().backends))}." in out.stderr
     assert "plugin may not be installed" in out.stderr
 
 
@@ -119,7 +120,7 @@ def test_unknown_option_exits_2_listing_the_backends_options():
     out = run_server("--transfer-backend", "nixl", "--transfer-option", "progress_delay=10")
     assert out.returncode == 2
     assert "argument --transfer-option: backend 'nixl' has no option 'progress_delay'" in out.stderr
-    assert "progress_delay_us, ucx_error_handling_mode, num_workers, ucx_engine_config, xfer_mode, max_post_bytes" in out.stderr
+    assert "progress_delay_us, ucx_error_handling_mode, num_workers, ucx_engine_config, xfer_mode" in out.stderr
 
 
 def test_bad_option_value_exits_2_naming_key_value_and_what_is_allowed():
@@ -158,15 +159,15 @@ def test_from_args_needs_add_transfer_args():
 # -- from_dict ----------------------------------------------------------------------------------
 def test_from_dict_builds_the_same_config_as_the_command_line():
     cfg = TransferConfig.from_dict({
-        "backend": "nixl", "backend_options": {"xfer_mode": "prepped", "max_post_bytes": 1024},
+        "backend": "nixl", "backend_options": {"xfer_mode": "prepped", "num_workers": 2},
         "bootstrap": "127.0.0.1:8998", "transfer_timeout": "20", "strict_index_lengths": True,
     })
     args = parser().parse_args([
-        "--transfer-backend", "nixl", "--transfer-option", "xfer_mode=prepped", "--transfer-option", "max_post_bytes=1024",
+        "--transfer-backend", "nixl", "--transfer-option", "xfer_mode=prepped", "--transfer-option", "num_workers=2",
         "--transfer-bootstrap", "127.0.0.1:8998", "--transfer-timeout", "20", "--transfer-strict-index-lengths",
     ])
     assert cfg == TransferConfig.from_args(args)
-    assert cfg.backend_options == {"xfer_mode": "prepped", "max_post_bytes": "1024"}  # values reach backends as strings
+    assert cfg.backend_options == {"xfer_mode": "prepped", "num_workers": "2"}  # values reach backends as strings
 
 
 def test_from_dict_round_trips_through_to_dict():
@@ -243,7 +244,7 @@ def test_plugins_json_lists_every_builtin_backends_options():
     names = {n: [o["name"] for o in rows[n]["options"]] for n in ("mooncake", "nixl", "ucx")}
     assert names == {
         "mooncake": ["protocol", "device_name"],
-        "nixl": ["progress_delay_us", "ucx_error_handling_mode", "num_workers", "ucx_engine_config", "xfer_mode", "max_post_bytes"],
+        "nixl": ["progress_delay_us", "ucx_error_handling_mode", "num_workers", "ucx_engine_config", "xfer_mode"],
         "ucx": ["error_handling", "UCX_*"],
     }
     xfer = next(o for o in rows["nixl"]["options"] if o["name"] == "xfer_mode")
@@ -285,7 +286,7 @@ def test_core_rejects_bad_options_of_every_builtin_backend_before_importing_its_
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["nixl"] == ["OptionError", "backend 'nixl' has no option 'bogus'; its options are: progress_delay_us, "
-                           "ucx_error_handling_mode, num_workers, ucx_engine_config, xfer_mode, max_post_bytes (see `kvbridge plugins`)"]
+                           "ucx_error_handling_mode, num_workers, ucx_engine_config, xfer_mode (see `kvbridge plugins`)"]
     assert out["ucx"] == ["OptionError", "backend 'ucx': option error_handling='maybe' is not allowed; expected one of on, off"]
     assert out["mooncake"][1].startswith("backend 'mooncake': option protocol='carrier-pigeon' is not allowed")
     assert out["imported"] == []
@@ -299,20 +300,23 @@ class _Recorder:
         raise RuntimeError("stop here: the test only needs to see the options")
 
 
-def test_core_passes_declared_options_to_the_backend_as_strings(monkeypatch):
-    import kvbridge.core.session as session
-
+def test_core_passes_declared_options_to_the_backend_parsed_and_defaulted():
+    # A manager takes a BackendSpec as well as a name: no registry involved.
     spec = BackendSpec(name="rec", factory=f"{__name__}:_Recorder",
-                       options=(OptionSpec(name="depth", type="int", minimum=1), OptionSpec(name="X_*")))
-    monkeypatch.setattr(session, "get_registry", lambda: make_registry(spec))
+                       options=(OptionSpec(name="depth", type="int", minimum=1, default="2"),
+                                OptionSpec(name="mode", choices=("a", "b"), default="a"),
+                                OptionSpec(name="ratio", type="float"), OptionSpec(name="X_*")))
     _Recorder.created.clear()
     kv, _ = kvargs()
     with pytest.raises(OptionError, match="option depth='0' is not allowed; expected an integer >= 1"):
-        DecodeManager(kv, "rec", config=SessionConfig(backend_options={"depth": "0"}))
+        DecodeManager(kv, spec, config=SessionConfig(backend_options={"depth": "0"}))
     assert _Recorder.created == []  # rejected before the backend was constructed
     with pytest.raises(RuntimeError, match="stop here"):
-        DecodeManager(kv, "rec", config=SessionConfig(backend_options={"depth": "3", "X_Y": "z"}))
-    assert _Recorder.created == [{"depth": "3", "X_Y": "z"}]
+        DecodeManager(kv, spec, config=SessionConfig(backend_options={"depth": "3", "X_Y": "z"}))
+    with pytest.raises(RuntimeError, match="stop here"):
+        DecodeManager(kv, spec)
+    assert _Recorder.created == [{"depth": 3, "mode": "a", "ratio": None, "X_Y": "z"},
+                                 {"depth": 2, "mode": "a", "ratio": None}]
 
 
 # -- hook tracing ---------------------------------------------------------------------------------

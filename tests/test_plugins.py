@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 GOOD = '''
-from kvbridge import hookimpl, BackendSpec, BackendCapabilities, StateHandlerSpec
+from kvbridge import hookimpl, BackendSpec, BackendCapabilities, HandlerCapabilities, StateHandlerSpec
 
 @hookimpl
 def kvbridge_register_backends():
@@ -37,7 +37,8 @@ def kvbridge_register_backends():
 @hookimpl
 def kvbridge_register_state_handlers():
     return [StateHandlerSpec(name="ring", factory="goodplug_engine:RingHandler",
-                             pool_types=("goodplug_pools:RingPool",), capabilities={"index_space": "slot"})]
+                             pool_types=("goodplug_pools:RingPool",),
+                             capabilities=HandlerCapabilities(index_spaces=("slot",), draft=True))]
 '''
 
 GOOD_ENGINE = '''
@@ -100,7 +101,8 @@ def test_third_party_plugin_is_listed_with_its_distribution_and_capabilities(sit
     assert carrier["available"] is True
     assert rows["needs-engine"]["available"] is False
     ring = rows["ring"]
-    assert ring["kind"] == "state_handler" and ring["capabilities"] == {"index_space": "slot"}
+    assert ring["kind"] == "state_handler" and ring["capabilities"] == {
+        "index_spaces": ["slot"], "hetero_tp": "", "layouts": [], "draft": True, "host_destination": False}
     assert ring["distribution"] == "goodplug"
 
 
@@ -144,6 +146,23 @@ def test_plugin_whose_hook_returns_garbage_is_reported(site):
     assert out.returncode == 1
     assert "plugin 'odd' from oddplug" in out.stderr and "expected BackendSpec" in out.stderr
     assert "carrier" in out.stdout
+
+
+def test_plugin_with_a_misspelt_hook_is_reported_naming_it_and_the_others_load(site):
+    write_dist(site, "typoplug", "0.1", {"typo": "typoplug_mod"}, {"typoplug_mod": """
+        from kvbridge import hookimpl, BackendSpec
+        @hookimpl
+        def kvbridge_register_backend():
+            return [BackendSpec(name="typo", factory="typoplug_mod:X")]
+    """})
+    good_dist(site)
+    out = run_kvbridge(site, "plugins", "--json")
+    assert out.returncode == 1
+    assert ("plugin 'typo' from typoplug: PluginError: implements 'kvbridge_register_backend' that kvbridge does not "
+            "define (known hooks: kvbridge_register_backends, kvbridge_register_state_handlers); check the spelling") \
+        in out.stderr, out.stderr
+    names = {r["name"] for r in json.loads(out.stdout)}
+    assert "carrier" in names and "typo" not in names
 
 
 def test_autoload_can_be_switched_off(site):

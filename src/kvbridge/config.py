@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from kvbridge.core.plugins import BackendUnavailableError, PluginError, Registry, get_registry
+from kvbridge.core.plugins import BACKEND_PREFERENCE, BackendUnavailableError, PluginError, Registry, get_registry
 from kvbridge.core.records import OptionError
 from kvbridge.core.session import SessionConfig
 
@@ -41,12 +41,6 @@ __all__ = [
     "default_backend",
     "options_table",
 ]
-
-#: The default backend is the first available one of these, then any other
-#: available backend by name. NIXL first: the engine inference servers most
-#: often ship already, with RDMA and NVLink paths; then UCX (one-sided puts
-#: with peer-failure detection); then Mooncake.
-BACKEND_PREFERENCE: tuple[str, ...] = ("nixl", "ucx", "mooncake")
 
 _SESSION = SessionConfig()
 _TIMEOUTS = ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "heartbeat_timeout")
@@ -78,16 +72,12 @@ class ConfigError(ValueError):
 
 def available_backends(registry: Registry | None = None) -> list[str]:
     """Installed backends whose engine is installed too, best first (see :data:`BACKEND_PREFERENCE`)."""
-    registry = registry or get_registry()
-    names = [n for n in registry.backends if ("backend", n) not in registry.duplicates and registry.backend_available(n)]
-    rank = {name: i for i, name in enumerate(BACKEND_PREFERENCE)}
-    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+    return (registry or get_registry()).available_backends()
 
 
 def default_backend(registry: Registry | None = None) -> str | None:
-    """The best available backend, or None if none is available."""
-    names = available_backends(registry)
-    return names[0] if names else None
+    """The best available backend that moves bytes between hosts, or None if there is none."""
+    return (registry or get_registry()).default_backend()
 
 
 def _no_backend_message(registry: Registry) -> str:
@@ -175,16 +165,7 @@ class TransferConfig:
 
     def session_config(self) -> SessionConfig:
         """The :class:`SessionConfig` for :class:`PrefillManager` / :class:`DecodeManager`."""
-        return SessionConfig(
-            bootstrap_timeout=self.bootstrap_timeout,
-            waiting_timeout=self.waiting_timeout,
-            transfer_timeout=self.transfer_timeout,
-            heartbeat_interval=self.heartbeat_interval,
-            heartbeat_timeout=self.heartbeat_timeout,
-            host=self.host,
-            backend_options=dict(self.backend_options),
-            strict_index_lengths=self.strict_index_lengths,
-        )
+        return SessionConfig.from_fields(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that :meth:`from_dict` accepts."""
@@ -338,9 +319,9 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     """
     registry = get_registry()
     names = available_backends(registry)
-    best = names[0] if names else None
+    best = registry.default_backend()
     group = parser.add_argument_group("kvbridge transfer")
-    order = " > ".join(BACKEND_PREFERENCE) + " > others"
+    order = " > ".join(BACKEND_PREFERENCE) + " > others that reach other hosts"
     group.add_argument(
         "--transfer-backend", dest="transfer_backend", type=_backend_type, choices=names or None, default=best,
         metavar="{" + ",".join(names) + "}" if names else "NAME",

@@ -3,12 +3,19 @@
 from .hookspecs import hookimpl
 from .layout import KVArgs, IndexSpace, Region, Shard
 from .plan import PlanError, TransferPlan, coalesce_runs, plan_pages
-from .records import BackendCapabilities, BackendSpec, OptionError, OptionSpec, StateHandlerSpec
+from .records import BackendCapabilities, BackendSpec, HandlerCapabilities, OptionError, OptionSpec, StateHandlerSpec
 from .bootstrap import BootstrapServer
+from .backend import Backend, BackendConfig, TransferError, TransferTimeout
 from .session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+from .transport import Transport
 
 __all__ = [
     "hookimpl",
+    "Backend",
+    "BackendConfig",
+    "TransferError",
+    "TransferTimeout",
+    "Transport",
     "KVArgs",
     "IndexSpace",
     "Region",
@@ -19,6 +26,7 @@ __all__ = [
     "plan_pages",
     "BackendCapabilities",
     "BackendSpec",
+    "HandlerCapabilities",
     "OptionError",
     "OptionSpec",
     "StateHandlerSpec",

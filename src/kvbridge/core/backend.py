@@ -1,21 +1,29 @@
-"""The contract every transport implements (DESIGN.md rule 6).
+"""The contract every transport implements, and core's half of it.
 
 A backend only moves bytes it is told to move. It registers memory, exports
-its metadata for peers and imports theirs, writes a validated
-:class:`~kvbridge.core.plan.TransferPlan` into a peer (prefill pushes), split
-to its own limits, and closes. Planning, bounds checks, completion messages,
-timeouts, retries and policy live in core.
+its metadata for peers and imports theirs, writes one batch of a validated
+:class:`~kvbridge.core.plan.TransferPlan` into a peer (prefill pushes), and
+closes. Everything else is core's (:class:`~kvbridge.core.transport.Transport`),
+identical for every backend and driven by the backend's declared
+:class:`~kvbridge.core.records.BackendCapabilities`:
 
-Threading: core calls :meth:`Backend.write` from its own transfer worker
-threads (at most one write per peer at a time, so a backend that respects
-its per-call limits also respects per-peer in-flight limits), never from the
-host's scheduler thread. ``write`` blocks until every byte has landed at the
+- memory kinds are checked before :meth:`Backend.register` and before
+  :meth:`Backend.add_peer` (a region of an undeclared kind is refused, naming it);
+- plans are bounds-checked against both sides' regions, then split into
+  batches within ``max_descriptors_per_batch``, ``max_descriptors_in_flight``
+  and ``max_bytes_per_batch`` (longer descriptors are cut);
+- the deadline is checked before every batch;
+- options arrive parsed and defaulted, typed by the backend's ``OptionSpec``\\ s.
+
+Threading: core calls :meth:`Backend.write` from its transfer worker threads,
+at most one write per peer at a time and never from the host's scheduler
+thread. ``write`` blocks until every byte of the batch has landed at the
 destination or raises; it must return or raise by ``deadline``
 (``time.monotonic()`` seconds), shortening the engine's own timeouts to match.
 
 The destination learns about completion from core's control plane (core
-sends a ``Done`` message after ``write`` returns), so a backend whose engine
-has native notifications may use them but does not have to.
+sends a ``Done`` message after the last write returns), so a backend whose
+engine has native notifications may use them but does not have to.
 """
 
 from __future__ import annotations
@@ -45,15 +53,17 @@ class BackendConfig:
     """What core tells a backend when creating it.
 
     ``host`` is the address the engine should listen on and advertise
-    (127.0.0.1 in tests). ``transfer_timeout`` is kvbridge's per-write
-    deadline in seconds; engines with internal timeouts should not wait
-    longer. ``options`` are backend-specific ``KEY=VALUE`` settings.
+    (127.0.0.1 in tests). ``name`` is this endpoint's name, unique per
+    process and role. ``transfer_timeout`` is kvbridge's per-write deadline
+    in seconds; engines with internal timeouts should not wait longer.
+    ``options`` are the backend's declared options, parsed to their types,
+    every declared one present (at its default when not given).
     """
 
     host: str = "127.0.0.1"
     name: str = ""
     transfer_timeout: float = 30.0
-    options: Mapping[str, str] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Backend(abc.ABC):
@@ -74,18 +84,22 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
-        """Prepare to write to ``peer`` (its metadata and registered regions)."""
+        """Prepare to write to ``peer`` (its metadata and registered regions).
+
+        Called again for a known peer when it handshakes again: replace it.
+        """
 
     @abc.abstractmethod
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``; later writes to it fail. Unknown peers are ignored."""
 
     @abc.abstractmethod
-    def write(self, peer: str, plan: TransferPlan, deadline: float) -> None:
-        """Write ``plan`` into ``peer``'s memory; return once it has landed.
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        """Write one batch into ``peer``'s memory; return once every byte has landed.
 
-        Raises :class:`TransferError` (or :class:`TransferTimeout` past
-        ``deadline``) on failure; bytes of a failed write may have partly
+        ``batch`` is within the declared limits and inside registered memory
+        on both sides. Raises :class:`TransferError` (or :class:`TransferTimeout`
+        past ``deadline``) on failure; bytes of a failed write may have partly
         landed.
         """
 

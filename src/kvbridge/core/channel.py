@@ -21,6 +21,8 @@ import zmq
 log = logging.getLogger(__name__)
 
 Handler = Callable[[zmq.Socket, list[bytes]], None]
+#: Returns the socket to send on, looked up on the I/O thread (None: drop the message).
+SocketGetter = Callable[[], "zmq.Socket | None"]
 
 
 class IOLoop:
@@ -55,7 +57,7 @@ class IOLoop:
         sock.close(linger=0)
 
     # -- thread-safe -------------------------------------------------------------------
-    def send(self, sock_getter: Callable[[], zmq.Socket | None], frames: list[bytes]) -> None:
+    def send(self, sock_getter: SocketGetter, frames: list[bytes]) -> None:
         """Send ``frames`` on the socket ``sock_getter()`` returns, on the I/O thread."""
         self.call(lambda: _send(sock_getter(), frames))
 

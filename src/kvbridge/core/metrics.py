@@ -42,8 +42,9 @@ Roles are ``"prefill"`` and ``"decode"``; a backend appears once anything was
 recorded for it, and keys appear only once counted (a missing key is zero).
 
 If ``prometheus_client`` is importable, a collector reading the same data is
-registered in its default registry at import (or call :func:`register_prometheus`
-with your own registry): counters ``kvbridge_transfer_bytes_total`` and
+registered in its default registry on first use (the first room that records
+anything, or :func:`snapshot`), never as a side effect of importing kvbridge;
+or call :func:`register_prometheus` with your own registry: counters ``kvbridge_transfer_bytes_total`` and
 ``kvbridge_transfer_descriptors_total`` {backend, state_type},
 ``kvbridge_rooms_succeeded_total`` {backend, role} and
 ``kvbridge_failures_total`` {backend, role, reason}; histograms
@@ -66,6 +67,7 @@ __all__ = [
     "BOOTSTRAP_BUCKETS",
     "Metrics",
     "METRICS",
+    "metrics",
     "snapshot",
     "reset",
     "register_prometheus",
@@ -260,9 +262,24 @@ class _Collector:
 METRICS = Metrics()
 
 
+_first_use = threading.Lock()
+_exported = False
+
+
+def metrics() -> Metrics:
+    """The process-wide collector; the first call exports it to Prometheus's default registry, if installed."""
+    global _exported
+    if not _exported:
+        with _first_use:
+            if not _exported:
+                _exported = True
+                register_prometheus()
+    return METRICS
+
+
 def snapshot() -> dict[str, Any]:
     """The process-wide metrics as plain data (see the module docstring)."""
-    return METRICS.snapshot()
+    return metrics().snapshot()
 
 
 def reset() -> None:
@@ -287,6 +304,3 @@ def register_prometheus(registry: Any = None) -> bool:
         log.debug("kvbridge metrics are already registered in %r", target)
     METRICS.prometheus = True
     return True
-
-
-register_prometheus()

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .layout import KVArgs, Region
-from .plan import PlanError, TransferPlan, check_indices, plan_pages, plan_segments
+from .plan import Indices, PlanError, TransferPlan, _plan_pages, _plan_segments
 
 __all__ = ["IncompatibleLayoutError", "Route", "pair_layouts", "item_segments"]
 
@@ -59,9 +59,10 @@ class _Group:
         return int(self.src_bases.size * self.segments[:, 2].sum())
 
     def plan(self, src_idx: npt.NDArray[np.int64], dst_idx: npt.NDArray[np.int64]) -> TransferPlan:
+        """Descriptors for checked, equally long index arrays."""
         if self.whole_items:
-            return plan_pages(self.src_bases, self.dst_bases, self.src_strides, src_idx, dst_idx)
-        return plan_segments(
+            return _plan_pages(self.src_bases, self.dst_bases, self.src_strides, src_idx, dst_idx)
+        return _plan_segments(
             self.src_bases, self.dst_bases, self.src_strides, self.dst_strides, self.segments, src_idx, dst_idx
         )
 
@@ -100,9 +101,12 @@ class Route:
     ) -> TransferPlan:
         """Descriptors for the given index lists, per index space, validated.
 
+        Lists that are already :class:`~kvbridge.core.plan.Indices` (checked
+        where they entered kvbridge) are trusted; others are checked here.
         Raises :class:`PlanError` (out-of-range or duplicate destination
         index, unequal list lengths, an index space this route lacks) before
-        anything moves. If ``totals`` is given, the plan's bytes and
+        anything moves; every descriptor is bounds-checked against both
+        sides' regions either way. If ``totals`` is given, the plan's bytes and
         descriptors are added to it per state type (``state_type -> (bytes,
         descriptors)``), only once the plan is valid.
         """
@@ -116,8 +120,8 @@ class Route:
             sr = self.spaces.get(space)
             if sr is None:
                 raise PlanError(f"no paired regions use index space {space!r} (paired: {sorted(self.spaces)})")
-            s = check_indices(f"source {space} index", src_idx, sr.src_count)
-            d = check_indices(f"destination {space} index", dst_indices[space], sr.dst_count, unique=True)
+            s = Indices.check(f"source {space} index", src_idx, sr.src_count).array
+            d = Indices.check(f"destination {space} index", dst_indices[space], sr.dst_count, unique=True).array
             if s.size != d.size:
                 raise PlanError(f"{space}: {s.size} source indices but {d.size} destination indices")
             for g in sr.groups:

@@ -17,7 +17,16 @@ import numpy.typing as npt
 
 from .layout import Region
 
-__all__ = ["PlanError", "TransferPlan", "coalesce_runs", "plan_pages", "plan_segments", "merge_contiguous", "check_indices"]
+__all__ = [
+    "Indices",
+    "PlanError",
+    "TransferPlan",
+    "coalesce_runs",
+    "plan_pages",
+    "plan_segments",
+    "merge_contiguous",
+    "check_indices",
+]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -62,6 +71,38 @@ def check_indices(name: str, idx: npt.ArrayLike, count: int | None = None, *, un
     return arr
 
 
+class Indices:
+    """An index list checked once, where it enters kvbridge; the planner trusts it.
+
+    ``array`` is one-dimensional int64 with every value in ``0 .. count-1``
+    (``count`` None: only ``>= 0``), and without repeats when ``unique``
+    (destinations: every item is written once per transfer). Built by
+    :meth:`check`, which raises :class:`PlanError` naming the first bad value.
+    """
+
+    __slots__ = ("array", "count", "unique")
+
+    def __init__(self, array: IntArray, count: int | None, unique: bool) -> None:
+        self.array, self.count, self.unique = array, count, unique
+
+    @classmethod
+    def check(cls, name: str, values: npt.ArrayLike, count: int | None = None, *, unique: bool = False) -> Indices:
+        if isinstance(values, Indices) and (count is None or (values.count is not None and values.count <= count)) \
+                and (values.unique or not unique):
+            return values
+        return cls(check_indices(name, values, count, unique=unique), count, unique)
+
+    def __len__(self) -> int:
+        return int(self.array.shape[0])
+
+    def head(self, n: int) -> Indices:
+        """The first ``n`` indices (a view; still checked)."""
+        return Indices(self.array[:n], self.count, self.unique)
+
+    def __getitem__(self, key: slice) -> Indices:
+        return Indices(self.array[key], self.count, self.unique)
+
+
 def coalesce_runs(src_idx: npt.ArrayLike, dst_idx: npt.ArrayLike) -> tuple[IntArray, IntArray, IntArray]:
     """Split paired index lists into maximal runs contiguous on *both* sides.
 
@@ -74,6 +115,11 @@ def coalesce_runs(src_idx: npt.ArrayLike, dst_idx: npt.ArrayLike) -> tuple[IntAr
         raise PlanError(
             f"src_idx has {src.size} indices but dst_idx has {dst.size}; they are paired one to one"
         )
+    return _runs(src, dst)
+
+
+def _runs(src: IntArray, dst: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """:func:`coalesce_runs` of checked, equally long int64 lists."""
     n = src.size
     if n == 0:
         empty = np.empty(0, np.int64)
@@ -177,6 +223,19 @@ class TransferPlan:
                     f"any registered {side} region{_nearest(a, regions)}"
                 )
 
+    def cut(self, max_bytes: int) -> TransferPlan:
+        """This plan with every descriptor longer than ``max_bytes`` cut into pieces of at most that size."""
+        if max_bytes <= 0:
+            raise PlanError(f"max_bytes must be > 0, got {max_bytes}")
+        if len(self) == 0 or int(self.nbytes.max()) <= max_bytes:
+            return self
+        pieces = -(-self.nbytes // max_bytes)
+        ends = np.cumsum(pieces)
+        k = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - pieces, pieces)  # piece number in its descriptor
+        offset = k * max_bytes
+        nbytes = np.minimum(np.repeat(self.nbytes, pieces) - offset, max_bytes)
+        return TransferPlan(np.repeat(self.src_addr, pieces) + offset, np.repeat(self.dst_addr, pieces) + offset, nbytes)
+
     def batches(self, max_descriptors: int | None = None, max_bytes: int | None = None) -> Iterator[TransferPlan]:
         """Yield consecutive sub-plans within an engine's limits (views, no copies).
 
@@ -263,8 +322,16 @@ def plan_pages(
     if item.size and (item <= 0).any():
         e = int(np.flatnonzero(item <= 0)[0])
         raise PlanError(f"item_nbytes[{e}] = {int(item[e])}; item sizes must be > 0")
-    check_indices("dst_idx", dst_idx, unique=True)
-    src_start, dst_start, run_len = coalesce_runs(src_idx, dst_idx)
+    dst = check_indices("dst_idx", dst_idx, unique=True)
+    src = check_indices("src_idx", src_idx)
+    if src.size != dst.size:
+        raise PlanError(f"src_idx has {src.size} indices but dst_idx has {dst.size}; they are paired one to one")
+    return _plan_pages(src_b, dst_b, item, src, dst)
+
+
+def _plan_pages(src_b: IntArray, dst_b: IntArray, item: IntArray, src_idx: IntArray, dst_idx: IntArray) -> TransferPlan:
+    """:func:`plan_pages` of checked arrays."""
+    src_start, dst_start, run_len = _runs(src_idx, dst_idx)
     if src_start.size == 0 or item.size == 0:
         return TransferPlan.empty()
     # Outer products: rows are region pairs, columns are runs. Written in place:
@@ -326,6 +393,13 @@ def plan_segments(
     d_idx = check_indices("dst_idx", dst_idx, unique=True)
     if s_idx.size != d_idx.size:
         raise PlanError(f"src_idx has {s_idx.size} indices but dst_idx has {d_idx.size}; they are paired one to one")
+    return _plan_segments(sb, db, ss, ds, seg, s_idx, d_idx)
+
+
+def _plan_segments(
+    sb: IntArray, db: IntArray, ss: IntArray, ds: IntArray, seg: IntArray, s_idx: IntArray, d_idx: IntArray
+) -> TransferPlan:
+    """:func:`plan_segments` of checked arrays."""
     if sb.size == 0 or s_idx.size == 0 or seg.shape[0] == 0:
         return TransferPlan.empty()
     # Shape (regions, indices, segments), flattened in that order so that

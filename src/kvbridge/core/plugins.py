@@ -31,6 +31,7 @@ from .records import BackendSpec, StateHandlerSpec
 from .state import StateResolver
 
 __all__ = [
+    "BACKEND_PREFERENCE",
     "ENTRY_POINT_GROUP",
     "DISABLE_AUTOLOAD_ENV",
     "TRACE_HOOKS_ENV",
@@ -51,6 +52,12 @@ DISABLE_AUTOLOAD_ENV = "KVBRIDGE_DISABLE_PLUGIN_AUTOLOAD"
 TRACE_HOOKS_ENV = "KVBRIDGE_TRACE_HOOKS"
 hook_log = logging.getLogger("kvbridge.hooks")
 BUILTIN_DISTRIBUTION = "kvbridge"
+
+#: The default backend is the first available one of these, then any other
+#: available backend that moves bytes between hosts, by name. NIXL first: the
+#: engine inference servers most often ship already, with RDMA and NVLink
+#: paths; then UCX (one-sided puts with peer-failure detection); then Mooncake.
+BACKEND_PREFERENCE: tuple[str, ...] = ("nixl", "ucx", "mooncake")
 
 
 class PluginError(RuntimeError):
@@ -144,7 +151,20 @@ class Registry:
             raise BackendUnavailableError(
                 f"backend {name!r} needs {how} (missing: {', '.join(missing)})"
             )
-        return _import_object(spec.factory, f"backend {name!r}")
+        return import_object(spec.factory, f"backend {name!r}")
+
+    def available_backends(self) -> list[str]:
+        """Usable backends (registered once, engine installed), best first (see :data:`BACKEND_PREFERENCE`)."""
+        names = [n for n in self.backends if ("backend", n) not in self.duplicates and self.backend_available(n)]
+        rank = {name: i for i, name in enumerate(BACKEND_PREFERENCE)}
+        return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+
+    def default_backend(self) -> str | None:
+        """The one default: the best available backend that moves bytes between hosts, or None."""
+        for name in self.available_backends():
+            if self.backend_spec(name).capabilities.cross_host:
+                return name
+        return None
 
     # -- state handlers -----------------------------------------------------
     def load_state_handler(self, name: str) -> Any:
@@ -156,7 +176,7 @@ class Registry:
             reg = self.state_handlers.get(name)
             if reg is None:
                 raise PluginError(f"unknown state handler {name!r}; installed: {', '.join(sorted(self.state_handlers)) or 'none'}")
-            factory = _import_object(reg.spec.factory, f"state handler {name!r}")
+            factory = import_object(reg.spec.factory, f"state handler {name!r}")
             self._handlers[name] = factory() if callable(factory) else factory
         return self._handlers[name]
 
@@ -194,7 +214,7 @@ class Registry:
                     for o in spec.options
                 ]
             else:
-                row["capabilities"] = dict(spec.capabilities)
+                row["capabilities"] = msgspec.to_builtins(spec.capabilities)
                 row["pool_types"] = [
                     t if isinstance(t, str) else f"{t.__module__}:{t.__qualname__}" for t in spec.pool_types
                 ]
@@ -209,7 +229,7 @@ def _module_installed(module: str) -> bool:
         return False
 
 
-def _import_object(target: str, what: str) -> Any:
+def import_object(target: str, what: str) -> Any:
     module_name, _, attr = target.partition(":")
     module = importlib.import_module(module_name)
     obj: Any = module
@@ -255,6 +275,22 @@ def _trace_hooks(pm: pluggy.PluginManager) -> None:
     pm.enable_tracing()
 
 
+def _check_hook_names(pm: pluggy.PluginManager, plugin_id: str) -> None:
+    """Unregister ``plugin_id`` and raise if it implements a hook kvbridge does not define (a misspelling)."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError:
+        plugin = pm.get_plugin(plugin_id)
+        defined = {name: getattr(pm.hook, name).spec is not None for name in dir(pm.hook) if name.startswith("kvbridge_")}
+        known = sorted(name for name, spec in defined.items() if spec)
+        unknown = sorted(name for name in dir(plugin) if name.startswith("kvbridge_") and name not in known)
+        pm.unregister(name=plugin_id)
+        raise PluginError(
+            f"implements {', '.join(map(repr, unknown)) or 'a hook'} that kvbridge does not define "
+            f"(known hooks: {', '.join(known)}); check the spelling"
+        ) from None
+
+
 def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, *, autoload: bool | None = None) -> Registry:
     """Load plugins from entry points and collect their registrations."""
     if autoload is None:
@@ -276,6 +312,7 @@ def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, *, autol
             obj = ep.load()
             plugin_id = f"{dist}:{ep.name}"
             pm.register(obj, name=plugin_id)
+            _check_hook_names(pm, plugin_id)
         except Exception as exc:  # a broken plugin must not take the others down
             log.warning("kvbridge plugin %r from %s failed to load: %s", ep.name, dist, exc)
             registry.errors.append(LoadError(ep.name, dist, f"{type(exc).__name__}: {exc}"))

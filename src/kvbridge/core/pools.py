@@ -14,7 +14,7 @@ from typing import Any
 from .describe import DescribeContext, Description, buffer_region, item_count, paged_kv
 from .hookspecs import hookimpl
 from .layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace
-from .records import StateHandlerSpec
+from .records import HandlerCapabilities, StateHandlerSpec
 
 __all__ = ["KVPool", "MetadataPool", "KV_PAGE_SPACE", "METADATA_SPACE"]
 
@@ -67,10 +67,10 @@ class MetadataHandler:
 def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
     return [
         StateHandlerSpec(name="kv", factory="kvbridge.core.pools:KVHandler", pool_types=(KVPool,),
-                         capabilities={"index_space": KV_PAGE_SPACE, "hetero_tp": "slice heads (MHA/GQA), replicate (MLA)",
-                                       "layouts": ["nhd", "hnd"], "draft": True},
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE,), layouts=("nhd", "hnd"), draft=True,
+                                                           hetero_tp="slice heads (MHA/GQA), replicate (MLA)"),
                          description="full-attention KV cache (core)"),
         StateHandlerSpec(name="metadata", factory="kvbridge.core.pools:MetadataHandler", pool_types=(MetadataPool,),
-                         capabilities={"index_space": METADATA_SPACE, "hetero_tp": "replicated"},
+                         capabilities=HandlerCapabilities(index_spaces=(METADATA_SPACE,), hetero_tp="replicated"),
                          description="per-request metadata rows, written last (core)"),
     ]

@@ -8,12 +8,11 @@ handler is selected, so listing plugins never imports an engine.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import msgspec
 
-__all__ = ["BackendCapabilities", "BackendSpec", "OptionError", "OptionSpec", "StateHandlerSpec"]
+__all__ = ["BackendCapabilities", "BackendSpec", "HandlerCapabilities", "OptionError", "OptionSpec", "StateHandlerSpec"]
 
 #: Type names an :class:`OptionSpec` may use instead of a parse function.
 OPTION_TYPES = ("str", "int", "float", "bool")
@@ -31,16 +30,39 @@ class BackendCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     ``None`` for a limit means the engine has none that kvbridge must respect.
     """
 
-    #: Memory kinds it can read from and write to ("dram", "vram").
+    #: Memory kinds it can read from and write to ("dram", "vram"). Core refuses
+    #: to register, or to pair with a peer describing, memory of any other kind.
     memory_kinds: tuple[str, ...] = ("dram",)
-    #: Most descriptors one engine call may carry.
+    #: Most descriptors one ``Backend.write`` call may carry; core splits plans to it.
     max_descriptors_per_batch: int | None = None
-    #: Most descriptors in flight to one peer at once (e.g. Mooncake's TCP lane queue).
+    #: Most descriptors in flight to one peer at once (e.g. Mooncake's TCP lane
+    #: queue). Core writes to a peer one batch at a time, so it caps batches to it too.
     max_descriptors_in_flight: int | None = None
+    #: Most bytes one ``write`` call may carry; core cuts longer descriptors and
+    #: bounds batches to it, so a deadline is checked at least that often.
+    max_bytes_per_batch: int | None = None
     #: The engine tells the receiver that a transfer landed.
     native_notifications: bool = False
     #: Prefill writes into decode memory without decode posting receives.
     one_sided: bool = True
+    #: Moves bytes between hosts. ``False`` (e.g. a same-host shared-memory
+    #: transport) keeps the backend out of the default choice.
+    cross_host: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_descriptors_per_batch", "max_descriptors_in_flight", "max_bytes_per_batch"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"BackendCapabilities.{name} must be a positive integer or None, got {value!r}")
+        unknown = [k for k in self.memory_kinds if k not in ("dram", "vram")]
+        if not self.memory_kinds or unknown:
+            raise ValueError(f"BackendCapabilities.memory_kinds must name 'dram' and/or 'vram', got {self.memory_kinds!r}")
+
+    @property
+    def batch_descriptors(self) -> int | None:
+        """Most descriptors core puts in one ``write`` call (the tighter declared limit)."""
+        limits = [n for n in (self.max_descriptors_per_batch, self.max_descriptors_in_flight) if n is not None]
+        return min(limits) if limits else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +79,9 @@ class OptionSpec:
     :data:`OPTION_TYPES` or a function that takes the string and raises
     ``ValueError`` (its message says what is allowed) for a bad value.
     ``minimum`` bounds ``int``/``float`` options; ``choices`` lists the only
-    accepted strings. Values always reach the backend as the strings given.
+    accepted strings. Core parses every value (and the default of every option
+    not given) before creating the backend, which reads them typed from
+    ``BackendConfig.options`` and never parses them again.
     """
 
     name: str
@@ -172,7 +196,25 @@ class BackendSpec:
         Raises :class:`OptionError` listing the declared options for an
         unknown key, or naming the key, value and what is allowed for a bad one.
         """
-        out: dict[str, str] = {}
+        return {key: text for key, (text, _) in self._checked(options).items()}
+
+    def parse_options(self, options: Mapping[str, object]) -> dict[str, object]:
+        """What a backend receives as ``BackendConfig.options``: every value parsed to its type.
+
+        Each declared (non-prefix) option is present, at its parsed default
+        when not given (``None`` when its default is empty and its type is not
+        ``str``: the engine decides); prefix options appear only as given.
+        Raises :class:`OptionError` like :meth:`check_options`.
+        """
+        out: dict[str, object] = {}
+        for o in self.options:
+            if not o.is_prefix:
+                out[o.name] = o.parse(o.default) if (o.default or o.type == "str") else None
+        out.update({key: value for key, (_, value) in self._checked(options).items()})
+        return out
+
+    def _checked(self, options: Mapping[str, object]) -> dict[str, tuple[str, object]]:
+        out: dict[str, tuple[str, object]] = {}
         for key, value in options.items():
             spec = self.option(str(key))
             if spec is None:
@@ -184,11 +226,25 @@ class BackendSpec:
                 )
             text = value if isinstance(value, str) else str(value)
             try:
-                spec.parse(text, str(key))
+                out[str(key)] = (text, spec.parse(text, str(key)))
             except OptionError as exc:
                 raise OptionError(f"backend {self.name!r}: {exc}") from None
-            out[str(key)] = text
         return out
+
+
+class HandlerCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a state handler describes, declared (``kvbridge plugins`` shows it)."""
+
+    #: The index spaces its regions are addressed by.
+    index_spaces: tuple[str, ...]
+    #: How heterogeneous TP treats its buffers, in words ("replicated", "slice heads", ...).
+    hetero_tp: str = ""
+    #: Page layouts it describes ("nhd", "hnd"); empty when pages have no head layout.
+    layouts: tuple[str, ...] = ()
+    #: It describes the draft (MTP) model's pools too.
+    draft: bool = False
+    #: Some of its destinations may be decode host memory while the source is device memory.
+    host_destination: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,11 +260,14 @@ class StateHandlerSpec:
     name: str
     factory: str
     pool_types: tuple[type | str, ...]
-    capabilities: dict[str, Any] = field(default_factory=dict)
+    capabilities: HandlerCapabilities = HandlerCapabilities(index_spaces=())
     description: str = ""
 
     def __post_init__(self) -> None:
         _check_name("state handler", self.name)
+        if not isinstance(self.capabilities, HandlerCapabilities):
+            raise TypeError(f"state handler {self.name!r}: capabilities must be a HandlerCapabilities, "
+                            f"got {type(self.capabilities).__name__}")
         _check_factory(self.name, self.factory)
         if not self.pool_types:
             raise ValueError(f"state handler {self.name!r} registers no pool_types")

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.core import StateHandlerSpec, hookimpl
+from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
 from kvbridge.core.describe import DescribeContext, Description, buffer_region, item_count, paged_kv
 from kvbridge.core.layout import KV_PAGE_SPACE, IndexSpace
 
@@ -103,8 +103,8 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
     return [StateHandlerSpec(
         name="dsv4_hisparse", factory="kvbridge.state_handlers.dsv4_hisparse:DSV4HiSparseHandler",
         pool_types=(DSV4HiSparsePool,),
-        capabilities={"index_spaces": [SWA_PAGE_SPACE, C4_SPACE, KV_PAGE_SPACE, C128_SPACE],
-                      "host_destination": True, "token_granular_fallback": True, "hetero_tp": "replicated (MLA)",
-                      "draft": True},
+        capabilities=HandlerCapabilities(index_spaces=(SWA_PAGE_SPACE, C4_SPACE, KV_PAGE_SPACE, C128_SPACE),
+                                        host_destination=True, hetero_tp="replicated (MLA); token runs where rows differ",
+                                        draft=True),
         description="DeepSeek-V4 compressed caches; C4 into decode host memory (HiSparse)",
     )]

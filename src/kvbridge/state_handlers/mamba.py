@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.core import StateHandlerSpec, hookimpl
+from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
 from kvbridge.core.describe import DescribeContext, Description, buffer_region, element_size, item_count
 from kvbridge.core.layout import IndexSpace, Shard
 
@@ -62,7 +62,7 @@ class MambaHandler:
 def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
     return [StateHandlerSpec(
         name="mamba", factory="kvbridge.state_handlers.mamba:MambaHandler", pool_types=(MambaPool,),
-        capabilities={"index_space": SLOT_SPACE, "index_kind": "slot",
-                      "hetero_tp": "slice each tensor's sharded dim; conv sub-blocks separately", "draft": True},
+        capabilities=HandlerCapabilities(index_spaces=(SLOT_SPACE,), draft=True,
+                                        hetero_tp="slice each tensor's sharded dim; conv sub-blocks separately"),
         description="conv and temporal (SSM) state per request slot",
     )]

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.core import StateHandlerSpec, hookimpl
+from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
 from kvbridge.core.describe import DescribeContext, Description, buffer_region, item_count
 from kvbridge.core.layout import IndexSpace
 from kvbridge.core.pools import KV_PAGE_SPACE
@@ -46,6 +46,6 @@ class NSAHandler:
 def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
     return [StateHandlerSpec(
         name="nsa", factory="kvbridge.state_handlers.nsa:NSAHandler", pool_types=(NSAPool,),
-        capabilities={"index_space": KV_PAGE_SPACE, "index_kind": "page", "hetero_tp": "replicated", "draft": True},
+        capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE,), hetero_tp="replicated", draft=True),
         description="sparse-attention indexer keys and scales per KV page",
     )]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.core import StateHandlerSpec, hookimpl
+from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
 from kvbridge.core.describe import DescribeContext, Description, paged_kv
 from kvbridge.core.pools import KVPool
 
@@ -35,7 +35,7 @@ class SWAHandler:
 def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
     return [StateHandlerSpec(
         name="swa", factory="kvbridge.state_handlers.swa:SWAHandler", pool_types=(SWAPool,),
-        capabilities={"index_space": SWA_PAGE_SPACE, "index_kind": "page", "hetero_tp": "slice heads (MHA), replicate (MLA)",
-                      "layouts": ["nhd", "hnd"], "draft": True},
+        capabilities=HandlerCapabilities(index_spaces=(SWA_PAGE_SPACE,), hetero_tp="slice heads (MHA), replicate (MLA)",
+                                        layouts=("nhd", "hnd"), draft=True),
         description="sliding-window KV in its own pool and page list",
     )]

@@ -1,0 +1,229 @@
+"""The decode manager: finds prefill ranks through bootstrap, handshakes, heartbeats, routes replies."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+
+import zmq
+
+from . import protocol as P
+from .layout import KVArgs
+from .manager import SessionConfig, TransferManager
+from .receiver import Receiver
+from .room import Poll, Room
+from .transport import BackendChoice
+
+__all__ = ["DecodeManager", "PrefillServer"]
+
+log = logging.getLogger(__name__)
+
+LOOKUP_RETRY = 0.2  # seconds between bootstrap lookups while prefill ranks are still registering
+
+
+class PrefillRank:
+    """One prefill rank of a server: its control socket and liveness."""
+
+    def __init__(self, info: P.RankInfo) -> None:
+        self.info = info
+        self.sock: zmq.Socket | None = None
+        self.acked = False
+        self.last_seen = time.monotonic()
+        self.last_ping = 0.0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.info.tp_rank, self.info.pp_rank)
+
+    @property
+    def label(self) -> str:
+        return f"prefill tp{self.info.tp_rank}/pp{self.info.pp_rank} at {self.info.control_addr}"
+
+
+class PrefillServer:
+    """Decode's view of one prefill server (found through its bootstrap endpoint)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.created = time.monotonic()
+        self.lookup_sock: zmq.Socket | None = None
+        self.next_lookup = 0.0
+        self.ranks: dict[tuple[int, int], PrefillRank] = {}
+        self.ready = False
+        self.failed: str | None = None
+
+
+class DecodeManager(TransferManager[Receiver]):
+    """One per decode rank: finds prefill ranks, handshakes, tracks receivers."""
+
+    role = "decode"
+
+    def __init__(self, kvargs: KVArgs, backend: BackendChoice = None, *, config: SessionConfig | None = None) -> None:
+        super().__init__(kvargs, backend, config)
+        self.peer_id = f"decode-tp{kvargs.tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._meta = self.transport.metadata()
+        self._servers: dict[str, PrefillServer] = {}
+        self.loop.start()
+
+    # -- for receivers -----------------------------------------------------------------------
+    def server(self, address: str) -> PrefillServer:
+        """The prefill server behind bootstrap ``address``; starts connecting on first use. Caller holds the lock."""
+        server = self._servers.get(address)
+        if server is None:
+            server = self._servers[address] = PrefillServer(address)
+            self.loop.call(lambda: self._lookup(server))
+        return server
+
+    def send_to_ranks(self, server: PrefillServer, msg: P.Message) -> None:
+        """Send ``msg`` to every prefill rank of ``server`` (any thread)."""
+        payload = P.encode(msg)
+        for rank in server.ranks.values():
+            self.loop.send(lambda rank=rank: rank.sock, [payload])
+
+    def abort_room(self, room: Room, reason: str) -> None:
+        assert isinstance(room, Receiver)
+        room.abort(reason)
+
+    # -- bootstrap and handshake (I/O thread) ------------------------------------------
+    def _lookup(self, server: PrefillServer) -> None:
+        if server.lookup_sock is None:
+            sock = self.loop.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{server.address}")
+            server.lookup_sock = sock
+            self.loop.add_socket(sock, lambda s, f: self._on_lookup(server, f))
+        server.next_lookup = time.monotonic() + LOOKUP_RETRY
+        server.lookup_sock.send(P.encode(P.Lookup()), zmq.NOBLOCK)
+
+    def _on_lookup(self, server: PrefillServer, frames: list[bytes]) -> None:
+        try:
+            msg = P.decode(frames[-1])
+        except P.ProtocolError as exc:
+            self._fail_server(server, f"bootstrap endpoint {server.address} sent a bad reply: {exc}", "bootstrap")
+            return
+        if not isinstance(msg, P.LookupReply):
+            self._fail_server(server, f"bootstrap endpoint {server.address} answered {msg}", "bootstrap")
+            return
+        if server.ranks or not msg.ranks:
+            return  # already handshaking, or nobody registered yet (retry on tick)
+        # Every prefill rank (all TP ranks of all stages): each one tells this
+        # rank Done for every room, even the ones it has nothing to send to.
+        tp_size, pp_size = msg.ranks[0].tp_size, msg.ranks[0].pp_size
+        wanted = {(r.tp_rank, r.pp_rank): r for r in msg.ranks}
+        if len(wanted) < tp_size * pp_size:
+            return  # not every rank registered yet
+        bad = [r for r in wanted.values() if r.backend != self.backend_name]
+        if bad:
+            self._fail_server(
+                server,
+                f"prefill at {server.address} uses backend {bad[0].backend!r}, this decode rank {self.backend_name!r}",
+                "layout",
+            )
+            return
+        assert server.lookup_sock is not None
+        self.loop.remove_socket(server.lookup_sock)
+        server.lookup_sock = None
+        hello = P.encode(P.Hello(peer_id=self.peer_id, backend=self.backend_name, backend_meta=self._meta, kvargs=self.kvargs))
+        for key, info in sorted(wanted.items()):
+            rank = server.ranks[key] = PrefillRank(info)
+            sock = self.loop.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.peer_id.encode())
+            sock.connect(f"tcp://{info.control_addr}")
+            rank.sock = sock
+            self.loop.add_socket(sock, self._rank_handler(server, rank))
+            sock.send(hello, zmq.NOBLOCK)
+
+    def _rank_handler(self, server: PrefillServer, rank: PrefillRank) -> Callable[[zmq.Socket, list[bytes]], None]:
+        return lambda _sock, frames: self._on_prefill(server, rank, frames)
+
+    def _on_prefill(self, server: PrefillServer, rank: PrefillRank, frames: list[bytes]) -> None:
+        try:
+            msg = P.decode(frames[-1])
+        except P.ProtocolError as exc:
+            log.warning("decode: bad message from %s: %s", rank.label, exc)
+            return
+        rank.last_seen = time.monotonic()
+        with self.lock:
+            if isinstance(msg, P.HelloAck):
+                # The prefill rank paired the two layouts before accepting.
+                rank.acked = True
+                if all(r.acked for r in server.ranks.values()):
+                    server.ready = True
+                    for recv in list(self.rooms.values()):
+                        if recv.server is server:
+                            recv.on_ready()
+            elif isinstance(msg, P.Reject):
+                rejected = self.rooms.get(msg.room) if msg.room is not None else None
+                if rejected is not None:
+                    self.finish(rejected, Poll.FAILED, f"{rank.label} rejected the request: {msg.reason}", "rejected")
+                elif not rank.acked:
+                    self._fail_server(server, f"{rank.label} rejected the handshake: {msg.reason}", "layout")
+                else:
+                    # An acked rank refusing a room-less message (a heartbeat) has dropped
+                    # this decode rank: fail its rooms now; the next receiver reconnects.
+                    self._fail_server(server, f"{rank.label} no longer knows this decode rank: {msg.reason}", "peer_dead")
+            elif isinstance(msg, (P.ChunkDone, P.Done, P.Failed, P.Abort)):
+                target = self.rooms.get(msg.room)
+                if target is None or target.server is not server:
+                    return  # finished or aborted here already
+                if isinstance(msg, P.ChunkDone):
+                    target.advance(Poll.TRANSFERRING)
+                elif isinstance(msg, P.Done):
+                    if target.rank_done(rank.key, len(server.ranks)):
+                        self.finish(target, Poll.SUCCESS)
+                else:
+                    kind = "aborted" if isinstance(msg, P.Abort) else "remote"
+                    self.finish(target, Poll.FAILED, f"{rank.label}: {msg.reason}", kind)
+            # Heartbeat replies only refresh last_seen.
+
+    def _fail_server(self, server: PrefillServer, reason: str, kind: str) -> None:
+        """Fail every receiver of ``server`` and forget it, so a later receiver reconnects.
+
+        ``kind`` is the failure's metrics label."""
+        log.warning("decode: %s", reason)
+        with self.lock:
+            server.failed = reason
+            if self._servers.get(server.address) is server:
+                del self._servers[server.address]
+            for recv in list(self.rooms.values()):
+                if recv.server is server:
+                    self.finish(recv, Poll.FAILED, reason, kind)
+        for sock in [server.lookup_sock, *(r.sock for r in server.ranks.values())]:
+            if sock is not None:
+                self.loop.remove_socket(sock)
+
+    # -- timeouts, heartbeats (I/O thread) ---------------------------------------------
+    def _tick(self) -> None:
+        now = time.monotonic()
+        cfg = self.config
+        with self.lock:
+            servers = list(self._servers.values())
+        for server in servers:
+            if not server.ready:
+                if now - server.created > cfg.bootstrap_timeout:
+                    self._fail_server(server, f"could not reach every prefill rank through {server.address} within bootstrap_timeout={cfg.bootstrap_timeout}s", "timeout")
+                elif server.lookup_sock is not None and now >= server.next_lookup:
+                    self._lookup(server)
+                continue
+            for rank in server.ranks.values():
+                if now - rank.last_seen > cfg.heartbeat_timeout:
+                    self._fail_server(server, f"{rank.label} sent nothing for {now - rank.last_seen:.1f}s (heartbeat_timeout={cfg.heartbeat_timeout}s)", "peer_dead")
+                    break
+                if now - rank.last_ping >= cfg.heartbeat_interval and rank.sock is not None:
+                    rank.last_ping = now
+                    rank.sock.send(P.encode(P.Heartbeat()), zmq.NOBLOCK)
+        with self.lock:
+            for recv in list(self.rooms.values()):
+                overdue = recv.overdue(now, cfg)
+                if overdue is not None:
+                    reason, abort_remote = overdue
+                    if abort_remote:
+                        recv.abort_remote("decode waiting_timeout expired")
+                    self.finish(recv, Poll.FAILED, reason, "timeout")
+
+    def _shutdown(self) -> None:
+        self._servers.clear()

@@ -1,0 +1,159 @@
+"""What both managers share: settings, the transport, the I/O thread, the lock, final states."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Generic, TypeVar
+
+from . import protocol as P
+from .channel import IOLoop, SocketGetter
+from .layout import KVArgs
+from .metrics import metrics
+from .room import Poll, Room
+from .transport import BackendChoice, open_transport
+
+__all__ = ["SessionConfig", "TransferManager"]
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Room)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Timeouts (seconds) and settings of a manager; see :mod:`kvbridge.core.session`."""
+
+    bootstrap_timeout: float = 30.0
+    waiting_timeout: float = 300.0
+    transfer_timeout: float = 60.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    host: str = "127.0.0.1"
+    backend_options: Mapping[str, str] = field(default_factory=dict)
+    #: Treat every index-length mismatch as an error (default: page-indexed
+    #: state lists are trimmed to the shorter side with a warning).
+    strict_index_lengths: bool = False
+
+    @classmethod
+    def from_fields(cls, source: object) -> SessionConfig:
+        """The settings among ``source``'s attributes (those named like this class's fields; the rest default).
+
+        Host-side settings objects (``TransferConfig``, test scenarios) pass
+        themselves whole instead of copying fields one by one.
+        """
+        return cls(**{f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)})
+
+    def __post_init__(self) -> None:
+        for name in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "heartbeat_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"
+            )
+
+
+class TransferManager(Generic[R]):
+    """Shared by both roles: the transport, the I/O thread, the rooms, shutdown.
+
+    ``backend`` is a registered backend name, a ``BackendSpec``, a ready
+    ``Backend`` instance, or None for the default backend (the first
+    available of ``BACKEND_PREFERENCE``).
+    """
+
+    role: str
+
+    def __init__(self, kvargs: KVArgs, backend: BackendChoice, config: SessionConfig | None) -> None:
+        self.kvargs = kvargs
+        self.config = config or SessionConfig()
+        self.transport = open_transport(
+            backend,
+            host=self.config.host,
+            name=f"{self.role}-tp{kvargs.tp_rank}-pp{kvargs.pp_rank}-{os.getpid()}",
+            transfer_timeout=self.config.transfer_timeout,
+            options=self.config.backend_options,
+        )
+        self.backend_name = self.transport.name
+        try:
+            self.transport.register(kvargs.regions)
+        except BaseException:
+            self.transport.close()
+            raise
+        #: Guards every room and peer table; rooms and workers take it too.
+        self.lock = threading.RLock()
+        self.rooms: dict[int, R] = {}
+        self.closed = False
+        self.loop = IOLoop(
+            f"kvbridge-{self.role}", tick=self._tick, tick_interval=min(0.05, self.config.heartbeat_interval / 2)
+        )
+
+    @property
+    def backend(self) -> object:
+        """The backend object (for ``describe()`` and tests)."""
+        return self.transport.backend
+
+    def _tick(self) -> None:  # pragma: no cover - overridden
+        pass
+
+    def send(self, sock: SocketGetter, msg: P.Message, ident: bytes | None = None) -> None:
+        """Send ``msg`` on the socket ``sock()`` returns, from the I/O thread (any thread may call)."""
+        payload = P.encode(msg)
+        self.loop.send(sock, [ident, payload] if ident is not None else [payload])
+
+    def add_room(self, room: R) -> None:
+        """Register a new room (a Sender or Receiver being created)."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError(f"the {self.role} manager is closed")
+            if room.room in self.rooms:
+                kind = "sender" if self.role == "prefill" else "receiver"
+                raise ValueError(f"room {room.room} already has a {kind} on this {self.role} rank")
+            self.rooms[room.room] = room
+
+    def finish(self, room: Room, state: Poll, reason: str | None = None, kind: str = "transfer_error") -> bool:
+        """Move ``room`` to a final state and drop everything held for it; False if it was final already.
+
+        ``kind`` is the failure's metrics label (one of ``metrics.FAILURE_REASONS``).
+        """
+        with self.lock:
+            changed = room.advance(state, reason)
+            if changed and state == Poll.FAILED:
+                metrics().failed(self.backend_name, self.role, kind)
+            elif changed and state == Poll.SUCCESS:
+                metrics().succeeded(self.backend_name, self.role)
+            if room.final and self.rooms.get(room.room) is room:
+                del self.rooms[room.room]
+            return changed
+
+    def active_rooms(self) -> int:
+        """How many rooms this manager still holds state for (for leak checks)."""
+        with self.lock:
+            return len(self.rooms)
+
+    def abort_room(self, room: Room, reason: str) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Fail every open room, stop threads, release the engine. Idempotent."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            for room in list(self.rooms.values()):
+                self.abort_room(room, f"{self.role} manager closed")  # counted as "aborted"
+        self._shutdown()
+        self.loop.stop()
+        self.transport.close()
+
+    def _shutdown(self) -> None:
+        pass
+
+    def __enter__(self) -> TransferManager[R]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,263 @@
+"""The prefill manager: control endpoint, handshakes, decode peers and their requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import numpy.typing as npt
+import zmq
+
+from . import protocol as P
+from .bootstrap import register_rank
+from .layout import KVArgs, METADATA_SPACE
+from .manager import SessionConfig, TransferManager
+from .pairing import IncompatibleLayoutError, Route, pair_layouts
+from .plan import Indices, PlanError
+from .room import Poll, Room
+from .sender import DecodeRequest, Sender
+from .transport import BackendChoice
+from .worker import PeerWorker
+
+__all__ = ["DecodePeer", "PrefillManager"]
+
+log = logging.getLogger(__name__)
+
+
+class DecodePeer:
+    """A decode rank that completed the handshake with this prefill rank, and its transfer worker."""
+
+    def __init__(self, peer_id: str, route: Route) -> None:
+        self.peer_id = peer_id
+        self.ident = peer_id.encode()
+        self.route = route
+        self.last_seen = time.monotonic()
+        self.worker = PeerWorker(peer_id)
+
+
+class PrefillManager(TransferManager[Sender]):
+    """One per prefill rank: control endpoint, decode peers, transfer workers.
+
+    Every decode rank of a room sends this rank its destination lists; the
+    room is ready (WAITING_FOR_INPUT) once all of them (the decode TP size)
+    have arrived, even if this rank has nothing to send to some of them
+    (MLA pages go from one prefill rank only): it still reports ``Done``.
+    """
+
+    role = "prefill"
+
+    def __init__(
+        self, kvargs: KVArgs, backend: BackendChoice = None, *, bootstrap: str, config: SessionConfig | None = None
+    ) -> None:
+        super().__init__(kvargs, backend, config)
+        self._pending: dict[int, dict[str, DecodeRequest]] = {}  # requests that arrived before their sender
+        self._peers: dict[str, DecodePeer] = {}
+        router = self.loop.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port(f"tcp://{self.config.host}")
+        self._router = router
+        self.control_address = f"{self.config.host}:{port}"
+        self.loop.add_socket(router, self._on_message)
+        self.loop.start()
+        self.bootstrap = bootstrap
+        try:
+            register_rank(
+                bootstrap,
+                P.RankInfo(kvargs.tp_rank, kvargs.tp_size, kvargs.pp_rank, kvargs.pp_size, self.control_address,
+                           self.backend_name),
+                self.config.bootstrap_timeout,
+            )
+        except Exception:
+            self.close()
+            raise
+
+    def active_rooms(self) -> int:
+        """Senders plus rooms whose requests wait for their sender (for leak checks)."""
+        with self.lock:
+            return len(self.rooms) + len(self._pending)
+
+    # -- for senders -------------------------------------------------------------------------
+    def take_pending(self, room: int) -> Iterable[DecodeRequest]:
+        """The requests that arrived for ``room`` before its sender was created (removed here)."""
+        return self._pending.pop(room, {}).values()
+
+    def peer(self, peer_id: str) -> DecodePeer | None:
+        return self._peers.get(peer_id)
+
+    def source_indices(self, space: str, values: npt.ArrayLike) -> Indices:
+        """The host's source list for ``space``, checked against this rank's own index space."""
+        declared = {s.name: s.count for s in self.kvargs.index_spaces}
+        return Indices.check(f"source {space} index", values, declared.get(space))
+
+    def notify(self, peer: DecodePeer, msg: P.Message) -> None:
+        """Send ``msg`` to decode ``peer`` (any thread)."""
+        self.send(lambda: self._router, msg, peer.ident)
+
+    def fail_sender(self, sender: Sender, reason: str, kind: str) -> None:
+        """Fail ``sender`` and tell every decode rank that asked for it (``kind``: the metrics reason)."""
+        with self.lock:
+            if not self.finish(sender, Poll.FAILED, reason, kind):
+                return
+            for peer_id in sender.peer_ids():
+                peer = self._peers.get(peer_id)
+                if peer is not None:
+                    self.notify(peer, P.Failed(room=sender.room, reason=reason))
+
+    def abort_room(self, room: Room, reason: str) -> None:
+        assert isinstance(room, Sender)
+        self.fail_sender(room, reason, "aborted")
+
+    # -- control messages (I/O thread) --------------------------------------------------
+    def _reply(self, ident: bytes, msg: P.Message) -> None:
+        self._router.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+
+    def _on_message(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            log.warning("prefill: dropped a control message with %d frames", len(frames))
+            return
+        ident, data = frames
+        try:
+            msg = P.decode(data)
+        except P.ProtocolError as exc:
+            log.warning("prefill: rejected a control message from %r: %s", ident[:64], exc)
+            self._reply(ident, P.Reject(reason=str(exc)))
+            return
+        peer_id = ident.decode(errors="replace")
+        if isinstance(msg, P.Hello):
+            self._on_hello(ident, msg)
+            return
+        with self.lock:
+            peer = self._peers.get(peer_id)
+            if peer is None:
+                reason = f"{type(msg).__name__} from {peer_id!r} before a handshake; send Hello first"
+                log.warning("prefill: %s", reason)
+                self._reply(ident, P.Reject(reason=reason, room=getattr(msg, "room", None)))
+                return
+            peer.last_seen = time.monotonic()
+            if isinstance(msg, P.Heartbeat):
+                self._reply(ident, P.Heartbeat())
+            elif isinstance(msg, P.TransferRequest):
+                self._on_request(peer, msg)
+            elif isinstance(msg, P.Abort):
+                self._on_abort(peer, msg)
+            else:
+                reason = f"prefill does not accept {type(msg).__name__} messages"
+                self._reply(ident, P.Reject(reason=reason, room=getattr(msg, "room", None)))
+
+    def _on_hello(self, ident: bytes, msg: P.Hello) -> None:
+        problem = None
+        if msg.peer_id.encode() != ident:
+            problem = f"Hello peer_id {msg.peer_id!r} does not match the connection identity"
+        elif msg.backend != self.backend_name:
+            problem = f"decode uses backend {msg.backend!r} but this prefill rank uses {self.backend_name!r}"
+        if problem is None:
+            try:
+                route = pair_layouts(self.kvargs, msg.kvargs)
+                self.transport.add_peer(msg.peer_id, msg.backend_meta, msg.kvargs.regions)
+            except IncompatibleLayoutError as exc:
+                problem = str(exc)
+            except Exception as exc:
+                problem = f"backend {self.backend_name!r} could not add the peer: {exc}"
+        if problem is not None:
+            log.warning("prefill: rejected handshake from %r: %s", msg.peer_id, problem)
+            self._reply(ident, P.Reject(reason=problem))
+            return
+        with self.lock:
+            old = self._peers.pop(msg.peer_id, None)
+            if old is not None:
+                old.worker.stop()
+            self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route)
+        self._reply(ident, P.HelloAck(kvargs=self.kvargs))
+
+    def _on_request(self, peer: DecodePeer, msg: P.TransferRequest) -> None:
+        """Check a decode rank's destination lists once, on arrival; the planner trusts them after."""
+        sender = self.rooms.get(msg.room)
+        try:
+            indices: dict[str, Indices] = {}
+            for space, packed in msg.indices.items():
+                idx = P.unpack_indices(space, packed)
+                # Spaces this rank holds no regions of (another pipeline stage's state) are ignored.
+                sr = peer.route.spaces.get(space)
+                if sr is not None:
+                    indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True)
+            if METADATA_SPACE in peer.route.spaces:
+                Indices.check("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
+        except (P.ProtocolError, PlanError) as exc:
+            reason = f"bad transfer request from decode {peer.peer_id!r}: {exc}"
+            # Fail the room only if nobody else has a valid request in it: one
+            # decode must not be able to fail another decode's room.
+            if sender is not None and not sender.peer_ids():
+                self.finish(sender, Poll.FAILED, reason, "bad_request")
+            # Reply last: whoever reads the reply must find the room already failed.
+            self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
+            return
+        dst = peer.route.dst
+        req = DecodeRequest(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic())
+        if sender is None:
+            reqs = self._pending.setdefault(msg.room, {})
+            problem = req.conflict(reqs)
+            if problem is None:
+                reqs[peer.peer_id] = req  # the host has not created the sender yet
+        else:
+            problem = sender.attach(req)
+        if problem is not None:
+            self._reply(peer.ident, P.Reject(reason=f"room {msg.room}: {problem}", room=msg.room))
+
+    def _on_abort(self, peer: DecodePeer, msg: P.Abort) -> None:
+        # A peer may abort only what it asked for.
+        pending = self._pending.get(msg.room, {})
+        pending.pop(peer.peer_id, None)
+        if not pending:
+            self._pending.pop(msg.room, None)
+        sender = self.rooms.get(msg.room)
+        if sender is not None and sender.asked_by(peer.peer_id):
+            self.fail_sender(sender, f"aborted by decode: {msg.reason}", "aborted")
+
+    # -- timeouts and dead peers (I/O thread) ------------------------------------------
+    def _tick(self) -> None:
+        now = time.monotonic()
+        cfg = self.config
+        with self.lock:
+            for room, reqs in list(self._pending.items()):
+                if now - min(r.received for r in reqs.values()) > cfg.bootstrap_timeout:
+                    log.warning("prefill: dropping requests for room %d: no sender created within %.1fs", room, cfg.bootstrap_timeout)
+                    del self._pending[room]
+            for sender in list(self.rooms.values()):
+                overdue = sender.overdue(now, cfg)
+                if overdue is not None:
+                    self.fail_sender(sender, *overdue)
+            for peer in list(self._peers.values()):
+                if now - peer.last_seen > cfg.heartbeat_timeout:
+                    self._drop_peer(peer, f"decode peer {peer.peer_id!r} sent no heartbeat for {now - peer.last_seen:.1f}s")
+
+    def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
+        log.warning("prefill: %s; dropping it", reason)
+        # Fail its rooms while it is still a known peer, so each Failed goes out: a
+        # decode that was only frozen learns of it when it resumes.
+        for sender in list(self.rooms.values()):
+            if sender.asked_by(peer.peer_id):
+                self.fail_sender(sender, reason, "peer_dead")
+        self._peers.pop(peer.peer_id, None)
+        peer.worker.stop()
+        for room, reqs in list(self._pending.items()):
+            reqs.pop(peer.peer_id, None)
+            if not reqs:
+                del self._pending[room]
+        try:
+            self.transport.remove_peer(peer.peer_id)
+        except Exception:
+            log.exception("backend failed to remove peer %s", peer.peer_id)
+
+    def _shutdown(self) -> None:
+        with self.lock:
+            peers = list(self._peers.values())
+            for peer in peers:
+                peer.worker.stop()
+            self._peers.clear()
+            self._pending.clear()
+        # The engine closes next: let running writes end first (they honour their
+        # deadline, so this is bounded).
+        deadline = time.monotonic() + self.config.transfer_timeout
+        for peer in peers:
+            peer.worker.join(max(0.0, deadline - time.monotonic()))

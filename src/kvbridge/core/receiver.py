@@ -1,0 +1,115 @@
+"""The decode side of one request: a :class:`Receiver`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy.typing as npt
+
+from . import protocol as P
+from .layout import KV_PAGE_SPACE, METADATA_SPACE
+from .metrics import metrics
+from .plan import Indices, PlanError
+from .room import Poll, Room
+
+if TYPE_CHECKING:
+    from .decode import DecodeManager, PrefillServer
+    from .manager import SessionConfig
+
+__all__ = ["Receiver"]
+
+
+class Receiver(Room):
+    """Decode side of one request.
+
+    The host creates it with the prefill server's bootstrap address, calls
+    :meth:`init` with where the room's pages, state and metadata row go, and
+    polls until SUCCESS (the metadata row, written last, has landed) or
+    FAILED. ``server`` and the other non-host methods are core's.
+    """
+
+    def __init__(self, manager: DecodeManager, room: int, bootstrap: str) -> None:
+        super().__init__(room)
+        self.manager = manager
+        self._request: P.TransferRequest | None = None
+        self._init_at: float | None = None
+        self._sent = False
+        self._done: set[tuple[int, int]] = set()
+        with manager.lock:
+            manager.add_room(self)
+            self.server: PrefillServer = manager.server(bootstrap)
+            if self.server.ready:
+                self.on_ready()
+
+    def init(
+        self,
+        page_indices: npt.ArrayLike,
+        state_indices: Mapping[str, npt.ArrayLike] | None = None,
+        metadata_row: int = 0,
+    ) -> None:
+        """Tell prefill where this room's pages, state and metadata row go.
+
+        Every list is checked here, once (in range of this rank's index space,
+        no index twice); a bad one fails the room with the reason and sends nothing.
+        """
+        m = self.manager
+        with m.lock:
+            if self.poll() == Poll.FAILED:
+                return
+            if self._request is not None:
+                raise RuntimeError(f"room {self.room}: init() called twice")
+            try:
+                indices = {KV_PAGE_SPACE: page_indices, **(state_indices or {})}
+                packed = {}
+                for space, idx in indices.items():
+                    count = m.kvargs.index_space(space).count
+                    checked = Indices.check(f"destination {space} index", idx, count, unique=True)
+                    packed[space] = P.pack_indices(checked.array)
+                if any(s.name == METADATA_SPACE for s in m.kvargs.index_spaces):
+                    Indices.check("metadata_row", [metadata_row], m.kvargs.index_space(METADATA_SPACE).count)
+            except (KeyError, PlanError, P.ProtocolError) as exc:
+                m.finish(self, Poll.FAILED, f"room {self.room}: {exc.args[0] if exc.args else exc}", "bad_request")
+                return
+            self._request = P.TransferRequest(room=self.room, indices=packed, metadata_row=int(metadata_row))
+            self._init_at = time.monotonic()
+            if self.server.ready:
+                self._send_request()
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        """Give up on this room; prefill is told. Bytes already in flight may still land."""
+        with self.manager.lock:
+            if self.manager.finish(self, Poll.FAILED, reason, "aborted"):
+                self.abort_remote(reason)
+
+    # -- core's (the manager's I/O thread, under its lock) ---------------------------------
+    def on_ready(self) -> None:
+        """The handshake with every prefill rank is done: send the request if ``init`` came already."""
+        if self.advance(Poll.WAITING_FOR_INPUT):
+            metrics().bootstrap(self.manager.backend_name, "decode", time.monotonic() - self.created)
+        if self._request is not None:
+            self._send_request()
+
+    def rank_done(self, rank: tuple[int, int], ranks: int) -> bool:
+        """Record ``Done`` from prefill ``rank``; True once all ``ranks`` have sent it."""
+        self._done.add(rank)
+        return len(self._done) == ranks
+
+    def overdue(self, now: float, cfg: SessionConfig) -> tuple[str, bool] | None:
+        """``(reason, tell prefill)`` if a timeout of this room has expired, else None."""
+        if self.poll() == Poll.BOOTSTRAPPING and now - self.created > cfg.bootstrap_timeout:
+            return f"bootstrap did not complete within bootstrap_timeout={cfg.bootstrap_timeout}s", False
+        if self._init_at is not None and now - self._init_at > cfg.waiting_timeout:
+            return f"transfer did not complete within waiting_timeout={cfg.waiting_timeout}s", True
+        return None
+
+    def abort_remote(self, reason: str) -> None:
+        """Tell every prefill rank this room is given up (if its request went out)."""
+        if self._sent:
+            self.manager.send_to_ranks(self.server, P.Abort(room=self.room, reason=reason))
+
+    def _send_request(self) -> None:
+        if not self._sent and self._request is not None:
+            self._sent = True
+            self.manager.send_to_ranks(self.server, self._request)

@@ -1,0 +1,69 @@
+"""A room's state machine, shared by :class:`Sender` and :class:`Receiver`.
+
+States only move forward: BOOTSTRAPPING < WAITING_FOR_INPUT < TRANSFERRING <
+SUCCESS, and FAILED (with a reason) is sticky. SUCCESS and FAILED are final.
+The numeric order lets a host min-reduce the states of one request across
+ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+
+import numpy as np
+
+__all__ = ["Poll", "Room"]
+
+log = logging.getLogger(__name__)
+
+#: Room ids travel as unsigned 64-bit integers.
+MAX_ROOM = 2**64 - 1
+
+
+class Poll(enum.IntEnum):
+    """Request states. The numeric order lets a host min-reduce them across ranks."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+class Room:
+    """One request's state on one rank. Its manager's lock guards every change."""
+
+    def __init__(self, room: int) -> None:
+        if isinstance(room, bool) or not isinstance(room, (int, np.integer)) or not 0 <= room <= MAX_ROOM:
+            raise ValueError(f"room must be an integer in 0 .. 2**64-1, got {room!r}")
+        self.room = int(room)
+        self.created = time.monotonic()
+        self._state = Poll.BOOTSTRAPPING
+        self._reason: str | None = None
+
+    def poll(self) -> Poll:
+        """The current state; never blocks."""
+        return self._state
+
+    def failure(self) -> str | None:
+        """Why the room failed, or None."""
+        return self._reason
+
+    @property
+    def final(self) -> bool:
+        return self._state in (Poll.FAILED, Poll.SUCCESS)
+
+    def advance(self, state: Poll, reason: str | None = None) -> bool:
+        """Move forward (never back); False if nothing changed. The caller holds the manager's lock."""
+        if self.final:
+            return False
+        if state == Poll.FAILED:
+            self._state, self._reason = Poll.FAILED, reason or "failed"
+            log.warning("room %d failed: %s", self.room, self._reason)
+            return True
+        if state > self._state:
+            self._state = state
+            return True
+        return False

@@ -1,0 +1,163 @@
+"""Core's half of the backend contract: one policy around every backend.
+
+A :class:`Transport` wraps a :class:`~kvbridge.core.backend.Backend` and does,
+from the backend's declared :class:`~kvbridge.core.records.BackendCapabilities`,
+what no adapter repeats: memory kinds checked at registration and at
+handshake, plans cut and split into batches within the declared limits, the
+deadline checked before every batch. The backend only moves one batch.
+
+:func:`open_transport` is the one place core creates backends. It takes what a
+manager was given: a registered name, a resolved :class:`BackendSpec`, a
+ready :class:`Backend` instance (as an HTTP client takes a transport object),
+or ``None`` for the default backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from .backend import Backend, BackendConfig, TransferError, TransferTimeout
+from .layout import Region
+from .plan import TransferPlan
+from .plugins import PluginError, get_registry, import_object
+from .records import BackendCapabilities, BackendSpec
+
+__all__ = ["BackendChoice", "Transport", "open_transport"]
+
+log = logging.getLogger(__name__)
+
+#: What a manager accepts as its backend.
+BackendChoice = Union[str, BackendSpec, Backend, None]
+
+
+class Transport:
+    """A backend plus the policy core applies to every backend alike."""
+
+    def __init__(self, backend: Backend, name: str, capabilities: BackendCapabilities | None = None) -> None:
+        self.backend = backend
+        self.name = name
+        self.capabilities = capabilities or type(backend).capabilities
+        self._batch_descriptors = self.capabilities.batch_descriptors
+        self._batch_bytes = self.capabilities.max_bytes_per_batch
+
+    # -- memory -----------------------------------------------------------------------------
+    def check_memory(self, regions: Sequence[Region], whose: str) -> None:
+        """Raise :class:`TransferError` naming the first region of a memory kind the backend does not move."""
+        kinds = self.capabilities.memory_kinds
+        for r in regions:
+            if r.mem not in kinds:
+                raise TransferError(
+                    f"{whose} region {r.name!r} is {r.mem} memory, but backend {self.name!r} moves "
+                    f"{' and '.join(kinds)} only (its BackendCapabilities.memory_kinds); "
+                    "use a backend that declares it (`kvbridge plugins` lists what each moves)"
+                )
+
+    def register(self, regions: Sequence[Region]) -> None:
+        self.check_memory(regions, "local")
+        self.backend.register(regions)
+
+    def metadata(self) -> bytes:
+        return self.backend.metadata()
+
+    def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
+        self.check_memory(regions, f"peer {peer!r}")
+        self.backend.add_peer(peer, metadata, regions)
+
+    def remove_peer(self, peer: str) -> None:
+        self.backend.remove_peer(peer)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    # -- writes -----------------------------------------------------------------------------
+    def batches(self, plan: TransferPlan) -> list[TransferPlan]:
+        """``plan`` as the backend will receive it: cut and split within the declared limits (views)."""
+        if self._batch_bytes is not None:
+            plan = plan.cut(self._batch_bytes)
+        return list(plan.batches(self._batch_descriptors, self._batch_bytes))
+
+    def write(self, peer: str, plan: TransferPlan, deadline: float) -> None:
+        """Write a validated ``plan`` into ``peer`` batch by batch; the deadline is checked before each.
+
+        Raises :class:`TransferTimeout` once the deadline has passed (no
+        further batch is started) and passes on the backend's
+        :class:`TransferError`, saying how much had landed before.
+        """
+        batches = self.batches(plan)
+        landed = 0
+        for i, batch in enumerate(batches):
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(
+                    f"{self.name}: write to peer {peer!r} passed its deadline after {i} of {len(batches)} "
+                    f"batches ({landed} of {plan.total_bytes} B landed)"
+                )
+            try:
+                self.backend.write(peer, batch, deadline)
+            except TransferError as exc:
+                if i == 0:
+                    raise
+                raise type(exc)(f"{exc} (batch {i + 1} of {len(batches)}; the {i} before it, {landed} B, landed)") from exc
+            landed += batch.total_bytes
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, **self.backend.describe()}
+
+
+def backend_name(backend: Backend) -> str:
+    """The registered name of ``backend``'s class, or its class name if no registration names it."""
+    cls = type(backend)
+    target = f"{cls.__module__}:{cls.__qualname__}"
+    for name, reg in get_registry().backends.items():
+        if isinstance(reg.spec, BackendSpec) and reg.spec.factory == target:
+            return name
+    return cls.__name__
+
+
+def open_transport(
+    backend: BackendChoice,
+    *,
+    host: str,
+    name: str,
+    transfer_timeout: float,
+    options: Mapping[str, str],
+) -> Transport:
+    """Create (or wrap) the backend a manager was given; options are checked before any engine exists.
+
+    ``backend`` is a registered name, a :class:`BackendSpec` (its factory is
+    imported; it need not be registered), a :class:`Backend` instance (used
+    as it is: ``options`` must then be empty) or ``None`` (the default: see
+    :meth:`~kvbridge.core.plugins.Registry.default_backend`).
+    """
+    if isinstance(backend, Backend):
+        if options:
+            raise ValueError(
+                f"backend options {sorted(options)} were given with a ready {type(backend).__name__} instance; "
+                "pass them to the backend's own BackendConfig instead"
+            )
+        return Transport(backend, backend_name(backend))
+    registry = get_registry()
+    if backend is None:
+        default = registry.default_backend()
+        if default is None:
+            installed = ", ".join(sorted(registry.backends)) or "none"
+            raise PluginError(
+                f"no transfer backend is available (installed: {installed}); install an engine, "
+                "e.g. `pip install kvbridge[nixl]`, or a backend plugin"
+            )
+        backend = default
+    if isinstance(backend, str):
+        spec = registry.backend_spec(backend)
+        factory = registry.load_backend(backend)
+    elif isinstance(backend, BackendSpec):
+        spec = backend
+        factory = import_object(spec.factory, f"backend {spec.name!r}")
+    else:
+        raise TypeError(f"backend must be a name, a BackendSpec or a Backend instance, got {type(backend).__name__}")
+    parsed = spec.parse_options(options)
+    instance = factory(BackendConfig(host=host, name=name, transfer_timeout=transfer_timeout, options=parsed))
+    if not isinstance(instance, Backend):
+        raise PluginError(f"backend {spec.name!r}: factory {spec.factory!r} made a {type(instance).__name__}, not a Backend")
+    return Transport(instance, spec.name, spec.capabilities)
