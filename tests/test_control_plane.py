@@ -4,7 +4,7 @@ What is checked here does not depend on the transport (the conformance suite,
 ``kvbridge.testing.conformance``, covers what does, for every backend): hostile
 and malformed control messages, requests and aborts from a decode that does
 not own the room, incompatible layouts at handshake, and a bootstrap endpoint
-nobody listens on. It runs against one built-in backend, through the same
+nobody listens on. It runs against the memory backend (no engine), through the same
 fixtures as the conformance suite (``kvbridge.testing.harness``).
 """
 
@@ -144,7 +144,7 @@ LAYOUT_CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
 
 
 class TestControlPlane(BackendHarness):
-    backend = "ucx"  # any built-in backend: nothing here depends on the transport
+    backend = "memory"  # nothing here depends on the transport: core's policy, tested once
 
     # -- a decode that does not own the room ---------------------------------------------------
     def test_bad_request_from_another_decode_does_not_fail_a_room_it_does_not_own(

@@ -20,7 +20,7 @@ from kvbridge.core.pairing import pair_layouts
 from kvbridge.core.plan import PlanError
 from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 
-BACKEND = "mooncake"
+BACKEND = "memory"  # metrics are core's: any backend records the same
 LAYERS = 2
 PAGE_NBYTES = 256
 SLOT_NBYTES = 1024
@@ -197,7 +197,7 @@ def test_prometheus_shows_the_same_values(run):
     assert reg.get_sample_value("kvbridge_rooms_succeeded_total", {"backend": BACKEND, "role": "decode"}) == len(REQUESTS)
     assert reg.get_sample_value("kvbridge_bootstrap_seconds_count", {"backend": BACKEND, "role": "decode"}) == len(REQUESTS) + 1
     text = prometheus_client.generate_latest(reg).decode()
-    assert 'kvbridge_transfer_bytes_total{backend="mooncake",state_type="kv"}' in text
+    assert 'kvbridge_transfer_bytes_total{backend="memory",state_type="kv"}' in text
 
 
 # -- the collector on its own ----------------------------------------------------------------

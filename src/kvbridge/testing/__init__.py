@@ -5,14 +5,20 @@
 - :mod:`~kvbridge.testing.requirements`: ``requires(...)``, capabilities a test needs;
 - :mod:`~kvbridge.testing.e2e`, :mod:`~kvbridge.testing.hybrid`: the prefill and decode driver processes;
 - :mod:`~kvbridge.testing.runner`: ``kvbridge conformance NAME``;
-- :mod:`~kvbridge.testing.pair`: a destination engine in its own process, for tests of one adapter.
+- :mod:`~kvbridge.testing.pair`: a destination engine in its own process, for tests of one adapter;
+- :mod:`~kvbridge.testing.memory`: the ``memory`` backend (no engine, one host);
+- :mod:`~kvbridge.testing.faulty`: deliberately broken backends the suite must fail.
 
 Importing this package imports neither pytest nor an engine.
 """
 
 from __future__ import annotations
 
-# Installed backends whose engine is importable (what end-to-end tests run over).
-from kvbridge.config import available_backends
-
 __all__ = ["available_backends"]
+
+
+def available_backends() -> list[str]:
+    """Installed backends whose engine is importable, best first (what end-to-end tests run over)."""
+    from kvbridge.core.plugins import get_registry
+
+    return get_registry().available_backends()

@@ -70,14 +70,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     backend_options: dict[str, str] = {}  # SessionConfig.backend_options
 
     def session_config(self) -> SessionConfig:
-        return SessionConfig(
-            bootstrap_timeout=self.bootstrap_timeout,
-            waiting_timeout=self.waiting_timeout,
-            transfer_timeout=self.transfer_timeout,
-            heartbeat_interval=self.heartbeat_interval,
-            heartbeat_timeout=self.heartbeat_timeout,
-            backend_options=dict(self.backend_options),
-        )
+        return SessionConfig.from_fields(self)
 
 
 # -- memory -----------------------------------------------------------------------------

@@ -60,6 +60,7 @@ __all__ = [
     "LocalPrefill",
     "RawClient",
     "all_sentinel",
+    "all_succeeded",
     "check_contract",
     "finished",
     "send_all",
@@ -277,6 +278,14 @@ def unchanged(pools: Pools, before: list[np.ndarray]) -> bool:
 
 def all_sentinel(pools: Pools) -> bool:
     return all((a == SENTINEL).all() for a in (*pools.kv, pools.meta))
+
+
+def all_succeeded(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+    """Every room of a hybrid run succeeded on both sides and every decode buffer matched."""
+    for side in (prefill, decode):
+        for room, states in side["rooms"].items():
+            assert all(state == "SUCCESS" for state, _ in states), f"{side['role']} room {room}: {states}"
+    assert decode["mismatches"] == []
 
 
 # -- the fixtures ----------------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""Deliberately broken backends: the conformance suite must fail each of them.
+
+Each breaks one clause of the backend contract (:mod:`kvbridge.core.backend`)
+the way real adapters have, on top of the ``memory`` backend. They are not
+registered by kvbridge; ``tests/test_faulty_backends.py`` installs this
+module as a plugin (an entry point in a temporary ``*.dist-info``) and runs
+the suite against each, asserting which test fails and why.
+
+- ``faulty-offbyone``: reads every source one byte too far (a wrong address);
+- ``faulty-deadline``: waits for a stopped peer to resume, ignoring the deadline
+  (as an engine that needs the receiver's help and has no timeout);
+- ``faulty-dropbatch``: silently skips every third batch core hands it;
+- ``faulty-early``: returns before the bytes have landed (copies 50 ms later).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import ClassVar
+
+from kvbridge.core.hookspecs import hookimpl
+from kvbridge.core.plan import TransferPlan
+from kvbridge.core.records import BackendCapabilities, BackendSpec
+from kvbridge.testing.memory import CAPABILITIES, MemoryBackend, state
+
+__all__ = ["BROKEN_CONTRACTS", "kvbridge_register_backends"]
+
+STOPPED_WAIT_LIMIT = 60.0  # even a broken backend's loops are bounded
+
+
+class OffByOne(MemoryBackend):
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        self.copy(self._target(peer), peer, batch.src_addr + 1, batch.dst_addr, batch.nbytes)
+
+
+class IgnoresDeadline(MemoryBackend):
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        target = self._target(peer)
+        super().write(peer, batch, deadline)
+        give_up = time.monotonic() + STOPPED_WAIT_LIMIT
+        while state(target.pid) == "T" and time.monotonic() < give_up:  # "waits for the peer's acknowledgement"
+            time.sleep(0.01)
+
+
+class DropsBatch(MemoryBackend):
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        memory_kinds=("dram",), cross_host=False, max_descriptors_per_batch=2)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._calls = 0
+
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        self._calls += 1
+        if self._calls % 3:
+            super().write(peer, batch, deadline)
+
+
+class EarlySuccess(MemoryBackend):
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        target = self._target(peer)
+
+        def later() -> None:
+            time.sleep(0.05)
+            self.copy(target, peer, batch.src_addr, batch.dst_addr, batch.nbytes)
+
+        threading.Thread(target=later, daemon=True).start()
+
+
+#: backend name -> (class, the broken contract in words)
+BROKEN_CONTRACTS: dict[str, tuple[type[MemoryBackend], str]] = {
+    "faulty-offbyone": (OffByOne, "writes bytes other than the plan's"),
+    "faulty-deadline": (IgnoresDeadline, "does not return by its deadline"),
+    "faulty-dropbatch": (DropsBatch, "reports success for a batch it did not write"),
+    "faulty-early": (EarlySuccess, "returns before the bytes have landed"),
+}
+
+
+@hookimpl
+def kvbridge_register_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(name=name, factory=f"{__name__}:{cls.__name__}", description=f"BROKEN on purpose: {what}",
+                    capabilities=cls.capabilities if cls is DropsBatch else CAPABILITIES)
+        for name, (cls, what) in BROKEN_CONTRACTS.items()
+    ]
