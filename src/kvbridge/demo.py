@@ -22,27 +22,35 @@ from typing import IO, Any
 
 import msgspec
 
-from kvbridge.config import BACKEND_PREFERENCE, default_backend
-from kvbridge.core.plugins import get_registry
+from kvbridge.config import TransferConfig, add_transfer_args
 from kvbridge.testing.hybrid import Spec
 
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transfer-backend", help=f"transport (default: the first installed of {', '.join(BACKEND_PREFERENCE)})")
-    parser.add_argument("--prefill-tp", type=int, default=1, choices=(1, 2, 4))
-    parser.add_argument("--decode-tp", type=int, default=1, choices=(1, 2, 4))
-    parser.add_argument("--requests", type=int, default=64)
+    """The demo's own flags plus the transfer flags every host server gets (``add_transfer_args``)."""
+    parser.add_argument("--prefill-tp", type=int, default=1, choices=(1, 2, 4), help="prefill TP size (default: 1)")
+    parser.add_argument("--decode-tp", type=int, default=1, choices=(1, 2, 4), help="decode TP size (default: 1)")
+    parser.add_argument("--requests", type=_positive, default=64, help="requests to move (default: 64)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_transfer_args(parser)
+    parser.set_defaults(demo_parser=parser)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    registry = get_registry()
-    backend = args.transfer_backend or default_backend(registry)
-    if backend is None:
-        raise SystemExit("kvbridge demo: no transfer backend is installed; pip install 'kvbridge[all]'")
-    registry.backend_spec(backend)  # unknown name: a clear error listing what is installed
-    if args.requests < 1:
-        raise SystemExit("kvbridge demo: --requests must be >= 1")
-    spec = Spec(backend=backend, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, requests=args.requests,
+    # Checks the backend and its options together; a problem exits 2 with the usage line.
+    cfg = TransferConfig.from_args(args, getattr(args, "demo_parser", None))
+    spec = Spec(backend=cfg.backend, backend_options=dict(cfg.backend_options),
+                prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, requests=args.requests,
                 layout="hnd", draft=True, head_dim=64, pages=512, max_request_pages=24, progress=True,
                 timeout=60 + 2.0 * args.requests)
     summary = run(spec, progress=None if args.json else sys.stderr)
