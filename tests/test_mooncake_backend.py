@@ -20,6 +20,8 @@ pytest.importorskip("mooncake.engine")
 
 from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
 from kvbridge.core.layout import Region  # noqa: E402
+from kvbridge.core.plugins import get_registry  # noqa: E402
+from kvbridge.core.transport import Transport  # noqa: E402
 from kvbridge.testing import pair  # noqa: E402
 from kvbridge.testing.pair import ROWS, SENTINEL, Destination, pattern_buffers, standard_layout  # noqa: E402
 from kvbridge.core.plan import TransferPlan  # noqa: E402
@@ -31,6 +33,10 @@ SRC_PAGES, DST_PAGES = 64, 48
 WAIT = 20.0  # bound on every wait for the other process
 
 
+def config(name: str = "prefill", **options: str) -> BackendConfig:
+    """What core gives the backend: options parsed and defaulted by the registration."""
+    parsed = get_registry().backend_spec("mooncake").parse_options(options)
+    return BackendConfig(host="127.0.0.1", name=name, transfer_timeout=5.0, options=parsed)
 
 
 def start_destination() -> Destination:
@@ -46,7 +52,7 @@ class Source:
 
 @pytest.fixture(scope="module")
 def source():
-    backend = MooncakeBackend(BackendConfig(host="127.0.0.1", name="prefill", transfer_timeout=5.0))
+    backend = MooncakeBackend(config())
     bufs, regions = pattern_buffers(standard_layout(SRC_PAGES, ROWS))
     backend.register(regions)
     yield Source(backend, bufs, regions)
@@ -98,13 +104,15 @@ def test_fragmented_pages_land_byte_exact_in_every_region(source, dest, case):
     assert (got[3] == SENTINEL).all(), "the rows region was not in the plan"
 
 
-def test_plan_beyond_the_in_flight_limit_is_split_and_the_peer_stays_usable(source, dest):
+def test_plan_beyond_the_in_flight_limit_is_split_by_core_and_the_peer_stays_usable(source, dest):
     # Every other row on both sides: nothing coalesces, 5000 descriptors,
     # more than twice Mooncake's per-peer limit (2048 would be the wedge point).
     src_idx, dst_idx = np.arange(5000) * 2, np.arange(5000) * 2 + 1
     plan = page_plan(source, dest, src_idx, dst_idx, which=slice(3, 4))
     assert len(plan) == 5000 > 2 * CAPABILITIES.max_descriptors_in_flight
-    source.backend.write("decode", plan, time.monotonic() + 15)
+    transport = Transport(source.backend, "mooncake")
+    assert [len(b) for b in transport.batches(plan)] == [1024, 1024, 1024, 1024, 904]
+    transport.write("decode", plan, time.monotonic() + 15)
     # Then a small write to the same peer must still work (a wedged peer fails here).
     source.backend.write("decode", page_plan(source, dest, [3], [7]), time.monotonic() + 5)
     got = dest.buffers()
@@ -116,7 +124,7 @@ def test_plan_beyond_the_in_flight_limit_is_split_and_the_peer_stays_usable(sour
 def test_write_after_the_deadline_raises_timeout_and_moves_nothing(source, dest):
     plan = page_plan(source, dest, [1, 2], [1, 2])
     with pytest.raises(TransferTimeout, match="deadline"):
-        source.backend.write("decode", plan, time.monotonic() - 1)
+        Transport(source.backend, "mooncake").write("decode", plan, time.monotonic() - 1)
     assert all((b == SENTINEL).all() for b in dest.buffers())
 
 
@@ -157,7 +165,7 @@ def test_write_to_a_killed_destination_fails_within_seconds(source):
 
 
 def test_close_is_idempotent_and_later_writes_fail():
-    backend = MooncakeBackend(BackendConfig(host="127.0.0.1", transfer_timeout=5.0))
+    backend = MooncakeBackend(config("short-lived"))
     assert backend.metadata().startswith(b"127.0.0.1:")
     backend.close()
     backend.close()

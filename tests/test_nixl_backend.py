@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -24,6 +25,9 @@ pytest.importorskip("nixl_cu12")
 
 from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
 from kvbridge.core.layout import Region  # noqa: E402
+from kvbridge.core.plugins import get_registry  # noqa: E402
+from kvbridge.core.records import OptionError  # noqa: E402
+from kvbridge.core.transport import Transport  # noqa: E402
 from kvbridge.testing import pair  # noqa: E402
 from kvbridge.testing.pair import SENTINEL, Destination, pattern, pattern_buffers, region, standard_layout  # noqa: E402
 from kvbridge.core.plan import TransferPlan, plan_pages  # noqa: E402
@@ -40,6 +44,15 @@ SLACK = 0.5  # seconds a write may overrun its deadline (polling, a loaded 2-cor
 Layout = list[tuple[str, int, int, str]]
 
 
+def config(name: str, **options: str) -> BackendConfig:
+    """What core gives the backend: options parsed and defaulted by the registration."""
+    parsed = get_registry().backend_spec("nixl").parse_options(options)
+    return BackendConfig(host="127.0.0.1", name=name, transfer_timeout=5.0, options=parsed)
+
+
+def with_batch_bytes(backend: NixlBackend, max_bytes: int) -> Transport:
+    """Core's policy around ``backend``, as if it declared ``max_bytes`` per batch."""
+    return Transport(backend, "nixl", msgspec.structs.replace(CAPABILITIES, max_bytes_per_batch=max_bytes))
 
 
 BIG_LAYOUT: Layout = [("big", 1 << 20, 64, "kv_page")]  # 64 MiB: more than loopback TCP buffers hold
@@ -61,8 +74,7 @@ def source():
     bufs, regions = pattern_buffers(standard_layout(SRC_PAGES, ROWS))
     backends = {}
     for mode in MODES:
-        backends[mode] = NixlBackend(BackendConfig(host="127.0.0.1", name=f"prefill-{mode}", transfer_timeout=5.0,
-                                                   options={"xfer_mode": mode}))
+        backends[mode] = NixlBackend(config(f"prefill-{mode}", xfer_mode=mode))
         backends[mode].register(regions)
     yield Source(backends, bufs, regions)
     for b in backends.values():
@@ -149,7 +161,7 @@ def test_a_plan_of_fifty_thousand_descriptors_lands_and_the_peer_stays_usable(so
 
 
 def test_with_ucx_error_handling_off_pages_land_byte_exact(source, dest):
-    backend = NixlBackend(BackendConfig(name="prefill-errnone", options={"ucx_error_handling_mode": "none"}))
+    backend = NixlBackend(config("prefill-errnone", ucx_error_handling_mode="none"))
     try:
         backend.register(source.regions)
         backend.add_peer("decode", dest.metadata, dest.regions)
@@ -195,7 +207,7 @@ def test_writes_to_two_peers_from_two_threads_both_land(source, dest):
 def test_write_after_the_deadline_raises_timeout_and_moves_nothing(source, dest):
     plan = page_plan(source, dest, [1, 2], [1, 2])
     with pytest.raises(TransferTimeout, match="deadline"):
-        source.backends["descs"].write("decode", plan, time.monotonic() - 1)
+        Transport(source.backends["descs"], "nixl").write("decode", plan, time.monotonic() - 1)
     assert all((b == SENTINEL).all() for b in dest.buffers())
 
 
@@ -230,7 +242,7 @@ def test_metadata_that_is_not_nixl_agent_metadata_is_rejected(source):
 
 
 def test_regions_the_peer_agent_did_not_register_are_rejected(source, dest_proc):
-    bare = NixlBackend(BackendConfig(name="bare"))  # an agent that registered nothing
+    bare = NixlBackend(config("bare"))  # an agent that registered nothing
     try:
         with pytest.raises(TransferError, match="peer 'liar' .* described 4 regions that its agent metadata does not cover"):
             source.backends["descs"].add_peer("liar", bare.metadata(), dest_proc.regions)
@@ -263,7 +275,7 @@ def test_write_to_a_frozen_destination_raises_timeout_at_its_deadline_and_the_pe
     # Between processes on one host UCX puts by CMA, which writes into a stopped
     # process without its help; over TCP the stopped receiver stalls the put.
     frozen = start_destination(BIG_LAYOUT)
-    backend = NixlBackend(BackendConfig(name="prefill-tcp", options={"ucx_engine_config": "TLS=tcp"}))
+    backend = NixlBackend(config("prefill-tcp", ucx_engine_config="TLS=tcp"))
     buf = pattern(0, frozen.regions[0].nbytes)
     try:
         src = region("big", buf, 1 << 20, "kv_page", 0)
@@ -289,13 +301,17 @@ def test_write_to_a_frozen_destination_raises_timeout_at_its_deadline_and_the_pe
         frozen.stop()
 
 
-def test_descriptors_longer_than_max_post_bytes_are_cut_and_land_byte_exact(source, dest):
-    backend = NixlBackend(BackendConfig(name="prefill-small-posts", options={"max_post_bytes": "1000"}))
+def test_core_cuts_descriptors_longer_than_the_batch_bytes_and_they_land_byte_exact(source, dest):
+    backend = NixlBackend(config("prefill-small-posts"))
     try:
         backend.register(source.regions)
         backend.add_peer("decode", dest.metadata, dest.regions)
         src_idx, dst_idx = [5, 6, 7, 8, 20], [0, 1, 2, 3, 30]  # a 4-page run: 16 KiB in region 0
-        backend.write("decode", page_plan(source, dest, src_idx, dst_idx), time.monotonic() + 10)
+        plan = page_plan(source, dest, src_idx, dst_idx)
+        transport = with_batch_bytes(backend, 1000)
+        batches = transport.batches(plan)
+        assert int(plan.nbytes.max()) == 4 * 4096 and all(b.total_bytes <= 1000 for b in batches)
+        transport.write("decode", plan, time.monotonic() + 10)
         for e, exp in zip(range(3), expected(source, range(3), src_idx, dst_idx)):
             np.testing.assert_array_equal(dest.buffers()[e], exp)
     finally:
@@ -303,31 +319,40 @@ def test_descriptors_longer_than_max_post_bytes_are_cut_and_land_byte_exact(sour
 
 
 def test_a_deadline_that_passes_between_requests_stops_the_write_there():
-    # A request's CMA copy runs inside NIXL's post and cannot be interrupted, so
-    # writes go out in requests of at most max_post_bytes with the deadline checked
-    # between them: 64 requests of 1 MiB cannot all be posted within 1 ms.
+    # A request's CMA copy runs inside NIXL's post and cannot be interrupted, so core
+    # sends requests of at most max_bytes_per_batch with the deadline checked between
+    # them: 64 requests of 1 MiB cannot all be posted within 1 ms.
     big = start_destination(BIG_LAYOUT)
-    backend = NixlBackend(BackendConfig(name="prefill-1mib", options={"max_post_bytes": str(1 << 20)}))
+    backend = NixlBackend(config("prefill-1mib"))
     buf = pattern(0, big.regions[0].nbytes)
     try:
         src = region("big", buf, 1 << 20, "kv_page", 0)
         backend.register([src])
         backend.add_peer("big", big.metadata, big.regions)
         plan = plan_pages([src.addr], [big.regions[0].addr], [64 << 20], [0], [0])  # one 64 MiB descriptor
+        transport = with_batch_bytes(backend, 1 << 20)
         t0 = time.monotonic()
         # Either between requests, or (on a loaded machine) inside the first one, which is cancelled.
-        with pytest.raises(TransferTimeout, match=r"passed its deadline after \d+ of 64 requests had landed|request 1 of 64\) did not complete by its deadline"):
-            backend.write("big", plan, t0 + 0.001)
+        between_or_inside = r"passed its deadline after \d+ of 64 batches|did not complete by its deadline"
+        with pytest.raises(TransferTimeout, match=between_or_inside):
+            transport.write("big", plan, t0 + 0.001)
         assert time.monotonic() - t0 < 0.001 + SLACK
-        backend.write("big", plan, time.monotonic() + 10)
+        transport.write("big", plan, time.monotonic() + 10)
         np.testing.assert_array_equal(big.buffers()[0], buf)
     finally:
         backend.close()
         assert big.stop() == 0
 
 
+def test_the_declared_64_mib_batches_cut_a_larger_descriptor_into_requests_of_that_size(source):
+    one_gib = TransferPlan(np.array([0], np.int64), np.array([1 << 40], np.int64), np.array([1 << 30], np.int64))
+    batches = Transport(source.backends["descs"], "nixl").batches(one_gib)  # split only, never written
+    assert [b.total_bytes for b in batches] == [64 << 20] * 16
+    assert [int(b.src_addr[0]) for b in batches] == [i * (64 << 20) for i in range(16)]
+
+
 def test_close_is_idempotent_and_later_writes_fail():
-    backend = NixlBackend(BackendConfig(host="127.0.0.1", transfer_timeout=5.0))
+    backend = NixlBackend(config("short-lived"))
     assert len(backend.metadata()) > 100
     backend.close()
     backend.close()
@@ -336,20 +361,34 @@ def test_close_is_idempotent_and_later_writes_fail():
 
 
 def test_an_unknown_option_is_rejected_listing_the_known_ones():
-    with pytest.raises(TransferError, match="unknown option.*progress_delay.*known options: progress_delay_us, "):
-        NixlBackend(BackendConfig(options={"progress_delay": "10"}))
+    spec = get_registry().backend_spec("nixl")
+    for unknown in ("progress_delay", "max_post_bytes"):  # max_post_bytes is core's max_bytes_per_batch now
+        with pytest.raises(OptionError, match=f"no option '{unknown}'; its options are: progress_delay_us, "):
+            spec.check_options({unknown: "10"})
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("progress_delay_us", "-1", "must be >= 0"),
-    ("progress_delay_us", "soon", "not an integer"),
-    ("ucx_error_handling_mode", "always", "not one of peer, none"),
-    ("xfer_mode", "auto", "not one of descs, prepped"),
-    ("max_post_bytes", "-5", "must be >= 0"),
+    ("progress_delay_us", "-1", "an integer >= 0"),
+    ("progress_delay_us", "soon", "an integer >= 0"),
+    ("num_workers", "0", "an integer >= 1"),
+    ("ucx_error_handling_mode", "always", "one of peer, none"),
+    ("xfer_mode", "auto", "one of descs, prepped"),
 ])
 def test_bad_options_are_rejected_naming_the_option(option, value, message):
-    with pytest.raises(TransferError, match=f"option {option}=.*{message}"):
-        NixlBackend(BackendConfig(options={option: value}))
+    with pytest.raises(OptionError, match=f"option {option}='{value}' is not allowed; expected {message}"):
+        get_registry().backend_spec("nixl").check_options({option: value})
+
+
+def test_the_backend_reads_its_options_typed_and_defaulted():
+    spec = get_registry().backend_spec("nixl")
+    assert spec.parse_options({}) == {"progress_delay_us": 1000, "ucx_error_handling_mode": "peer", "num_workers": 1,
+                                      "ucx_engine_config": "", "xfer_mode": "descs"}
+    backend = NixlBackend(config("typed", progress_delay_us="250", xfer_mode="prepped"))
+    try:
+        facts = backend.describe()
+        assert (facts["progress_delay_us"], facts["xfer_mode"], facts["ucx_error_handling_mode"]) == (250, "prepped", "peer")
+    finally:
+        backend.close()
 
 
 def test_an_idle_agent_does_not_spin_a_core_and_its_process_exits_cleanly():
@@ -358,9 +397,8 @@ def test_an_idle_agent_does_not_spin_a_core_and_its_process_exits_cleanly():
     code = (
         "import nixl_cu12  # imported before the backend, as a host might\n"
         "import resource, time\n"
-        "from kvbridge.core.backend import BackendConfig\n"
-        "from kvbridge.plugins.nixl.backend import NixlBackend\n"
-        "b = NixlBackend(BackendConfig(name='idle'))\n"
+        "from kvbridge.core.transport import open_transport\n"
+        "b = open_transport('nixl', host='127.0.0.1', name='idle', transfer_timeout=5.0, options={})\n"
         "u0 = resource.getrusage(resource.RUSAGE_SELF); time.sleep(2.0)\n"
         "u1 = resource.getrusage(resource.RUSAGE_SELF)\n"
         "print('cpu', (u1.ru_utime - u0.ru_utime) + (u1.ru_stime - u0.ru_stime))\n"

@@ -16,12 +16,14 @@ Cases, over ``--total-mib`` split across ``--regions`` buffers of 64 KiB pages:
 scattered pages (no two neighbours coalesce), 1 MiB runs (16 pages moved
 together, runs scattered), one block per region.
 
-    python benchmarks/transfer_bench.py [--backend mooncake] [--total-mib 256] [--regions 1] [--reps 3] [--json]
+    python benchmarks/transfer_bench.py [--transfer-backend NAME] [--transfer-option K=V] [--total-mib 256]
+                                        [--regions 1] [--reps 3] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -34,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.config import TransferConfig, add_transfer_args
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
 from kvbridge.core.session import (
@@ -90,9 +93,9 @@ def source_bytes(region: int, pages: np.ndarray) -> np.ndarray:
 
 
 # -- decode child ----------------------------------------------------------------------------
-def run_decode(backend: str, bootstrap: str, reps: int, regions: int, pages: int) -> int:
+def run_decode(backend: str, config: SessionConfig, bootstrap: str, reps: int, regions: int, pages: int) -> int:
     kv, _meta, args = make_pools(regions, pages, fill=False)
-    mgr = DecodeManager(args, backend, config=CONFIG)
+    mgr = DecodeManager(args, backend, config=config)
     ok = True
     try:
         for c, (name, (src, dst)) in enumerate(cases(pages).items()):
@@ -121,7 +124,7 @@ def raw_mooncake(mgr: PrefillManager, plan: Any) -> Callable[[], None]:
     backend: Any = mgr.backend
     engine, session = backend._engine, next(iter(backend._peers.values()))
     batches = [(b.src_addr.tolist(), b.dst_addr.tolist(), b.nbytes.tolist())
-               for b in plan.batches(max_descriptors=backend.max_in_flight)]
+               for b in plan.batches(max_descriptors=mgr.transport.capabilities.batch_descriptors)]
 
     def go() -> None:
         for s, d, n in batches:
@@ -146,14 +149,15 @@ def _raw_for(backend: str) -> Callable[[PrefillManager, Any], Callable[[], None]
     return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
 
 
-def run(backend: str, reps: int, regions: int, total_mib: int) -> list[dict[str, Any]]:
+def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib: int) -> list[dict[str, Any]]:
     pages = (total_mib << 20) // (regions * PAGE)
     kv, meta, args = make_pools(regions, pages, fill=True)
     server = BootstrapServer("127.0.0.1")
-    mgr = PrefillManager(args, backend, bootstrap=server.address, config=CONFIG)
+    mgr = PrefillManager(args, backend, bootstrap=server.address, config=config)
+    options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
     child = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.bench.transfer", "--decode", server.address, "--backend", backend,
-         "--reps", str(reps), "--regions", str(regions), "--total-mib", str(total_mib)],
+        [sys.executable, "-m", "kvbridge.bench.transfer", "--decode", server.address, "--transfer-backend", backend,
+         *options, "--reps", str(reps), "--regions", str(regions), "--total-mib", str(total_mib)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     results = []
@@ -241,7 +245,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="mooncake")
+    add_transfer_args(parser)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per transfer, in MiB")
     parser.add_argument("--regions", type=int, default=1, help="buffers the bytes are split across")
@@ -253,9 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     pages = (args.total_mib << 20) // (args.regions * PAGE)
     if pages < RUN_PAGES or pages % RUN_PAGES:
         parser.error(f"--total-mib / --regions must be a multiple of {RUN_PAGES * PAGE >> 20} MiB")
+    cfg = TransferConfig.from_args(args, parser)
+    config = dataclasses.replace(CONFIG, backend_options=dict(cfg.backend_options))
     if args.decode:
-        return run_decode(args.backend, args.decode, args.reps, args.regions, pages)
-    results = run(args.backend, args.reps, args.regions, args.total_mib)
+        return run_decode(cfg.backend, config, args.decode, args.reps, args.regions, pages)
+    results = run(cfg.backend, config, args.reps, args.regions, args.total_mib)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -31,10 +31,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.core.backend import BackendConfig
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
-from kvbridge.core.plugins import get_registry
 from kvbridge.core.session import (
     KV_PAGE_SPACE,
     METADATA_SPACE,
@@ -45,6 +43,7 @@ from kvbridge.core.session import (
     Sender,
     SessionConfig,
 )
+from kvbridge.core.transport import open_transport
 
 SENTINEL = np.uint32(0xEEEEEEEE)
 META_WORDS = 16  # 64-byte metadata rows
@@ -350,8 +349,8 @@ def run_decode_close(sc: Scenario, bootstrap: str) -> int:
 def run_engine(sc: Scenario) -> int:
     """A destination engine without a session: registers decode pools, prints how to reach them, waits."""
     pools = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
-    backend = get_registry().load_backend(sc.backend)(
-        BackendConfig(name=f"engine-{os.getpid()}", transfer_timeout=sc.transfer_timeout, options=dict(sc.backend_options)))
+    backend = open_transport(sc.backend, host="127.0.0.1", name=f"engine-{os.getpid()}",
+                             transfer_timeout=sc.transfer_timeout, options=dict(sc.backend_options))
     backend.register(pools.kvargs.regions)
     print(f"ENGINE {backend.metadata().hex()} {msgspec.json.encode(pools.kvargs).decode()}", flush=True)
     try:

@@ -42,12 +42,12 @@ import pytest
 import zmq
 
 from kvbridge.core import protocol as P
-from kvbridge.core.backend import BackendConfig
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import KVArgs
 from kvbridge.core.plugins import PluginError, get_registry
 from kvbridge.core.records import BackendCapabilities, BackendSpec
 from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+from kvbridge.core.transport import open_transport
 from kvbridge.testing.e2e import SENTINEL, Pools, Scenario, prefill_pools, serve
 from kvbridge.testing.hybrid import Spec
 from kvbridge.testing.requirements import unmet
@@ -235,8 +235,8 @@ class RawClient:
         # client), so the prefill's backend accepts the peer: the hostility is in
         # what this client sends afterwards. Nothing is ever written to it.
         self.pools = pools
-        config = BackendConfig(name=self.identity, transfer_timeout=BASE.transfer_timeout, options=dict(options or {}))
-        self.engine = get_registry().load_backend(backend)(config)
+        self.engine = open_transport(backend, host="127.0.0.1", name=self.identity,
+                                     transfer_timeout=BASE.transfer_timeout, options=dict(options or {}))
         self.engine.register(pools.kvargs.regions)
         reply = self.ask(P.Hello(peer_id=self.identity, backend=backend, backend_meta=self.engine.metadata(), kvargs=pools.kvargs))
         assert isinstance(reply, P.HelloAck), reply

@@ -28,7 +28,6 @@ import numpy as np
 
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.describe import describe
-from kvbridge.core.layout import KV_PAGE_SPACE
 from kvbridge.core.pools import KVPool, MetadataPool
 from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, DSV4HiSparsePool, c4_token_indices

@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.core.backend import BackendConfig
 from kvbridge.core.layout import Region
-from kvbridge.core.plugins import get_registry
+from kvbridge.core.transport import open_transport
 
 __all__ = ["Layout", "SENTINEL", "Destination", "region", "start_destination", "standard_layout", "pattern",
            "pattern_buffers", "page_plan", "expected"]
@@ -38,8 +37,7 @@ def region(name: str, buf: np.ndarray, item: int, space: str, layer: int) -> Reg
 
 def _serve(conn: Any, backend: str, layout: Layout, transfer_timeout: float) -> None:
     """Child process: register sentinel-filled buffers, then serve fill/dump/quit requests."""
-    engine = get_registry().load_backend(backend)(
-        BackendConfig(host="127.0.0.1", name="decode", transfer_timeout=transfer_timeout))
+    engine = open_transport(backend, host="127.0.0.1", name="decode", transfer_timeout=transfer_timeout, options={})
     bufs = [np.full(item * count, SENTINEL, np.uint8) for _, item, count, _ in layout]
     regions = [region(n, b, item, space, i) for i, (b, (n, item, _, space)) in enumerate(zip(bufs, layout))]
     engine.register(regions)

@@ -16,8 +16,7 @@ __all__ = ["CAPABILITIES", "kvbridge_register_backends"]
 #: are one object and listing plugins imports nothing more.
 CAPABILITIES = BackendCapabilities(
     memory_kinds=("dram",),  # bytes are copied with memmove: host memory only
-    max_descriptors_per_batch=None,  # the backend cuts plans into messages itself
-    max_descriptors_in_flight=None,
+    max_bytes_per_batch=4 << 20,  # one zmq message per write; kvbridge cuts and splits plans to it
     native_notifications=False,  # completion reaches decode through kvbridge's control plane
     one_sided=False,  # the decode process places the bytes: its receiver thread must run
 )

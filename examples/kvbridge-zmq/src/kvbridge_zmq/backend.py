@@ -1,19 +1,23 @@
 """The ``zmq`` transport: a kvbridge backend that needs no native engine.
 
-Every engine has two halves. Here the writing half (prefill) gathers a plan's
-source bytes into messages of at most ``MAX_MESSAGE`` bytes and sends them,
-a few at a time, over a zmq DEALER socket to the peer; the receiving half
-(decode) runs one thread with a ROUTER socket that checks every destination
-range against the memory it registered (kvbridge's own bounds check) before
-copying the bytes into place, then acknowledges. ``write`` returns once every
-message is acknowledged, so the bytes have landed, and raises at its
-deadline, so a dead or frozen peer costs at most the deadline.
+Every engine has two halves. Here the writing half (prefill) gathers a batch's
+source bytes into one message and sends it over a zmq DEALER socket to the
+peer; the receiving half (decode) runs one thread with a ROUTER socket that
+checks every destination range against the memory it registered (kvbridge's
+own bounds check) before copying the bytes into place, then acknowledges.
+``write`` returns once the message is acknowledged, so the bytes have landed,
+and raises at its deadline, so a dead or frozen peer costs at most the deadline.
 
-Wire format, one message per batch of descriptors::
+What the backend does not do, because kvbridge does it for every backend from
+its declared capabilities: refuse memory of other kinds, cut plans into
+batches of at most ``max_bytes_per_batch`` (4 MiB: one message each) and check
+the deadline before every batch.
 
-    [seq: int64] [dst_addr: int64 * n] [nbytes: int64 * n] [payload: the n ranges, concatenated]
+Wire format, one message per batch::
 
-and the acknowledgement ``[seq: int64] [error: utf-8, empty when placed]``.
+    [dst_addr: int64 * n] [nbytes: int64 * n] [payload: the n ranges, concatenated]
+
+and the acknowledgement ``[error: utf-8, empty when placed]``.
 A portable backend pays one ``memmove`` per descriptor on each side, which a
 NIC does in hardware; the planner's coalescing keeps descriptors few.
 """
@@ -35,9 +39,6 @@ from kvbridge.core.plan import PlanError, TransferPlan
 from . import CAPABILITIES
 
 __all__ = ["ZmqBackend"]
-
-MAX_MESSAGE = 4 << 20  # payload bytes per message
-WINDOW = 4  # messages in flight per write
 
 
 class _Peer:
@@ -92,9 +93,7 @@ class ZmqBackend(Backend):
         with self._lock:
             self._retire(self._peers.pop(peer, None))
 
-    def write(self, peer: str, plan: TransferPlan, deadline: float) -> None:
-        if time.monotonic() >= deadline:
-            raise TransferTimeout(f"zmq: write to peer {peer!r} passed its deadline before it started; nothing was sent")
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
         with self._lock:
             target = self._peers.get(peer)
             if target is None or self._closed:
@@ -102,7 +101,7 @@ class ZmqBackend(Backend):
                 raise TransferError(f"zmq: unknown peer {peer!r} ({why}); call add_peer first")
             target.busy = True
         try:
-            self._send(peer, target, plan, deadline)
+            self._send(peer, target, batch, deadline)
         except BaseException:
             with self._lock:
                 target.close_socket()  # late acknowledgements must not reach the next write
@@ -125,7 +124,7 @@ class ZmqBackend(Backend):
         self._receiver.join(5)
 
     def describe(self) -> dict[str, object]:
-        return {"endpoint": self._endpoint, "max_message": MAX_MESSAGE, "window": WINDOW}
+        return {"endpoint": self._endpoint}
 
     # -- writing ---------------------------------------------------------------------------------
     def _retire(self, peer: _Peer | None) -> None:
@@ -135,27 +134,19 @@ class ZmqBackend(Backend):
             if not peer.busy:
                 peer.close_socket()
 
-    def _send(self, peer: str, target: _Peer, plan: TransferPlan, deadline: float) -> None:
+    def _send(self, peer: str, target: _Peer, batch: TransferPlan, deadline: float) -> None:
         if target.sock is None:
             target.sock = self._ctx.socket(zmq.DEALER)
             target.sock.setsockopt(zmq.LINGER, 0)
             target.sock.connect(target.endpoint)
-        sock = target.sock
-        batches = list(plan.batches(max_bytes=MAX_MESSAGE))
-        sent = acked = 0
-        while acked < len(batches):
-            while sent < len(batches) and sent - acked < WINDOW:
-                sock.send_multipart(_message(sent, batches[sent]), copy=False)
-                sent += 1
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
-                raise TransferTimeout(f"zmq: peer {peer!r} ({target.endpoint}) acknowledged {acked} of {len(batches)} "
-                                      f"messages by the deadline")
-            seq_frame, error = sock.recv_multipart()
-            seq = int(np.frombuffer(seq_frame, np.int64)[0])
-            if error or seq != acked:
-                raise TransferError(f"zmq: peer {peer!r} refused message {seq}: {error.decode(errors='replace') or 'out of order'}")
-            acked += 1
+        target.sock.send_multipart(_message(batch), copy=False)
+        left = deadline - time.monotonic()
+        if left <= 0 or not target.sock.poll(max(1, int(left * 1000))):
+            raise TransferTimeout(f"zmq: peer {peer!r} ({target.endpoint}) did not acknowledge {len(batch)} "
+                                  f"descriptors, {batch.total_bytes} B by the deadline")
+        (error,) = target.sock.recv_multipart()
+        if error:
+            raise TransferError(f"zmq: peer {peer!r} refused the write: {error.decode(errors='replace')}")
 
     # -- receiving -------------------------------------------------------------------------------
     def _receive(self) -> None:
@@ -164,15 +155,14 @@ class ZmqBackend(Backend):
                 if not self._router.poll(100):
                     continue
                 ident, *frames = self._router.recv_multipart(copy=False)
-                seq, error = -1, ""
+                error = ""
                 try:
-                    if len(frames) != 4:
-                        raise ValueError(f"a message has {len(frames)} frames after the identity, expected 4")
-                    seq = int(np.frombuffer(frames[0].buffer, np.int64)[0])
-                    self._place(frames[1].buffer, frames[2].buffer, frames[3].buffer)
+                    if len(frames) != 3:
+                        raise ValueError(f"a message has {len(frames)} frames after the identity, expected 3")
+                    self._place(frames[0].buffer, frames[1].buffer, frames[2].buffer)
                 except (PlanError, ValueError, IndexError) as exc:
                     error = str(exc)
-                self._router.send_multipart([ident.bytes, np.int64(seq).tobytes(), error.encode()])
+                self._router.send_multipart([ident.bytes, error.encode()])
         finally:
             self._router.close(linger=0)
 
@@ -193,9 +183,9 @@ def _offsets(nbytes: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
 
 
-def _message(seq: int, batch: TransferPlan) -> list[bytes | bytearray]:
+def _message(batch: TransferPlan) -> list[bytes | bytearray]:
     payload = bytearray(batch.total_bytes)
     base = ctypes.addressof((ctypes.c_char * len(payload)).from_buffer(payload))
     for addr, offset, n in zip(batch.src_addr.tolist(), _offsets(batch.nbytes).tolist(), batch.nbytes.tolist()):
         ctypes.memmove(base + offset, addr, n)
-    return [np.int64(seq).tobytes(), batch.dst_addr.tobytes(), batch.nbytes.tobytes(), payload]
+    return [batch.dst_addr.tobytes(), batch.nbytes.tobytes(), payload]

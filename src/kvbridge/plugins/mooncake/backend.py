@@ -4,23 +4,23 @@ The engine runs with the ``P2PHANDSHAKE`` metadata mode, so no metadata
 server is needed: a peer's metadata is just its session string
 ``b"<host>:<rpc_port>"`` and writes target raw destination addresses.
 
-Behaviour this adapter is built around (shared/ENGINES.md sections 2 and 7):
+Behaviour this adapter is built around (docs/engines.md, Mooncake):
 
 - **In-flight limit.** Each peer has a queue of
   ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` descriptors (default 1024). Going
   over it fails the batch and can wedge the peer for the rest of the process,
-  so :meth:`MooncakeBackend.write` sends at most that many descriptors per
-  ``batch_transfer_sync_write`` call and waits for each batch before the next.
-  Core runs at most one write per peer at a time, so that bounds what is in
-  flight to a peer.
+  so :data:`~kvbridge.plugins.mooncake.CAPABILITIES` declares 1024 descriptors
+  per batch and in flight, and :meth:`MooncakeBackend.write` sends its batch
+  as one ``batch_transfer_sync_write`` call. Core runs at most one write per
+  peer at a time, so that bounds what is in flight to a peer. The limit
+  assumes the default queue: lowering the variable below 1024 is not supported.
 - **Timeouts.** Mooncake waits 30 s (spinning a core) on a frozen peer. Before
   the first engine is created the internal timeouts are shortened to about
   ``config.transfer_timeout`` unless the user set them. They are process-wide
   environment variables, so the first backend in a process decides them.
   A batch already running can overrun the write's deadline by up to that
-  engine timeout; the deadline is checked between batches.
-- **Partial writes.** A failed batch may still have landed some bytes, and
-  earlier batches of the same write have landed in full.
+  engine timeout (core checks the deadline between batches).
+- **Partial writes.** A failed batch may still have landed some bytes.
 
 GIL: ``batch_transfer_sync_write`` releases the GIL while it runs. Measured
 here (2 cores, 256 MiB as 256 x 1 MiB descriptors to another process on
@@ -47,7 +47,7 @@ from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
 from kvbridge.core.records import BackendCapabilities
 
-from . import CAPABILITIES, DEFAULT_MAX_IN_FLIGHT
+from . import CAPABILITIES
 
 if TYPE_CHECKING:
     from mooncake.engine import TransferEngine
@@ -56,8 +56,6 @@ __all__ = ["MooncakeBackend"]
 
 log = logging.getLogger(__name__)
 
-QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
-QUEUE_MAX = 65535  # the engine's ceiling for the queue variable
 MIN_TRANSFER_TIMEOUT = 5  # MC_TRANSFER_TIMEOUT is clamped to this by the engine
 
 
@@ -74,38 +72,15 @@ def _engine_env(transfer_timeout: float) -> None:
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(MIN_TRANSFER_TIMEOUT, secs)))
 
 
-def _queue_limit() -> int:
-    """Most descriptors one batch may carry: the per-peer queue size.
-
-    The engine's admission list (another 1024 by default) is deliberately not
-    counted: its entries expire after ``MC_TCP_ADMISSION_TIMEOUT_MS``.
-    """
-    raw = os.environ.get(QUEUE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_IN_FLIGHT
-    try:
-        value = int(raw)
-    except ValueError:
-        log.warning("%s=%r is not an integer; using %d descriptors per batch", QUEUE_ENV, raw, DEFAULT_MAX_IN_FLIGHT)
-        return DEFAULT_MAX_IN_FLIGHT
-    return min(max(value, 1), QUEUE_MAX)
-
-
 class MooncakeBackend(Backend):
-    """Writes transfer plans into peers through one Mooncake TransferEngine.
-
-    Options (``config.options``): ``protocol`` (``tcp`` by default, ``rdma``
-    where NICs exist) and ``device_name`` (RDMA device list such as
-    ``mlx5_0``; empty lets the engine choose).
-    """
+    """Writes batches into peers through one Mooncake TransferEngine (options: ``protocol``, ``device_name``)."""
 
     capabilities: ClassVar[BackendCapabilities] = CAPABILITIES
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
-        self.protocol = config.options.get("protocol", "tcp")
-        self.device_name = config.options.get("device_name", "")
-        self.max_in_flight = _queue_limit()
+        self.protocol: str = config.options["protocol"]
+        self.device_name: str = config.options["device_name"]
         _engine_env(config.transfer_timeout)
         # Imported only now: Mooncake reads MC_LOG_LEVEL when its module loads.
         from mooncake.engine import TransferEngine
@@ -121,8 +96,7 @@ class MooncakeBackend(Backend):
         self._session = f"{config.host}:{self._engine.get_rpc_port()}"
         self._registered: list[Region] = []
         self._peers: dict[str, str] = {}
-        log.debug("mooncake engine up: session %s, protocol %s, %d descriptors per batch",
-                  self._session, self.protocol, self.max_in_flight)
+        log.debug("mooncake engine up: session %s, protocol %s", self._session, self.protocol)
 
     def _live_engine(self) -> TransferEngine:
         if self._engine is None:
@@ -133,11 +107,6 @@ class MooncakeBackend(Backend):
         """Register each region with the engine; raise naming the first that fails."""
         engine = self._live_engine()
         for r in regions:
-            if r.mem not in self.capabilities.memory_kinds:
-                raise TransferError(
-                    f"mooncake: region {r.name!r} is {r.mem} memory; this backend moves "
-                    f"{', '.join(self.capabilities.memory_kinds)} only"
-                )
             rc = engine.register_memory(r.addr, r.nbytes)
             if rc != 0:
                 raise TransferError(
@@ -165,37 +134,23 @@ class MooncakeBackend(Backend):
         """Forget ``peer``. The engine keeps its connection; there is no API to drop it."""
         self._peers.pop(peer, None)
 
-    def write(self, peer: str, plan: TransferPlan, deadline: float) -> None:
-        """Write ``plan`` into ``peer`` in sequential batches of at most :attr:`max_in_flight`."""
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        """Write ``batch`` into ``peer`` with one ``batch_transfer_sync_write`` call."""
         engine = self._live_engine()
         session = self._peers.get(peer)
         if session is None:
             known = ", ".join(sorted(self._peers)) or "none"
             raise TransferError(f"mooncake: unknown peer {peer!r} (known peers: {known}); call add_peer first")
-        if len(plan) == 0:
-            return
-        num_batches = -(-len(plan) // self.max_in_flight)
-        t0 = time.monotonic()
-        for i, batch in enumerate(plan.batches(max_descriptors=self.max_in_flight)):
-            if time.monotonic() > deadline:
-                raise TransferTimeout(
-                    f"mooncake: write to peer {peer!r} ({session}) passed its deadline after "
-                    f"{i} of {num_batches} batches; {len(plan)} descriptors, {plan.total_bytes} B in all"
-                )
-            # tolist() converts whole arrays in C; the engine wants Python int lists.
-            rc = engine.batch_transfer_sync_write(
-                session, batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist()
+        # tolist() converts whole arrays in C; the engine wants Python int lists.
+        rc = engine.batch_transfer_sync_write(session, batch.src_addr.tolist(), batch.dst_addr.tolist(),
+                                              batch.nbytes.tolist())
+        if rc != 0:
+            error = TransferTimeout if time.monotonic() > deadline else TransferError
+            raise error(
+                f"mooncake: write to peer {peer!r} ({session}) of {len(batch)} descriptors, {batch.total_bytes} B "
+                f"returned rc {rc}; it may have partly landed. The engine's log above says why "
+                "(peer gone, address not registered, timeout)"
             )
-            if rc != 0:
-                error = TransferTimeout if time.monotonic() > deadline else TransferError
-                raise error(
-                    f"mooncake: write to peer {peer!r} ({session}) failed: batch {i} of {num_batches} "
-                    f"({len(batch)} descriptors, {batch.total_bytes} B) returned rc {rc}. The {i} batches "
-                    "before it landed; this one may have partly landed. The engine's log above says why "
-                    "(peer gone, address not registered, timeout)"
-                )
-        log.debug("mooncake: wrote %d descriptors, %d B to %r in %d batches, %.3f s",
-                  len(plan), plan.total_bytes, peer, num_batches, time.monotonic() - t0)
 
     def close(self) -> None:
         """Deregister memory and drop the engine. Idempotent."""
@@ -214,7 +169,6 @@ class MooncakeBackend(Backend):
         return {
             "session": self._session,
             "protocol": self.protocol,
-            "max_descriptors_per_batch": self.max_in_flight,
             "peers": dict(self._peers),
             "registered_regions": len(self._registered),
         }

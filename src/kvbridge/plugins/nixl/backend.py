@@ -10,7 +10,7 @@ or a TCPStore (``NIXL_TCPSTORE_ENDPOINT``), with ``send_local_metadata`` /
 every decode rank would otherwise handshake with every prefill rank, but it
 is not used here because core already delivers metadata point to point.
 
-Behaviour this adapter is built around (shared/ENGINES.md sections 3 and 7):
+Behaviour this adapter is built around (docs/engines.md, NIXL):
 
 - **Exit crash.** A process that created a UCX-backed agent dies with SIGSEGV
   at interpreter exit (UCX's ``ib`` modules pull in a ``libnl-route`` whose
@@ -23,12 +23,12 @@ Behaviour this adapter is built around (shared/ENGINES.md sections 3 and 7):
   ``nixl`` logger is lowered to WARNING, also when NIXL was imported earlier.
 - **Idle CPU.** ``nixl_agent`` hard-codes ``pthrDelay=0``, so the progress
   thread polls with a zero timeout and spins a core. The agent is built with
-  a delay of ``progress_delay_us`` (default 1000) instead: ENGINES.md measured
-  0.03 instead of 1.0 core idle and higher bandwidth on a 2-core box.
+  a delay of ``progress_delay_us`` (default 1000) instead: docs/engines.md
+  measured 0.03 instead of 1.0 core idle and higher bandwidth on a 2-core box.
 - **No transfer timeout.** NIXL waits forever on a stalled peer, so
-  :meth:`NixlBackend.write` polls ``check_xfer_state`` and, at the deadline,
-  releases (cancels) the request and raises :class:`TransferTimeout`. A dead
-  peer raises ``nixlRemoteDisconnectError``, which becomes
+  :meth:`NixlBackend.write` posts its batch as one request, polls
+  ``check_xfer_state`` and, at the deadline, releases (cancels) the request
+  and raises :class:`TransferTimeout`. A dead peer raises ``nixlRemoteDisconnectError``, which becomes
   :class:`TransferError` naming the peer (measured here: on the first write
   after the kill, within 1 ms). Between processes on one host UCX puts by CMA,
   which writes into a *stopped* (SIGSTOP) process without its help, so such
@@ -36,13 +36,14 @@ Behaviour this adapter is built around (shared/ENGINES.md sections 3 and 7):
   and time out at the deadline, and the peer works again after SIGCONT.
 - **The post does the copy.** With CMA, ``transfer()`` copies every byte
   before it returns (1 GiB: 0.2-0.3 s inside the call, state already DONE),
-  so a deadline cannot interrupt it. Writes are therefore cut into requests
-  of at most ``max_post_bytes`` (default 64 MiB, descriptors split where
-  longer) and the deadline is checked before each, which bounds the overrun
-  to one request's copy (about 15-30 ms here). 64 MiB requests measured
-  within noise of one request per write for 1 GiB (contiguous 120 vs 112 ms,
-  scattered 64 KiB pages 180 vs 199 ms). The call releases the GIL: a thread
-  ticking every 1 ms saw gaps of at most 10-13 ms during a 1 GiB write.
+  so a deadline cannot interrupt it. The backend therefore declares
+  ``max_bytes_per_batch`` of 64 MiB: core cuts longer descriptors, sends
+  each batch as one request and checks the deadline before each, which
+  bounds the overrun to one request's copy (about 15-30 ms here). 64 MiB
+  requests measured within noise of one request per write for 1 GiB
+  (contiguous 120 vs 112 ms, scattered 64 KiB pages 180 vs 199 ms). The call
+  releases the GIL: a thread ticking every 1 ms saw gaps of at most 10-13 ms
+  during a 1 GiB write.
 - **Polling.** The first 200 us of a request are polled in a tight loop,
   then with sleeps growing to 1 ms. On 2 cores that was no slower than
   spinning (1 GiB contiguous: 213 ms against 297 ms spinning), since the
@@ -67,28 +68,23 @@ Two ways to build a request (``xfer_mode`` option), both measured:
 
 Median ms per ``write`` between two processes (decode in a spawned process,
 4 regions x 4096 pages, 9 interleaved repetitions after 2 warm-ups, 2-core
-machine shared with other work, so +-10 % is noise):
+machine shared with other work, so +-10 % is noise); desc is the number of
+descriptors, and MiB, A and B are given for each page size:
 
-=====  ==========================  ======  =========  =====  =======
-page   plan                        desc    MiB        A      B
-=====  ==========================  ======  =========  =====  =======
-1152   1 page, scattered           4       0.004      0.028  0.071
-1152   16 pages, scattered         64      0.07       0.264  0.376
-1152   256 pages, scattered        1024    1.1        2.18   2.28
-1152   1024 pages, scattered       4096    4.5        9.79   9.90
-1152   4096 pages, permuted        16380   18         41.5   41.5
-1152   16 pages, contiguous        4       0.07       0.051  0.149
-1152   4096 pages, contiguous      4       18         1.89   2.20
-1152   64 runs of 16 pages         256     4.5        0.92   1.01
-65536  1 page, scattered           4       0.25       0.071  0.141
-65536  16 pages, scattered         64      4          0.41   0.51
-65536  256 pages, scattered        1024    64         10.8   10.5
-65536  1024 pages, scattered       4096    256        48.7   47.2
-65536  4096 pages, permuted        16380   1024       166    182
-65536  16 pages, contiguous        4       4          0.22   0.28
-65536  4096 pages, contiguous      4       1024       124    121
-65536  64 runs of 16 pages         256     256        25.7   25.5
-=====  ==========================  ======  =========  =====  =======
+==========================  ======  =====  =====  =====  ======  =====  =====
+page size                           1152-byte pages      65536-byte pages
+--------------------------  ------  -------------------  --------------------
+plan                        desc    MiB    A      B      MiB     A      B
+==========================  ======  =====  =====  =====  ======  =====  =====
+1 page, scattered           4       0.004  0.028  0.071  0.25    0.071  0.141
+16 pages, scattered         64      0.07   0.264  0.376  4       0.41   0.51
+256 pages, scattered        1024    1.1    2.18   2.28   64      10.8   10.5
+1024 pages, scattered       4096    4.5    9.79   9.90   256     48.7   47.2
+4096 pages, permuted        16380   18     41.5   41.5   1024    166    182
+16 pages, contiguous        4       0.07   0.051  0.149  4       0.22   0.28
+4096 pages, contiguous      4       18     1.89   2.20   1024    124    121
+64 runs of 16 pages         256     4.5    0.92   1.01   256     25.7   25.5
+==========================  ======  =====  =====  =====  ======  =====  =====
 
 Moving the bytes dominates every plan of more than a few descriptors, and
 there the two are within noise. What B saves inside NIXL (for 16384 page
@@ -103,14 +99,14 @@ hosts whose wire is fast enough for NIXL's per-request work to matter
 prepared in :meth:`add_peer`, which also checks early that a peer's
 regions are covered by the memory its agent metadata declares.
 
-Options (``config.options``, strings): ``progress_delay_us`` (default 1000;
-0 restores NIXL's spinning progress thread), ``ucx_error_handling_mode``
-(``peer``, the default, reports a dead peer as an error; ``none`` lets UCX use
-shared memory for its messages but hides peer failures), ``num_workers`` (UCX
-workers, default 1), ``ucx_engine_config`` (extra UCX settings as
-``KEY=VAL,KEY=VAL``, e.g. ``TLS=tcp``), ``max_post_bytes`` (default 64 MiB;
-0 posts each write as one request) and ``xfer_mode`` (``descs``, the default,
-or ``prepped``; see above). Unknown options are an error.
+Options (``config.options``, declared in :mod:`kvbridge.plugins.nixl`):
+``progress_delay_us`` (default 1000; 0 restores NIXL's spinning progress
+thread), ``ucx_error_handling_mode`` (``peer``, the default, reports a dead
+peer as an error; ``none`` lets UCX use shared memory for its messages but
+hides peer failures), ``num_workers`` (UCX workers, default 1),
+``ucx_engine_config`` (extra UCX settings as ``KEY=VAL,KEY=VAL``, e.g.
+``TLS=tcp``) and ``xfer_mode`` (``descs``, the default, or ``prepped``; see
+above).
 """
 
 from __future__ import annotations
@@ -136,7 +132,6 @@ from kvbridge.core.plan import TransferPlan
 from kvbridge.core.records import BackendCapabilities
 
 from . import CAPABILITIES
-from . import OPTIONS as _DECLARED
 
 if TYPE_CHECKING:
     from nixl_cu12 import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
@@ -145,11 +140,6 @@ __all__ = ["NixlBackend", "PageTable"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROGRESS_DELAY_US = 1000
-XFER_MODES = ("descs", "prepped")
-DEFAULT_MAX_POST_BYTES = 64 << 20
-OPTIONS = tuple(o.name for o in _DECLARED)
-ERROR_MODES = ("peer", "none")
 # Polling a request: spin this long first (small writes finish within tens of
 # microseconds), then sleep between checks, growing to POLL_MAX_SLEEP.
 POLL_SPIN = 200e-6
@@ -213,26 +203,6 @@ def _make_agent(name: str, progress_delay_us: int, backend_params: dict[str, str
     return agent
 
 
-def _int_option(options: dict[str, str], key: str, default: int, low: int) -> int:
-    raw = options.get(key)
-    if raw is None or str(raw).strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise TransferError(f"nixl: option {key}={raw!r} is not an integer") from None
-    if value < low:
-        raise TransferError(f"nixl: option {key}={value} must be >= {low}")
-    return value
-
-
-def _choice_option(options: dict[str, str], key: str, default: str, choices: Sequence[str]) -> str:
-    value = str(options.get(key, default)).strip() or default
-    if value not in choices:
-        raise TransferError(f"nixl: option {key}={value!r} is not one of {', '.join(choices)}")
-    return value
-
-
 @dataclass(frozen=True)
 class PageTable:
     """The regions of one side as a prepared list of pages, and how to index it.
@@ -276,18 +246,6 @@ class PageTable:
         return self.offset[pos] + page, pages, np.broadcast_to(stride, pos.shape)
 
 
-def _split(plan: TransferPlan, max_bytes: int) -> TransferPlan:
-    """``plan`` with every descriptor longer than ``max_bytes`` cut into pieces of at most that size."""
-    pieces = -(-plan.nbytes // max_bytes)
-    if (pieces == 1).all():
-        return plan
-    ends = np.cumsum(pieces)
-    k = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - pieces, pieces)  # piece number within its descriptor
-    offset = k * max_bytes
-    nbytes = np.minimum(np.repeat(plan.nbytes, pieces) - offset, max_bytes)
-    return TransferPlan(np.repeat(plan.src_addr, pieces) + offset, np.repeat(plan.dst_addr, pieces) + offset, nbytes)
-
-
 def _expand(first: npt.NDArray[np.int64], pages: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
     """Entry indices ``first[i] .. first[i] + pages[i] - 1`` for every descriptor, concatenated."""
     if (pages == 1).all():
@@ -307,29 +265,19 @@ class _Peer:
 
 
 class NixlBackend(Backend):
-    """Writes transfer plans into peers through one NIXL agent (UCX backend).
-
-    See the module docstring for the options and for the measurements behind
-    the default ``xfer_mode=descs``.
-    """
+    """Writes batches into peers through one NIXL agent (UCX backend); the module docstring explains the options."""
 
     capabilities: ClassVar[BackendCapabilities] = CAPABILITIES
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
-        options = dict(config.options)
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise TransferError(f"nixl: unknown option(s) {', '.join(unknown)}; known options: {', '.join(OPTIONS)}")
-        self.progress_delay_us = _int_option(options, "progress_delay_us", DEFAULT_PROGRESS_DELAY_US, 0)
-        self.error_mode = _choice_option(options, "ucx_error_handling_mode", "peer", ERROR_MODES)
-        self.xfer_mode = _choice_option(options, "xfer_mode", "descs", XFER_MODES)
-        self.max_post_bytes = _int_option(options, "max_post_bytes", DEFAULT_MAX_POST_BYTES, 0)
-        params = {"ucx_error_handling_mode": self.error_mode}
-        if "num_workers" in options:
-            params["num_workers"] = str(_int_option(options, "num_workers", 1, 1))
-        if options.get("ucx_engine_config"):
-            params["engine_config"] = str(options["ucx_engine_config"])
+        options = config.options
+        self.progress_delay_us: int = options["progress_delay_us"]
+        self.error_mode: str = options["ucx_error_handling_mode"]
+        self.xfer_mode: str = options["xfer_mode"]
+        params = {"ucx_error_handling_mode": self.error_mode, "num_workers": str(options["num_workers"])}
+        if options["ucx_engine_config"]:
+            params["engine_config"] = options["ucx_engine_config"]
         user_log_level = _engine_env()
         self._errors = _nixl_errors()  # the first import of NIXL
         if not user_log_level:
@@ -365,12 +313,6 @@ class NixlBackend(Backend):
     def register(self, regions: Sequence[Region]) -> None:
         """Register every region with the agent and prepare the local page table."""
         agent = self._live_agent()
-        for r in regions:
-            if r.mem not in self.capabilities.memory_kinds:
-                raise TransferError(
-                    f"nixl: region {r.name!r} is {r.mem} memory; this backend moves "
-                    f"{', '.join(self.capabilities.memory_kinds)} only"
-                )
         if not regions:
             return
         rows = np.array([[r.addr, r.nbytes, 0] for r in regions], np.uint64)
@@ -489,59 +431,40 @@ class NixlBackend(Backend):
             "WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), p.agent
         )
 
-    def write(self, peer: str, plan: TransferPlan, deadline: float) -> None:
-        """Post ``plan`` to ``peer`` in requests of at most ``max_post_bytes``, each polled until DONE.
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        """Post ``batch`` to ``peer`` as one WRITE request and poll it until DONE, ERR or ``deadline``.
 
-        The deadline is checked before every post and while polling; a post
-        itself may overrun it by the time one request's CMA copy takes.
+        The post itself may overrun the deadline by the time its CMA copy takes.
         """
-        self._live_agent()
-        with self._using(peer) as p:
-            if len(plan) == 0:
-                return
-            what = f"{len(plan)} descriptors, {plan.total_bytes} B"
-            t0 = time.monotonic()
-            if self.max_post_bytes:
-                plan = _split(plan, self.max_post_bytes)
-            batches = list(plan.batches(max_bytes=self.max_post_bytes or None))
-            for i, batch in enumerate(batches):
-                if time.monotonic() >= deadline:
-                    raise TransferTimeout(
-                        f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) passed its deadline after "
-                        f"{i} of {len(batches)} requests had landed"
-                    )
-                self._post(p, batch, deadline, f"{what}; request {i + 1} of {len(batches)}", t0)
-            log.debug("nixl: wrote %s to %r in %d requests, %.6f s", what, peer, len(batches), time.monotonic() - t0)
-
-    def _post(self, p: _Peer, plan: TransferPlan, deadline: float, what: str, t0: float) -> None:
-        """One NIXL WRITE request: create, post, poll until DONE, ERR or ``deadline``, release."""
         agent = self._live_agent()
-        handle = None
-        try:
-            handle = self._request(p, plan)
-            state = agent.transfer(handle)
-            state = self._wait(agent, handle, state, deadline)
-        except self._errors as exc:
-            if handle is not None:
-                self._release(handle)
-            raise TransferError(
-                f"nixl: write to peer {p.name!r} (agent {p.agent}; {what}) failed: {type(exc).__name__}: {exc}. "
-                + _hint(type(exc).__name__)
-            ) from exc
-        if state == "PROC":
-            cancelled = self._release(handle)
-            raise TransferTimeout(
-                f"nixl: write to peer {p.name!r} (agent {p.agent}; {what}) did not complete by its deadline "
-                f"({time.monotonic() - t0:.3f} s after the write began); the request was "
-                + ("cancelled" if cancelled else "not cancellable and is kept until close")
-                + "; bytes may have partly landed"
-            )
-        self._release(handle)
-        if state != "DONE":
-            raise TransferError(
-                f"nixl: write to peer {p.name!r} (agent {p.agent}; {what}) ended in state {state!r}; "
-                "bytes may have partly landed"
-            )
+        with self._using(peer) as p:
+            what = f"{len(batch)} descriptors, {batch.total_bytes} B"
+            t0 = time.monotonic()
+            handle = None
+            try:
+                handle = self._request(p, batch)
+                state = self._wait(agent, handle, agent.transfer(handle), deadline)
+            except self._errors as exc:
+                if handle is not None:
+                    self._release(handle)
+                raise TransferError(
+                    f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) failed: {type(exc).__name__}: {exc}. "
+                    + _hint(type(exc).__name__)
+                ) from exc
+            released = self._release(handle)
+            if state == "PROC":
+                raise TransferTimeout(
+                    f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) did not complete by its deadline "
+                    f"({time.monotonic() - t0:.3f} s after it was posted); the request was "
+                    + ("cancelled" if released else "not cancellable and is kept until close")
+                    + "; bytes may have partly landed"
+                )
+            if state != "DONE":
+                raise TransferError(
+                    f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) ended in state {state!r}; "
+                    "bytes may have partly landed"
+                )
+            log.debug("nixl: wrote %s to %r in %.6f s", what, peer, time.monotonic() - t0)
 
     @staticmethod
     def _wait(agent: nixl_agent, handle: nixl_xfer_handle, state: str, deadline: float) -> str:
@@ -599,7 +522,6 @@ class NixlBackend(Backend):
             "progress_delay_us": self.progress_delay_us,
             "ucx_error_handling_mode": self.error_mode,
             "xfer_mode": self.xfer_mode,
-            "max_post_bytes": self.max_post_bytes,
             "peers": {k: v.agent for k, v in self._peers.items()},
             "registered_regions": len(self._registered),
         }

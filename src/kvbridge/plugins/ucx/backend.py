@@ -1,7 +1,7 @@
 """UCX adapter on UCXX: prefill pushes pages with one-sided UCP puts into decode memory.
 
 **Why RMA through ctypes, not UCXX's tag or AM messages.** UCXX's Python API
-offers tag, stream and active messages only (shared/ENGINES.md section 4).
+offers tag, stream and active messages only (docs/engines.md, UCXX).
 Two-sided messages would need decode to post one receive per page into its
 destination slice, which core's contract does not provide (``write`` is
 one-sided and decode takes no part until ``Done``). UCXX's context, worker and
@@ -46,7 +46,7 @@ through ctypes, 3 us inside UCP's progress (one ``process_vm_writev`` each).
   land, which core's contract allows.
 - ``off``: same speed for puts (CMA either way), but a put to a peer that has
   died makes UCX **abort the whole prefill process** (SIGABRT in
-  ``process_vm_writev``: "No such process"); ENGINES.md saw two-sided
+  ``process_vm_writev``: "No such process"); docs/engines.md saw two-sided
   traffic to a dead peer complete without error in this mode. Use it only
   where peers never die on their own.
 
@@ -59,15 +59,17 @@ still land later.
 **Progress.** UCXX's progress thread runs in blocking (epoll) mode so an idle
 backend costs no CPU, but it does not pick up puts posted from another thread
 promptly (a 256 MiB write took 20 s). The writing thread therefore progresses
-the worker itself: after each chunk of :data:`PUT_CHUNK` puts (puts run inside
-progress calls, so this bounds the queue) and while it waits for the flush,
-backing off to sleeps of up to 1 ms when nothing moves. The worker is
-thread-safe, so writes to several peers may run at once. ctypes drops the GIL
-for every UCP call.
+the worker itself while it waits for the flush that follows a batch's puts,
+backing off to sleeps of up to 1 ms when nothing moves. Puts run inside
+progress calls, so they queue until then: the backend declares
+``max_descriptors_per_batch`` of 4096 (core splits plans to it), which bounds
+that queue. The worker is thread-safe, so writes to several peers may run at
+once. ctypes drops the GIL for every UCP call.
 
-Other options: any ``UCX_*`` key (``UCX_TLS=tcp``, ...) configures this
-backend's UCX context, overriding the environment. With a loopback ``host``
-and no ``UCX_NET_DEVICES`` set, the context uses ``lo`` only.
+Other options (declared in :mod:`kvbridge.plugins.ucx`): any ``UCX_*`` key
+(``UCX_TLS=tcp``, ...) configures this backend's UCX context, overriding the
+environment. With a loopback ``host`` and no ``UCX_NET_DEVICES`` set, the
+context uses ``lo`` only.
 """
 
 from __future__ import annotations
@@ -94,12 +96,10 @@ from kvbridge.core.records import BackendCapabilities
 
 from . import CAPABILITIES
 
-__all__ = ["UcxBackend", "PUT_CHUNK"]
+__all__ = ["UcxBackend"]
 
 log = logging.getLogger(__name__)
 
-#: Descriptors posted between two deadline checks.
-PUT_CHUNK = 4096
 _IDLE_SPINS = 64  # empty progress calls before the wait loop starts sleeping
 _MAX_SLEEP = 0.001
 
@@ -120,7 +120,6 @@ class _Peer:
     name: str
     endpoint: Any = None  # ucxx UCXEndpoint
     starts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    ends: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     rkeys: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by the one write in progress
     removed: bool = False
@@ -128,29 +127,14 @@ class _Peer:
 
 
 class UcxBackend(Backend):
-    """Writes transfer plans into peers with UCP puts through one UCXX worker.
-
-    Options (``config.options``): ``error_handling`` (``on``/``off``; see the
-    module docstring) and any ``UCX_*`` setting for this backend's context.
-    """
+    """Writes batches into peers with UCP puts through one UCXX worker (options: see the module docstring)."""
 
     capabilities: ClassVar[BackendCapabilities] = CAPABILITIES
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
-        ucx_config: dict[str, str] = {}
-        self.error_handling = True
-        for key, value in config.options.items():
-            if key == "error_handling":
-                if value not in ("on", "off"):
-                    raise ValueError(f"ucx: option error_handling={value!r}; use 'on' (default) or 'off'")
-                self.error_handling = value == "on"
-            elif key.startswith("UCX_") and len(key) > 4:
-                ucx_config[key[4:]] = str(value)
-            else:
-                raise ValueError(
-                    f"ucx: unknown option {key!r}; valid options are error_handling=on|off and UCX_* settings"
-                )
+        self.error_handling = config.options["error_handling"] == "on"
+        ucx_config = {key[4:]: value for key, value in config.options.items() if key.startswith("UCX_")}
         if "CMA_MEMORY_INVALIDATE" not in ucx_config and "UCX_CMA_MEMORY_INVALIDATE" not in os.environ:
             ucx_config["CMA_MEMORY_INVALIDATE"] = "y"  # lets peer-failure mode put over CMA
         if "NET_DEVICES" not in ucx_config and "UCX_NET_DEVICES" not in os.environ and _is_loopback(config.host):
@@ -191,11 +175,6 @@ class UcxBackend(Backend):
         """``ucp_mem_map`` each region and pack its remote key; raise naming the first that fails."""
         self._check_open()
         for r in regions:
-            if r.mem not in self.capabilities.memory_kinds:
-                raise TransferError(
-                    f"ucx: region {r.name!r} is {r.mem} memory; this backend moves "
-                    f"{', '.join(self.capabilities.memory_kinds)} only"
-                )
             try:
                 memh = self._ucp.mem_map(self._context.handle, r.addr, r.nbytes)
             except self._ucp.UcpError as exc:
@@ -248,7 +227,6 @@ class UcxBackend(Backend):
             self._teardown(p)
             raise TransferError(f"ucx: cannot unpack remote key {len(rkeys)} of peer {peer!r}: {exc}") from exc
         p.starts = np.array([meta.regions[i][0] for i in order], np.int64)
-        p.ends = np.array([meta.regions[i][0] + meta.regions[i][1] for i in order], np.int64)
         p.rkeys = np.array(rkeys, np.uint64)
         self._install(p)
 
@@ -299,8 +277,8 @@ class UcxBackend(Backend):
                 destroy(k)
 
     # -- writes ---------------------------------------------------------------------------
-    def write(self, peer: str, plan: TransferPlan, deadline: float) -> None:
-        """Put every descriptor of ``plan`` into ``peer``, then flush; raise by ``deadline``."""
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        """Put every descriptor of ``batch`` into ``peer``, then flush; raise by ``deadline``."""
         self._check_open()
         with self._lock:
             p = self._peers.get(peer)
@@ -311,61 +289,34 @@ class UcxBackend(Backend):
             try:
                 if p.removed or p.endpoint is None:
                     raise TransferError(f"ucx: peer {peer!r} was removed")
-                self._write(p, plan, deadline)
+                self._write(p, batch, deadline)
             finally:
                 if p.removed or self._closed:
                     self._teardown(p)
 
-    def _write(self, p: _Peer, plan: TransferPlan, deadline: float) -> None:
-        n = len(plan)
-        if n == 0:
-            return
-        if time.monotonic() > deadline:
-            raise TransferTimeout(f"ucx: write to peer {p.name!r} passed its deadline before it started; nothing was sent")
-        ep = p.endpoint
+    def _write(self, p: _Peer, batch: TransferPlan, deadline: float) -> None:
+        n = len(batch)
         self._check_alive(p, "before the write")
-        # Vectorised: the remote key of each descriptor's destination region.
-        idx = np.searchsorted(p.starts, plan.dst_addr, side="right") - 1
-        ok = (idx >= 0) & (plan.dst_addr + plan.nbytes <= p.ends[np.maximum(idx, 0)])
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            raise TransferError(
-                f"ucx: descriptor {i} ({int(plan.nbytes[i])} B at destination {int(plan.dst_addr[i]):#x}) "
-                f"is outside every region peer {p.name!r} registered; nothing was sent"
-            )
-        rkeys = p.rkeys[idx]
+        # The remote key of each descriptor's destination region (core checked that one contains it).
+        rkeys = p.rkeys[np.searchsorted(p.starts, batch.dst_addr, side="right") - 1]
         ucp = self._ucp
         put, free, err_min = ucp.lib.ucp_put_nbx, ucp.lib.ucp_request_free, ucp.ERR_PTR_MIN
-        handle, param = ep.handle, byref(self._put_param)
-        progress, worker = ucp.lib.ucp_worker_progress, self._worker.handle
+        handle, param = p.endpoint.handle, byref(self._put_param)
         t0 = time.monotonic()
         p.dirty = True
-        for lo in range(0, n, PUT_CHUNK):
-            if lo and self._closed:
-                raise TransferError(f"ucx: backend closed during a write to peer {p.name!r}")
-            if lo and time.monotonic() > deadline:
-                raise TransferTimeout(
-                    f"ucx: write to peer {p.name!r} passed its deadline after posting {lo} of {n} descriptors; "
-                    "those may still land"
-                )
-            hi = min(lo + PUT_CHUNK, n)
-            for i, s, d, k, r in zip(range(lo, hi), plan.src_addr[lo:hi].tolist(), plan.dst_addr[lo:hi].tolist(),
-                                     plan.nbytes[lo:hi].tolist(), rkeys[lo:hi].tolist()):
-                req = put(handle, s, k, d, r, param)
-                if req:
-                    if req >= err_min:
-                        raise TransferError(
-                            f"ucx: put to peer {p.name!r} failed: {ucp.status_string(req - (1 << 64))}; "
-                            f"{i} of {n} descriptors were posted before it and may have landed"
-                        )
-                    free(req)  # UCP completes it on its own; the flush below reports failures
-            # Puts run inside progress calls: drain what this chunk queued, so the
-            # queue stays bounded and the deadline check above sees real time.
-            while progress(worker) and time.monotonic() <= deadline:
-                pass
-        self._flush(p, deadline, n, plan.total_bytes)
+        for i, s, d, k, r in zip(range(n), batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist(),
+                                 rkeys.tolist()):
+            req = put(handle, s, k, d, r, param)
+            if req:
+                if req >= err_min:
+                    raise TransferError(
+                        f"ucx: put to peer {p.name!r} failed: {ucp.status_string(req - (1 << 64))}; "
+                        f"{i} of {n} descriptors were posted before it and may have landed"
+                    )
+                free(req)  # UCP completes it on its own; the flush below reports failures
+        self._flush(p, deadline, n, batch.total_bytes)
         p.dirty = False
-        log.debug("ucx: wrote %d descriptors, %d B to %r in %.3f s", n, plan.total_bytes, p.name, time.monotonic() - t0)
+        log.debug("ucx: wrote %d descriptors, %d B to %r in %.3f s", n, batch.total_bytes, p.name, time.monotonic() - t0)
 
     def _flush(self, p: _Peer, deadline: float, n: int, nbytes: int) -> None:
         ucp = self._ucp
@@ -425,7 +376,7 @@ class UcxBackend(Backend):
             peers, self._peers = list(self._peers.values()), {}
         stuck = []
         for p in peers:
-            # A write in progress notices _closed within one progress call or chunk.
+            # A write in progress notices _closed while it waits for its flush.
             if p.lock.acquire(timeout=5.0):
                 try:
                     self._teardown(p)
