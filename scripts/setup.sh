@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-# Mooncake's engine links against these (ENGINES.md section 1).
+# Mooncake's engine links against these (docs/engines.md).
 missing=()
 for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1; do
   ldconfig -p | grep -q "$lib" || missing+=("$lib")

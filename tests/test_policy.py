@@ -1,6 +1,6 @@
 """Core's policy, the same for every backend, tested once over the ``memory`` backend.
 
-What kvbridge decides in core (DESIGN rule 5: one policy, everywhere) does not
+What kvbridge decides in core (one policy, everywhere: docs/architecture.md) does not
 depend on the transport: the heterogeneous TP and PP matrix of every state
 handler (planning and slicing), the index-length policy, heartbeats, bad or
 hostile destination lists, aborts. The conformance suite

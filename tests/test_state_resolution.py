@@ -1,4 +1,4 @@
-"""State-type resolution by class hierarchy (DESIGN.md rule 4)."""
+"""State-type resolution by class hierarchy (docs/architecture.md, rule 4)."""
 
 import pytest
 

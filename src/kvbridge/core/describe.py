@@ -2,7 +2,7 @@
 
 The host passes its pools (and the draft / MTP model's pools); each is
 resolved to its state handler through the registry by class hierarchy
-(DESIGN.md rule 4) and the handler describes it as regions and index spaces.
+(docs/architecture.md, rule 4) and the handler describes it as regions and index spaces.
 Prefill and decode run the same code on the same pool types, so both sides'
 descriptions are built identically; draft pools are appended symmetrically
 with ``draft=True`` so they pair with each other and never with the target.

@@ -1,6 +1,6 @@
 """Transfer metrics: a process-wide, thread-safe collector, optionally exported to Prometheus.
 
-Core records into it as rooms move (:mod:`kvbridge.core.session`); a host reads
+Core records into it as rooms move (senders, receivers and managers); a host reads
 it with :func:`snapshot` and clears it with :func:`reset`. What is counted:
 
 - **bytes and descriptors** per (backend, state type), for every transfer job
