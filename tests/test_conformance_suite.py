@@ -119,7 +119,7 @@ def test_requires_rejects_an_unknown_requirement_listing_the_known_ones():
 
 # -- kvbridge conformance ----------------------------------------------------------------------------
 def test_kvbridge_conformance_runs_the_suite_against_an_installed_backend(tmp_path):
-    out = kvbridge_cli(tmp_path, "conformance", "zmq", "-x", "-q", "-k", f"{CHEAP} or receiver_abort")
+    out = kvbridge_cli(tmp_path, "conformance", "zmq", "-x", "-q", "-k", f"{CHEAP} or success_follows")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "3 passed" in out.stdout, out.stdout
 
@@ -129,12 +129,21 @@ def test_kvbridge_conformance_exit_code_is_pytests(tmp_path):
     assert out.returncode == 5, out.stdout + out.stderr  # pytest: no tests collected
 
 
-def test_kvbridge_conformance_gives_its_transfer_options_to_every_manager(tmp_path):
-    # zmq declares no options, so a manager given one refuses to start, naming it.
+def test_kvbridge_conformance_checks_its_transfer_options_before_running_anything(tmp_path):
+    # zmq declares no options: refused up front (usage error), not after some tests ran.
     out = kvbridge_cli(tmp_path, "conformance", "--transfer-option", "bogus=1", "--timeout-scale", "2",
-                       "zmq", "-q", "-k", "receiver_abort")
+                       "zmq", "-q", "-k", "success_follows")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == ""
+    assert "kvbridge conformance: backend 'zmq' has no option 'bogus'; it declares no options" in out.stderr
+
+
+def test_kvbridge_conformance_gives_its_transfer_options_to_every_manager(tmp_path):
+    # A well-formed value the engine then refuses: it can only fail if it reached the managers' engine.
+    out = kvbridge_cli(tmp_path, "conformance", "--transfer-option", "ucx_engine_config=TLS=no_such_transport", "nixl",
+                       "-q", "-k", "success_follows")
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "backend 'zmq' has no option 'bogus'" in out.stdout
+    assert "'ucx_engine_config': 'TLS=no_such_transport'" in out.stdout and "1 failed" in out.stdout
 
 
 def test_kvbridge_conformance_of_an_unknown_backend_lists_the_installed_ones(tmp_path):

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 from kvbridge.core.plugins import get_registry
+from kvbridge.core.records import OptionError
 
 TEST_FILE = '''"""Written by `kvbridge conformance`."""
 
@@ -37,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to pytest, e.g. -x -q -k frozen")
 
 
+def _usage_error(message: str) -> NoReturn:
+    print(f"kvbridge conformance: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     registry = get_registry()
     registry.backend_spec(args.name)  # unknown: the registry's error, listing what is installed
@@ -46,10 +54,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     for item in args.transfer_option:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"kvbridge conformance: --transfer-option {item!r} is not KEY=VALUE")
+            _usage_error(f"--transfer-option {item!r} is not KEY=VALUE")
         options[key] = value
+    try:
+        registry.backend_spec(args.name).check_options(options)
+    except OptionError as exc:
+        _usage_error(str(exc))
     if args.timeout_scale <= 0:
-        raise SystemExit(f"kvbridge conformance: --timeout-scale must be > 0, got {args.timeout_scale}")
+        _usage_error(f"--timeout-scale must be > 0, got {args.timeout_scale}")
     try:
         import pytest
     except ImportError:
