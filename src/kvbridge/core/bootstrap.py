@@ -14,7 +14,7 @@ import time
 import zmq
 
 from . import protocol as P
-from .channel import IOLoop
+from .channel import IOLoop, routed_message
 
 __all__ = ["BootstrapServer", "register_rank"]
 
@@ -44,16 +44,10 @@ class BootstrapServer:
             return list(self._ranks.values())
 
     def _on_message(self, sock: zmq.Socket, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            log.warning("bootstrap: dropped a message with %d frames", len(frames))
+        got = routed_message(sock, frames, "bootstrap")
+        if got is None:
             return
-        ident, data = frames
-        try:
-            msg = P.decode(data)
-        except P.ProtocolError as exc:
-            log.warning("bootstrap: rejected a message: %s", exc)
-            sock.send_multipart([ident, P.encode(P.Reject(reason=str(exc)))])
-            return
+        ident, msg = got
         if isinstance(msg, P.Register):
             with self._lock:
                 self._ranks[(msg.rank.tp_rank, msg.rank.pp_rank)] = msg.rank

@@ -18,6 +18,8 @@ from typing import Any
 
 import zmq
 
+from . import protocol as P
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[zmq.Socket, list[bytes]], None]
@@ -147,3 +149,21 @@ def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
         log.warning("kvbridge control socket is full; dropped a message")
     except zmq.ZMQError as exc:
         log.warning("kvbridge control send failed: %s", exc)
+
+
+def routed_message(sock: zmq.Socket, frames: list[bytes], who: str) -> tuple[bytes, P.Message] | None:
+    """``(identity, message)`` of a frame pair read from a ROUTER socket, or None.
+
+    A malformed or undecodable message is logged and answered with a
+    :class:`~kvbridge.core.protocol.Reject` saying why; the server keeps serving.
+    """
+    if len(frames) != 2:
+        log.warning("%s: dropped a control message with %d frames", who, len(frames))
+        return None
+    ident, data = frames
+    try:
+        return ident, P.decode(data)
+    except P.ProtocolError as exc:
+        log.warning("%s: rejected a control message from %r: %s", who, ident[:64], exc)
+        _send(sock, [ident, P.encode(P.Reject(reason=str(exc)))])
+        return None

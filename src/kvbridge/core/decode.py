@@ -34,6 +34,10 @@ class PrefillRank:
         self.last_seen = time.monotonic()
         self.last_ping = 0.0
 
+    def socket(self) -> zmq.Socket | None:
+        """The control socket, looked up on the I/O thread when a message goes out."""
+        return self.sock
+
     @property
     def key(self) -> tuple[int, int]:
         return (self.info.tp_rank, self.info.pp_rank)
@@ -81,7 +85,7 @@ class DecodeManager(TransferManager[Receiver]):
         """Send ``msg`` to every prefill rank of ``server`` (any thread)."""
         payload = P.encode(msg)
         for rank in server.ranks.values():
-            self.loop.send(lambda rank=rank: rank.sock, [payload])
+            self.loop.send(rank.socket, [payload])
 
     def abort_room(self, room: Room, reason: str) -> None:
         assert isinstance(room, Receiver)

@@ -95,8 +95,8 @@ class Route:
 
     def plan(
         self,
-        src_indices: Mapping[str, npt.ArrayLike],
-        dst_indices: Mapping[str, npt.ArrayLike],
+        src_indices: Mapping[str, Indices | npt.ArrayLike],
+        dst_indices: Mapping[str, Indices | npt.ArrayLike],
         totals: dict[str, tuple[int, int]] | None = None,
     ) -> TransferPlan:
         """Descriptors for the given index lists, per index space, validated.

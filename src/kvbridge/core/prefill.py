@@ -11,6 +11,7 @@ import zmq
 
 from . import protocol as P
 from .bootstrap import register_rank
+from .channel import routed_message
 from .layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
 from .pairing import IncompatibleLayoutError, Route, pair_layouts
@@ -113,16 +114,10 @@ class PrefillManager(TransferManager[Sender]):
         self._router.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
 
     def _on_message(self, sock: zmq.Socket, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            log.warning("prefill: dropped a control message with %d frames", len(frames))
+        got = routed_message(sock, frames, "prefill")
+        if got is None:
             return
-        ident, data = frames
-        try:
-            msg = P.decode(data)
-        except P.ProtocolError as exc:
-            log.warning("prefill: rejected a control message from %r: %s", ident[:64], exc)
-            self._reply(ident, P.Reject(reason=str(exc)))
-            return
+        ident, msg = got
         peer_id = ident.decode(errors="replace")
         if isinstance(msg, P.Hello):
             self._on_hello(ident, msg)

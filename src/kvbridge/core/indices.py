@@ -1,0 +1,89 @@
+"""Index lists: checked once, where they enter kvbridge (the host's calls, a peer's request).
+
+:class:`Indices` is the checked type the planner trusts; :func:`check_indices`
+does the checking and names the first bad value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Indices", "IntArray", "PlanError", "check_indices"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+class PlanError(ValueError):
+    """A plan cannot be built or would touch memory outside registered regions."""
+
+
+def _as_index_array(name: str, values: npt.ArrayLike) -> IntArray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise PlanError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_indices(name: str, idx: npt.ArrayLike, count: int | None = None, *, unique: bool = False) -> IntArray:
+    """Return ``idx`` as int64 after checking range and (optionally) uniqueness.
+
+    Raises :class:`PlanError` naming the first offending position and value.
+    """
+    arr = _as_index_array(name, idx)
+    if arr.size == 0:
+        return arr
+    bad = np.flatnonzero(arr < 0) if count is None else np.flatnonzero((arr < 0) | (arr >= count))
+    if bad.size:
+        i = int(bad[0])
+        limit = "must be >= 0" if count is None else f"valid range is 0..{count - 1}"
+        raise PlanError(f"{name}[{i}] = {int(arr[i])} is out of range ({limit})")
+    if unique and arr.size > 1:
+        # Sorted input (the common case) needs no sort to check.
+        d = np.diff(arr)
+        if not (d > 0).all():
+            s = np.sort(arr, kind="stable")
+            dup = np.flatnonzero(s[1:] == s[:-1])
+            if dup.size:
+                raise PlanError(
+                    f"{name} contains index {int(s[dup[0]])} more than once; "
+                    "every destination item may be written once per transfer"
+                )
+    return arr
+
+
+class Indices:
+    """An index list checked once, where it enters kvbridge; the planner trusts it.
+
+    ``array`` is one-dimensional int64 with every value in ``0 .. count-1``
+    (``count`` None: only ``>= 0``), and without repeats when ``unique``
+    (destinations: every item is written once per transfer). Built by
+    :meth:`check`, which raises :class:`PlanError` naming the first bad value.
+    """
+
+    __slots__ = ("array", "count", "unique")
+
+    def __init__(self, array: IntArray, count: int | None, unique: bool) -> None:
+        self.array, self.count, self.unique = array, count, unique
+
+    @classmethod
+    def check(cls, name: str, values: Indices | npt.ArrayLike, count: int | None = None, *, unique: bool = False) -> Indices:
+        """``values`` checked (an :class:`Indices` already checked at least as strictly is returned as is)."""
+        if isinstance(values, Indices):
+            within = count is None or (values.count is not None and values.count <= count)
+            if within and (values.unique or not unique):
+                return values
+            values = values.array
+        return cls(check_indices(name, values, count, unique=unique), count, unique)
+
+    def __len__(self) -> int:
+        return int(self.array.shape[0])
+
+    def head(self, n: int) -> Indices:
+        """The first ``n`` indices (a view; still checked)."""
+        return Indices(self.array[:n], self.count, self.unique)
+
+    def __getitem__(self, key: slice) -> Indices:
+        return Indices(self.array[key], self.count, self.unique)
