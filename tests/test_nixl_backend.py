@@ -417,7 +417,7 @@ def test_registration_declares_the_backend_class_capabilities():
     (spec,) = nixl.kvbridge_register_backends()
     assert spec.capabilities is NixlBackend.capabilities is CAPABILITIES
     assert spec.factory == "kvbridge.plugins.nixl.backend:NixlBackend"
-    assert spec.requires == ("nixl_cu12",) and spec.extra == "nixl"
+    assert spec.requires == ("nixl_cu12|nixl_cu13",) and spec.extra == "nixl"
 
 
 def test_listing_the_plugin_does_not_import_the_engine():

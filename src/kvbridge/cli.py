@@ -74,6 +74,19 @@ def _cmd_bench_plan(args: argparse.Namespace) -> int:
     return plan.run_from_args(args)
 
 
+def _bench_transfer(argv: list[str]) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    known, rest = pre.parse_known_args(argv)
+    if known.device == "cuda":
+        from kvbridge.bench import gpu
+
+        return gpu.main(rest)
+    from kvbridge.bench import transfer
+
+    return transfer.main(rest)
+
+
 def _cmd_bench_tp(args: argparse.Namespace) -> int:
     from kvbridge.bench import tp
 
@@ -108,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bp)
     bp.set_defaults(func=_cmd_bench_plan)
+    # Parsed by _bench_transfer (its options depend on --device); listed here for help.
+    bench_sub.add_parser("transfer", help="bytes between two processes: kvbridge vs raw engine vs memcpy or "
+                         "D2D (--device cpu|cuda; `kvbridge bench transfer --device cuda --help`)")
     bt = bench_sub.add_parser("tp", help="heterogeneous-TP plans: descriptors and time, NHD vs HND")
     from kvbridge.bench.tp import add_arguments as add_tp_arguments
 
@@ -117,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "transfer"]:
+        return _bench_transfer(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

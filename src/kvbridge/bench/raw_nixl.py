@@ -24,8 +24,10 @@ from kvbridge.core.session import PrefillManager
 __all__ = ["raw"]
 
 
-def raw(mgr: PrefillManager, plan: TransferPlan) -> Callable[[], None]:
-    """A zero-argument function that writes ``plan`` to ``mgr``'s only peer through raw NIXL calls."""
+def raw(mgr: PrefillManager, plan: TransferPlan, mem: str = "DRAM", device: int = 0) -> Callable[[], None]:
+    """A zero-argument function that writes ``plan`` to ``mgr``'s only peer through raw NIXL calls.
+
+    ``mem`` is NIXL's memory type of both sides ("DRAM" or "VRAM", then on ``device``)."""
     backend: Any = mgr.backend
     agent = backend._live_agent()
     peers = list(backend._peers.values())
@@ -35,8 +37,9 @@ def raw(mgr: PrefillManager, plan: TransferPlan) -> Callable[[], None]:
     local, remote = np.zeros((n, 3), np.uint64), np.zeros((n, 3), np.uint64)
     local[:, 0], remote[:, 0] = plan.src_addr, plan.dst_addr
     local[:, 1] = remote[:, 1] = plan.nbytes
+    local[:, 2] = remote[:, 2] = device
     handle = agent.initialize_xfer(
-        "WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peers[0].agent
+        "WRITE", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peers[0].agent
     )
 
     def go() -> None:

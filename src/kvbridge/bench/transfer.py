@@ -182,7 +182,7 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
                 if sender.poll() != Poll.SUCCESS:
                     raise RuntimeError(f"{name}: {sender.failure()}")
                 if plan is None:
-                    peer = next(iter(mgr._peers.values()))
+                    (peer,) = mgr.peers()
                     plan = peer.route.plan({KV_PAGE_SPACE: src}, {KV_PAGE_SPACE: dst})
                     go = raw(mgr, plan) if raw is not None else None
                 if rep == 0:

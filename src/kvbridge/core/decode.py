@@ -69,6 +69,7 @@ class DecodeManager(TransferManager[Receiver]):
         super().__init__(kvargs, backend, config)
         self.peer_id = f"decode-tp{kvargs.tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._meta = self.transport.metadata()
+        self._local_meta = self.transport.local_metadata()
         self._servers: dict[str, PrefillServer] = {}
         self.loop.start()
 
@@ -130,7 +131,8 @@ class DecodeManager(TransferManager[Receiver]):
         assert server.lookup_sock is not None
         self.loop.remove_socket(server.lookup_sock)
         server.lookup_sock = None
-        hello = P.encode(P.Hello(peer_id=self.peer_id, backend=self.backend_name, backend_meta=self._meta, kvargs=self.kvargs))
+        hello = P.encode(P.Hello(peer_id=self.peer_id, backend=self.backend_name, backend_meta=self._meta, kvargs=self.kvargs,
+                                      local_meta=self._local_meta))
         for key, info in sorted(wanted.items()):
             rank = server.ranks[key] = PrefillRank(info)
             sock = self.loop.ctx.socket(zmq.DEALER)

@@ -37,6 +37,9 @@ class SessionConfig:
     #: Treat every index-length mismatch as an error (default: page-indexed
     #: state lists are trimmed to the shorter side with a warning).
     strict_index_lengths: bool = False
+    #: Copy GPU -> GPU within one host with CUDA IPC and one kernel per write
+    #: (kvbridge.core.gpu) instead of through the engine, where both sides allow it.
+    gpu_fast_path: bool = True
 
     @classmethod
     def from_fields(cls, source: object) -> SessionConfig:
@@ -76,6 +79,7 @@ class TransferManager(Generic[R]):
             name=f"{self.role}-tp{kvargs.tp_rank}-pp{kvargs.pp_rank}-{os.getpid()}",
             transfer_timeout=self.config.transfer_timeout,
             options=self.config.backend_options,
+            fast_path=self.config.gpu_fast_path,
         )
         self.backend_name = self.transport.name
         try:

@@ -222,11 +222,15 @@ class Registry:
         return sorted(out, key=lambda r: (r["kind"], r["name"]))
 
 
-def _module_installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+def _module_installed(modules: str) -> bool:
+    """Whether ``modules`` (a module name, or alternatives ``"a|b"``) can be imported."""
+    for module in modules.split("|"):
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
 
 
 def import_object(target: str, what: str) -> Any:

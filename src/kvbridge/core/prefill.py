@@ -86,6 +86,11 @@ class PrefillManager(TransferManager[Sender]):
     def peer(self, peer_id: str) -> DecodePeer | None:
         return self._peers.get(peer_id)
 
+    def peers(self) -> list[DecodePeer]:
+        """The decode ranks that completed the handshake (for benchmarks and ``describe``)."""
+        with self.lock:
+            return list(self._peers.values())
+
     def source_indices(self, space: str, values: npt.ArrayLike) -> Indices:
         """The host's source list for ``space``, checked against this rank's own index space."""
         declared = {s.name: s.count for s in self.kvargs.index_spaces}
@@ -149,7 +154,7 @@ class PrefillManager(TransferManager[Sender]):
         if problem is None:
             try:
                 route = pair_layouts(self.kvargs, msg.kvargs)
-                self.transport.add_peer(msg.peer_id, msg.backend_meta, msg.kvargs.regions)
+                self.transport.add_peer(msg.peer_id, msg.backend_meta, msg.kvargs.regions, msg.local_meta)
             except IncompatibleLayoutError as exc:
                 problem = str(exc)
             except Exception as exc:

@@ -95,6 +95,8 @@ class Hello(_Msg, tag="hello", frozen=True):
     backend: str
     backend_meta: bytes
     kvargs: KVArgs
+    #: CUDA IPC handles of decode's GPU regions, for a same-host prefill (b"": none).
+    local_meta: bytes = b""
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):

@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import numpy as np
 import numpy.typing as npt
 
 from . import protocol as P
@@ -62,6 +63,8 @@ class Receiver(Room):
                 raise RuntimeError(f"room {self.room}: init() called twice")
             try:
                 indices = {KV_PAGE_SPACE: page_indices, **(state_indices or {})}
+                if not any(s.name == KV_PAGE_SPACE for s in m.kvargs.index_spaces) and not np.size(page_indices):
+                    del indices[KV_PAGE_SPACE]  # a rank with state only (no full-attention KV)
                 packed = {}
                 for space, idx in indices.items():
                     count = m.kvargs.index_space(space).count

@@ -156,7 +156,8 @@ class BackendSpec:
 
     ``factory`` is ``"module:attribute"``; ``requires`` lists the engine's
     top-level modules, checked (without importing them) to say whether the
-    backend is available and, if not, which pip ``extra`` installs it.
+    backend is available and, if not, which pip ``extra`` installs it; an
+    entry ``"a|b"`` is met by either module (e.g. CUDA 12 and 13 builds).
     ``options`` declares every ``BackendConfig.options`` key the backend reads;
     core rejects any other key, and bad values, before creating the backend.
     """

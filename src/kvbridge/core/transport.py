@@ -6,6 +6,12 @@ what no adapter repeats: memory kinds checked at registration and at
 handshake, plans cut and split into batches within the declared limits, the
 deadline checked before every batch. The backend only moves one batch.
 
+It also owns the same-host GPU fast path (:mod:`kvbridge.core.gpu`): when a
+peer on this host sent CUDA IPC handles of its GPU regions, descriptors from
+local GPU memory into them are copied by one kernel per write instead of
+going through the engine, whatever the backend; the rest still goes through
+the backend. ``fast_path=False`` turns it off.
+
 :func:`open_transport` is the one place core creates backends. It takes what a
 manager was given: a registered name, a resolved :class:`BackendSpec`, a
 ready :class:`Backend` instance (as an HTTP client takes a transport object),
@@ -19,6 +25,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+import numpy as np
+
+from . import gpu
 from .backend import Backend, BackendConfig, TransferError, TransferTimeout
 from .layout import Region
 from .plan import TransferPlan
@@ -36,12 +45,19 @@ BackendChoice = Union[str, BackendSpec, Backend, None]
 class Transport:
     """A backend plus the policy core applies to every backend alike."""
 
-    def __init__(self, backend: Backend, name: str, capabilities: BackendCapabilities | None = None) -> None:
+    def __init__(
+        self, backend: Backend, name: str, capabilities: BackendCapabilities | None = None, *, fast_path: bool = True
+    ) -> None:
         self.backend = backend
         self.name = name
         self.capabilities = capabilities or type(backend).capabilities
+        self.fast_path = fast_path
         self._batch_descriptors = self.capabilities.batch_descriptors
         self._batch_bytes = self.capabilities.max_bytes_per_batch
+        self._regions: list[Region] = []
+        self._gpu_peers: dict[str, gpu.GpuPeer] = {}
+        # Local GPU regions, sorted: which device a source address lives on.
+        self._vram = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
 
     # -- memory -----------------------------------------------------------------------------
     def check_memory(self, regions: Sequence[Region], whose: str) -> None:
@@ -58,15 +74,36 @@ class Transport:
     def register(self, regions: Sequence[Region]) -> None:
         self.check_memory(regions, "local")
         self.backend.register(regions)
+        self._regions = list(regions)
+        vram = sorted((r for r in regions if r.mem == "vram"), key=lambda r: r.addr)
+        self._vram = tuple(np.array(v, np.int64) for v in ([r.addr for r in vram], [r.end for r in vram],
+                                                            [r.device for r in vram]))  # type: ignore[assignment]
 
     def metadata(self) -> bytes:
         return self.backend.metadata()
 
-    def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
+    def local_metadata(self) -> bytes:
+        """What a same-host peer needs to copy into this rank's GPU regions directly (b"": nothing)."""
+        return gpu.local_metadata(self._regions) if self.fast_path else b""
+
+    def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region], local_metadata: bytes = b"") -> None:
         self.check_memory(regions, f"peer {peer!r}")
         self.backend.add_peer(peer, metadata, regions)
+        self._gpu_peers.pop(peer, None)
+        if self.fast_path and local_metadata and len(self._vram[0]):
+            try:
+                mapped = gpu.open_peer(local_metadata)
+            except Exception as exc:  # the backend path still works
+                log.warning("GPU fast path to peer %r unavailable: %s", peer, exc)
+                mapped = None
+            if mapped is not None:
+                self._gpu_peers[peer] = mapped
+                log.info("GPU fast path on for peer %r", peer)
 
     def remove_peer(self, peer: str) -> None:
+        # Mappings stay open until the process ends: a write in flight may still use them,
+        # and CUDA opens a handle once per process anyway.
+        self._gpu_peers.pop(peer, None)
         self.backend.remove_peer(peer)
 
     def close(self) -> None:
@@ -86,6 +123,9 @@ class Transport:
         further batch is started) and passes on the backend's
         :class:`TransferError`, saying how much had landed before.
         """
+        mapped = self._gpu_peers.get(peer)
+        if mapped is not None:
+            plan = self._copy_on_gpu(peer, mapped, plan, deadline)
         batches = self.batches(plan)
         landed = 0
         for i, batch in enumerate(batches):
@@ -102,8 +142,29 @@ class Transport:
                 raise type(exc)(f"{exc} (batch {i + 1} of {len(batches)}; the {i} before it, {landed} B, landed)") from exc
             landed += batch.total_bytes
 
+    def _copy_on_gpu(self, peer: str, mapped: gpu.GpuPeer, plan: TransferPlan, deadline: float) -> TransferPlan:
+        """Copy the descriptors GPU -> mapped peer GPU with the kernel; return the rest for the backend."""
+        starts, ends, devices = self._vram
+        pos = np.searchsorted(starts, plan.src_addr, side="right") - 1
+        safe = np.maximum(pos, 0)
+        from_gpu = (pos >= 0) & (plan.src_addr + plan.nbytes <= ends[safe])
+        into, dst = mapped.translate(plan.dst_addr, plan.nbytes)
+        fast = from_gpu & into
+        if not fast.any():
+            return plan
+        if time.monotonic() >= deadline:
+            raise TransferTimeout(f"{self.name}: write to peer {peer!r} passed its deadline before it started")
+        for device in np.unique(devices[safe[fast]]).tolist():
+            on = fast & (devices[safe] == device)
+            try:
+                gpu.copy(int(device), plan.src_addr[on], dst[on], plan.nbytes[on])
+            except Exception as exc:
+                raise TransferError(f"{self.name}: GPU copy to peer {peer!r} failed: {exc}") from exc
+        rest = ~fast
+        return TransferPlan(plan.src_addr[rest], plan.dst_addr[rest], plan.nbytes[rest])
+
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, **self.backend.describe()}
+        return {"backend": self.name, "gpu_fast_path_peers": sorted(self._gpu_peers), **self.backend.describe()}
 
 
 def backend_name(backend: Backend) -> str:
@@ -123,6 +184,7 @@ def open_transport(
     name: str,
     transfer_timeout: float,
     options: Mapping[str, str],
+    fast_path: bool = True,
 ) -> Transport:
     """Create (or wrap) the backend a manager was given; options are checked before any engine exists.
 
@@ -137,7 +199,7 @@ def open_transport(
                 f"backend options {sorted(options)} were given with a ready {type(backend).__name__} instance; "
                 "pass them to the backend's own BackendConfig instead"
             )
-        return Transport(backend, backend_name(backend))
+        return Transport(backend, backend_name(backend), fast_path=fast_path)
     registry = get_registry()
     if backend is None:
         default = registry.default_backend()
@@ -160,4 +222,4 @@ def open_transport(
     instance = factory(BackendConfig(host=host, name=name, transfer_timeout=transfer_timeout, options=parsed))
     if not isinstance(instance, Backend):
         raise PluginError(f"backend {spec.name!r}: factory {spec.factory!r} made a {type(instance).__name__}, not a Backend")
-    return Transport(instance, spec.name, spec.capabilities)
+    return Transport(instance, spec.name, spec.capabilities, fast_path=fast_path)

@@ -58,6 +58,10 @@ class Spec(msgspec.Struct, kw_only=True):
     max_request_pages: int = 5
     progress: bool = False  # decode prints a JSON progress line per finished request
     backend_options: dict[str, str] = {}  # SessionConfig.backend_options
+    # "cuda": every buffer is a torch CUDA tensor (rank r on GPU r % count), except decode's
+    # DeepSeek-V4 C4 host rows, which stay in host memory as in HiSparse.
+    device: str = "cpu"
+    gpu_fast_path: bool = True  # SessionConfig.gpu_fast_path
 
 
 PAGE, RATIO = 8, 4
@@ -92,6 +96,7 @@ class Buffers:
 
     def __init__(self, spec: Spec, rank: int, tp: int, layers: set[int] | None, side: str, zero: bool) -> None:
         self.arrays: dict[str, np.ndarray] = {}
+        self.tensors: dict[str, Any] = {}  # device copies of arrays (spec.device == "cuda")
         # How each buffer's global tensor is cut for a rank: (axis, index array) or None (replicated).
         self.cuts: dict[str, tuple[int, np.ndarray] | None] = {}
         heads = _units(KV_HEADS, rank, tp)
@@ -102,6 +107,11 @@ class Buffers:
             local = g if cut is None else np.take(g, cut[1], axis=cut[0])
             arr = np.zeros_like(local) if zero else np.ascontiguousarray(local)
             self.arrays[name], self.cuts[name] = arr, cut
+            if spec.device == "cuda" and not name.startswith("c4.decode."):
+                import torch
+
+                self.tensors[name] = torch.from_numpy(arr).to(f"cuda:{rank % torch.cuda.device_count()}")
+                return self.tensors[name]
             return arr
 
         def kv_shape(pages: int) -> tuple[int, ...]:
@@ -151,6 +161,12 @@ class Buffers:
             self.pools.append(MetadataPool(buffers=[buf("meta", (ROWS, 16), None)]))
 
 
+    def fetch(self) -> None:
+        """Copy device buffers back into :attr:`arrays` (for checking)."""
+        for name, t in self.tensors.items():
+            self.arrays[name][...] = t.cpu().numpy()
+
+
 # -- requests -------------------------------------------------------------------------------------
 class Request(msgspec.Struct):
     room: int
@@ -193,7 +209,7 @@ def requests(spec: Spec) -> list[Request]:
 def config(spec: Spec) -> SessionConfig:
     return SessionConfig(bootstrap_timeout=30, waiting_timeout=spec.timeout, transfer_timeout=30,
                          heartbeat_interval=0.3, heartbeat_timeout=5, strict_index_lengths=spec.strict,
-                         backend_options=dict(spec.backend_options))
+                         backend_options=dict(spec.backend_options), gpu_fast_path=spec.gpu_fast_path)
 
 
 def stage_layers(stage: int, pp: int) -> set[int] | None:
@@ -290,6 +306,8 @@ def run_decode(spec: Spec, bootstrap: str) -> int:
             if spec.progress:
                 print(json.dumps({"progress": i + 1, "of": len(reqs), "ok": recvs[0].poll() == Poll.SUCCESS}), flush=True)
         result["seconds"] = time.monotonic() - t_start
+        for b, _ in ranks:
+            b.fetch()
         ok = [q for q in reqs if all(s == "SUCCESS" for s, _ in result["rooms"][str(q.room)])]
         failed = [q for q in reqs if q not in ok]
         for rank, (b, _) in enumerate(ranks):

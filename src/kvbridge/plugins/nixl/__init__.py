@@ -1,7 +1,8 @@
 """NIXL transport (UCX backend): one-sided WRITEs from prefill into decode memory.
 
-Registration only: :mod:`.backend` imports NIXL (``nixl_cu12``) when ``nixl``
-is selected, and shares :data:`CAPABILITIES` with this registration.
+Registration only: :mod:`.backend` imports NIXL (``nixl_cu12`` or ``nixl_cu13``,
+the one matching torch's CUDA) when ``nixl`` is selected, and shares
+:data:`CAPABILITIES` with this registration.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ OPTIONS = (
                help="descs builds descriptor lists per write; prepped indexes page tables prepared at handshake"),
 )
 
-# Host memory only: NIXL moves VRAM too, untested here. No descriptor limit was hit up
+# Host and GPU memory (VRAM regions register as NIXL "VRAM" with their device id; a write
+# mixing kinds posts one request per kind pair). No descriptor limit was hit up
 # to 262144 descriptors in one request (docs/engines.md, NIXL). A request's CMA copy runs
 # inside the post, so core cuts writes into 64 MiB requests and checks the deadline
 # between them (measured in .backend).
-CAPABILITIES = BackendCapabilities(memory_kinds=("dram",), max_bytes_per_batch=64 << 20)
+CAPABILITIES = BackendCapabilities(memory_kinds=("dram", "vram"), max_bytes_per_batch=64 << 20)
 
 
 @hookimpl
 def kvbridge_register_backends() -> list[BackendSpec]:
     return [BackendSpec(name="nixl", factory="kvbridge.plugins.nixl.backend:NixlBackend",
-                        capabilities=CAPABILITIES, options=OPTIONS, requires=("nixl_cu12",), extra="nixl",
+                        capabilities=CAPABILITIES, options=OPTIONS, requires=("nixl_cu12|nixl_cu13",), extra="nixl",
                         description="NVIDIA NIXL, UCX backend; one-sided WRITEs (CMA/TCP on hosts, RDMA/NVLink elsewhere)")]

@@ -112,6 +112,7 @@ above).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -134,7 +135,7 @@ from kvbridge.core.records import BackendCapabilities
 from . import CAPABILITIES
 
 if TYPE_CHECKING:
-    from nixl_cu12 import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
+    from nixl_cu12 import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle  # or nixl_cu13: same API
 
 __all__ = ["NixlBackend", "PageTable"]
 
@@ -166,9 +167,22 @@ def _quiet_nixl_logger() -> None:
     logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
+def engine_module() -> str:
+    """``nixl_cu12`` or ``nixl_cu13``: the wheel matching torch's CUDA major, else whichever is installed."""
+    names = [n for n in ("nixl_cu12", "nixl_cu13") if importlib.util.find_spec(n) is not None]
+    try:
+        import torch
+
+        cuda = torch.version.cuda or ""
+    except ImportError:
+        cuda = ""
+    wanted = f"nixl_cu{cuda.split('.')[0]}" if cuda else ""
+    return wanted if wanted in names else (names[0] if names else "nixl_cu12")
+
+
 def _nixl_errors() -> tuple[type[BaseException], ...]:
     """NIXL's exception classes (they share no base class beyond ``Exception``)."""
-    bindings = importlib.import_module("nixl_cu12._bindings")
+    bindings = importlib.import_module(f"{engine_module()}._bindings")
     return tuple(
         v for k, v in vars(bindings).items()
         if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type) and issubclass(v, BaseException)
@@ -183,7 +197,8 @@ def _make_agent(name: str, progress_delay_us: int, backend_params: dict[str, str
     call the binding's ``nixlAgent`` is wrapped to override the delay, then
     restored. The lock keeps concurrent constructions in kvbridge apart.
     """
-    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    engine = importlib.import_module(engine_module())
+    nixl_agent, nixl_agent_config, nixl_thread_sync_t = engine.nixl_agent, engine.nixl_agent_config, engine.nixl_thread_sync_t
 
     bindings = sys.modules[nixl_agent.__module__].nixlBind
     config = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
@@ -254,11 +269,35 @@ def _expand(first: npt.NDArray[np.int64], pages: npt.NDArray[np.int64]) -> npt.N
     return (np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(first - (ends - pages), pages)).astype(np.int32)
 
 
+class _Kinds:
+    """Which memory (NIXL's "DRAM"/"VRAM") and device each address of one side's regions is in."""
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        ordered = sorted(regions, key=lambda r: r.addr)
+        self.starts = np.array([r.addr for r in ordered], np.int64)
+        self.vram = np.array([r.mem == "vram" for r in ordered], bool)
+        self.device = np.array([r.device for r in ordered], np.uint64)
+        self.uniform = bool(self.vram.all() or not self.vram.any())
+
+    def of(self, addr: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.uint64]]:
+        """Per address: in GPU memory?, device id (addresses are inside regions: core checked)."""
+        pos = np.maximum(np.searchsorted(self.starts, addr, side="right") - 1, 0)
+        return self.vram[pos], self.device[pos]
+
+
+def _mem(vram: bool) -> str:
+    return "VRAM" if vram else "DRAM"
+
+
+_Side = tuple[bool, npt.NDArray[np.uint64]]  # (GPU memory?, device id per descriptor)
+
+
 @dataclass
 class _Peer:
     name: str  # kvbridge's peer id
     agent: str  # the NIXL agent name add_remote_agent returned
-    table: PageTable | None  # None when the peer registered no regions
+    table: PageTable | None  # None when the peer registered no regions, or they mix memory kinds
+    kinds: _Kinds
     writes: int = 0  # writes in progress (guarded by the backend's lock)
     retired: bool = False  # removed while a write was in progress; released by the last write
     forget_agent: bool = True  # whether retiring also unloads the remote agent
@@ -292,7 +331,8 @@ class NixlBackend(Backend):
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._registered: list[Region] = []
-        self._reg_descs: Any = None
+        self._reg_descs: list[Any] = []
+        self._kinds = _Kinds(())
         self._local: PageTable | None = None
         self._stuck: list[nixl_xfer_handle] = []  # requests NIXL refused to cancel at a deadline
         log.debug("nixl agent %s up: progress delay %d us, UCX %s, xfer mode %s",
@@ -304,20 +344,27 @@ class NixlBackend(Backend):
             raise TransferError("nixl backend is closed")
         return self._agent
 
-    def _prep(self, agent_name: str, regions: Sequence[Region]) -> PageTable:
+    def _prep(self, agent_name: str, regions: Sequence[Region]) -> PageTable | None:
+        """The prepared page table of ``regions``, or None if they mix memory kinds (``descs`` mode then)."""
+        if not regions or not _Kinds(regions).uniform:
+            return None
         agent = self._live_agent()
         rows, index = PageTable.rows(regions)
-        handle = agent.prep_xfer_dlist(agent_name, rows, "DRAM")
+        handle = agent.prep_xfer_dlist(agent_name, rows, _mem(regions[0].mem == "vram"))
         return PageTable(handle=handle, **index)
 
     def register(self, regions: Sequence[Region]) -> None:
-        """Register every region with the agent and prepare the local page table."""
+        """Register every region with the agent (per memory kind) and prepare the local page table."""
         agent = self._live_agent()
+        self._kinds = _Kinds(regions)
         if not regions:
             return
-        rows = np.array([[r.addr, r.nbytes, 0] for r in regions], np.uint64)
         try:
-            self._reg_descs = agent.register_memory(rows, "DRAM")
+            for vram in (False, True):
+                mine = [r for r in regions if (r.mem == "vram") == vram]
+                if mine:
+                    rows = np.array([[r.addr, r.nbytes, r.device] for r in mine], np.uint64)
+                    self._reg_descs.append(agent.register_memory(rows, _mem(vram)))
             self._local = self._prep("NIXL_INIT_AGENT", regions)
         except self._errors as exc:
             names = ", ".join(f"{r.name!r} ({r.nbytes} B at {r.addr:#x})" for r in regions)
@@ -341,7 +388,7 @@ class NixlBackend(Backend):
         # NIXL returns the name as bytes (b"decode-..."); it accepts str everywhere.
         agent_name = loaded.decode(errors="replace") if isinstance(loaded, bytes) else str(loaded)
         try:
-            table = self._prep(agent_name, regions) if regions else None
+            table = self._prep(agent_name, regions)
         except self._errors as exc:
             with self._lock:
                 in_use = any(p.agent == agent_name for p in self._peers.values())
@@ -353,7 +400,7 @@ class NixlBackend(Backend):
             ) from exc
         with self._lock:
             old = self._peers.pop(peer, None)
-            self._peers[peer] = _Peer(peer, agent_name, table)
+            self._peers[peer] = _Peer(peer, agent_name, table, _Kinds(regions))
         if old is not None:
             self._retire(old, forget_agent=old.agent != agent_name)
 
@@ -416,7 +463,7 @@ class NixlBackend(Backend):
             return None
         return _expand(src[0], src[1]), _expand(dst[0], dst[1])
 
-    def _request(self, p: _Peer, plan: TransferPlan) -> nixl_xfer_handle:
+    def _request(self, p: _Peer, plan: TransferPlan, src: _Side, dst: _Side) -> nixl_xfer_handle:
         agent = self._live_agent()
         if self.xfer_mode == "prepped":
             indices = self._page_indices(p, plan)
@@ -427,8 +474,9 @@ class NixlBackend(Backend):
         local, remote = np.zeros((n, 3), np.uint64), np.zeros((n, 3), np.uint64)
         local[:, 0], remote[:, 0] = plan.src_addr, plan.dst_addr
         local[:, 1] = remote[:, 1] = plan.nbytes
+        local[:, 2], remote[:, 2] = src[1], dst[1]
         return agent.initialize_xfer(
-            "WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), p.agent
+            "WRITE", agent.get_xfer_descs(local, _mem(src[0])), agent.get_xfer_descs(remote, _mem(dst[0])), p.agent
         )
 
     def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
@@ -436,35 +484,47 @@ class NixlBackend(Backend):
 
         The post itself may overrun the deadline by the time its CMA copy takes.
         """
-        agent = self._live_agent()
+        self._live_agent()
         with self._using(peer) as p:
-            what = f"{len(batch)} descriptors, {batch.total_bytes} B"
-            t0 = time.monotonic()
-            handle = None
-            try:
-                handle = self._request(p, batch)
-                state = self._wait(agent, handle, agent.transfer(handle), deadline)
-            except self._errors as exc:
-                if handle is not None:
-                    self._release(handle)
-                raise TransferError(
-                    f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) failed: {type(exc).__name__}: {exc}. "
-                    + _hint(type(exc).__name__)
-                ) from exc
-            released = self._release(handle)
-            if state == "PROC":
-                raise TransferTimeout(
-                    f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) did not complete by its deadline "
-                    f"({time.monotonic() - t0:.3f} s after it was posted); the request was "
-                    + ("cancelled" if released else "not cancellable and is kept until close")
-                    + "; bytes may have partly landed"
-                )
-            if state != "DONE":
-                raise TransferError(
-                    f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) ended in state {state!r}; "
-                    "bytes may have partly landed"
-                )
-            log.debug("nixl: wrote %s to %r in %.6f s", what, peer, time.monotonic() - t0)
+            # A NIXL descriptor list holds one memory kind: one request per (source, destination) kind.
+            src_vram, src_dev = self._kinds.of(batch.src_addr)
+            dst_vram, dst_dev = p.kinds.of(batch.dst_addr)
+            for sv, dv in {(bool(a), bool(b)) for a, b in zip(*np.unique(np.stack([src_vram, dst_vram]), axis=1))}:
+                pick = (src_vram == sv) & (dst_vram == dv)
+                sub = batch if pick.all() else TransferPlan(batch.src_addr[pick], batch.dst_addr[pick], batch.nbytes[pick])
+                self._post(p, sub, (sv, src_dev[pick]), (dv, dst_dev[pick]), deadline)
+
+    def _post(self, p: _Peer, batch: TransferPlan, src: _Side, dst: _Side, deadline: float) -> None:
+        """One WRITE request: create, post, poll until DONE, ERR or ``deadline``, release."""
+        agent = self._live_agent()
+        peer = p.name
+        what = f"{len(batch)} descriptors, {batch.total_bytes} B"
+        t0 = time.monotonic()
+        handle = None
+        try:
+            handle = self._request(p, batch, src, dst)
+            state = self._wait(agent, handle, agent.transfer(handle), deadline)
+        except self._errors as exc:
+            if handle is not None:
+                self._release(handle)
+            raise TransferError(
+                f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) failed: {type(exc).__name__}: {exc}. "
+                + _hint(type(exc).__name__)
+            ) from exc
+        released = self._release(handle)
+        if state == "PROC":
+            raise TransferTimeout(
+                f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) did not complete by its deadline "
+                f"({time.monotonic() - t0:.3f} s after it was posted); the request was "
+                + ("cancelled" if released else "not cancellable and is kept until close")
+                + "; bytes may have partly landed"
+            )
+        if state != "DONE":
+            raise TransferError(
+                f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) ended in state {state!r}; "
+                "bytes may have partly landed"
+            )
+        log.debug("nixl: wrote %s to %r in %.6f s", what, peer, time.monotonic() - t0)
 
     @staticmethod
     def _wait(agent: nixl_agent, handle: nixl_xfer_handle, state: str, deadline: float) -> str:
@@ -509,9 +569,9 @@ class NixlBackend(Backend):
         if self._local is not None:
             self._quietly(self._local.handle.release, "releasing the local page table")
             self._local = None
-        if self._reg_descs is not None:
-            self._quietly(lambda: agent.deregister_memory(self._reg_descs), "deregistering memory")
-            self._reg_descs = None
+        for descs in self._reg_descs:
+            self._quietly(lambda d=descs, a=agent: a.deregister_memory(d), "deregistering memory")
+        self._reg_descs = []
         self._registered.clear()
         self._agent = None
         del agent  # the agent's destructor stops its progress thread

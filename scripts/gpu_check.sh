@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU test and benchmark set, for a CUDA machine without a package index.
+#
+# Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
+# nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
+# Writes gpu-tests.log, bench.txt and bench.json to $OUT (default ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_MODULES=${UCX_MODULES:-^ib}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvb-site .whl/*.whl \
+    || { echo "gpu_check: installing the carried wheels failed" >&2; exit 1; }
+  export PYTHONPATH=/tmp/kvb-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
+python3 -c "import sys, torch, triton, kvbridge; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'kvbridge', kvbridge.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
+python3 -m kvbridge.cli plugins | tee -a "$OUT/machine.txt"
+rc=0
+python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py "tests/test_conformance.py::TestNixl::test_gpu_memory_pages_arrive_byte_exact" \
+  2>&1 | tee "$OUT/gpu-tests.log" || rc=1
+python3 -m kvbridge.cli bench transfer --device cuda --json "$@" > "$OUT/bench.json" 2> "$OUT/bench.txt" || rc=1
+tail -30 "$OUT/bench.txt"
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  python3 -m kvbridge.cli bench transfer --device cuda --decode-gpu 1 --page-kib 16 64 --total-mib 1024 --json \
+    > "$OUT/bench-2gpu.json" 2> "$OUT/bench-2gpu.txt" || rc=1
+fi
+exit $rc

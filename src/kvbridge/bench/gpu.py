@@ -1,0 +1,249 @@
+"""GPU memory, VRAM -> VRAM between two processes: kvbridge's fast path, its plain path, raw NIXL, torch D2D.
+
+``kvbridge bench transfer --device cuda``. Prefill runs in this process, decode
+in a child process, both on GPU 0 (or decode on GPU 1 with ``--decode-gpu 1``
+where two are visible). For every page size and request size, pages are
+moved scattered (a random permutation: nothing coalesces) and contiguous,
+four ways measured in the same run:
+
+- **fast path**: a PrefillManager with ``gpu_fast_path`` on: CUDA IPC and one
+  Triton kernel per write (:mod:`kvbridge.core.gpu`);
+- **plain**: a second PrefillManager with it off: the same descriptors through
+  the backend (NIXL), one descriptor per page;
+- **raw NIXL**: the same descriptor lists through NIXL's own calls, request
+  prepared outside the timed loop (:mod:`kvbridge.bench.raw_nixl`);
+- **D2D**: ``torch`` copying the same number of bytes inside this process.
+
+kvbridge's columns are transfer time (the writes of the request, from core's
+metrics: planning and the control plane excluded; the request's end-to-end
+latency is reported beside). Decode checks every destination byte of every
+case against the source pattern with torch indexing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from kvbridge.core import metrics
+from kvbridge.core.bootstrap import BootstrapServer
+from kvbridge.core.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+
+CONFIG = SessionConfig(transfer_timeout=300, waiting_timeout=600, heartbeat_timeout=60, heartbeat_interval=1)
+
+
+def cases(page_kib: list[int], total_mib: list[int]) -> list[tuple[int, int, str]]:
+    return [(p << 10, t << 20, how) for t in total_mib for p in page_kib for how in ("scattered", "contiguous")
+            if (t << 20) // (p << 10) >= 1]
+
+
+def pools(page_kib: list[int], total_mib: list[int], device: int, fill: bool) -> tuple[KVArgs, dict[int, Any]]:
+    """One GPU region per page size, as large as the largest request; index space ``p<KiB>``."""
+    import torch
+
+    size = max(total_mib) << 20
+    tensors, regions, spaces = {}, [], []
+    for i, kib in enumerate(page_kib):
+        page = kib << 10
+        t = torch.zeros(size // 8, dtype=torch.int64, device=f"cuda:{device}")
+        if fill:  # word w of page p holds p * 2**20 + w (+ i * 2**40): every byte says where it belongs
+            words = page // 8
+            t.copy_(torch.arange(size // 8, device=t.device) % words + (torch.arange(size // 8, device=t.device)
+                                                                          // words) * 2**20 + i * 2**40)
+        tensors[page] = t
+        regions.append(Region(name=f"p{kib}k", addr=t.data_ptr(), nbytes=size, stride=page, role="kv",
+                              index_space=f"p{kib}", layer=i, mem="vram", device=device))
+        spaces.append(IndexSpace(f"p{kib}", size // page))
+    return KVArgs(regions=tuple(regions), index_spaces=tuple(spaces), dtype="int64", page_size=1), tensors
+
+
+def pages_of(page: int, total: int, how: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    n = total // page
+    src = np.arange(n)
+    dst = np.random.default_rng(seed).permutation(n) if how == "scattered" else np.arange(n)
+    return src, dst
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    import torch
+
+    kvargs, tensors = pools(args.page_kib, args.total_mib, args.decode_gpu, fill=False)
+    mgr = DecodeManager(kvargs, args.transfer_backend, config=CONFIG)
+    ok = True
+    try:
+        room = 0
+        for c, (page, total, how) in enumerate(cases(args.page_kib, args.total_mib)):
+            src, dst = pages_of(page, total, how, c)
+            space = f"p{page >> 10}"
+            for address in args.decode.split(","):  # the fast and the plain prefill, in turn
+                for _ in range(args.reps + 1):
+                    room += 1
+                    recv = Receiver(mgr, room, bootstrap=address)
+                    recv.init([], state_indices={space: dst})
+                    deadline = time.monotonic() + 600
+                    while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
+                        time.sleep(0.0002)
+                    ok &= recv.poll() == Poll.SUCCESS
+            words = page // 8
+            got = tensors[page].view(-1, words)[torch.as_tensor(dst, device=tensors[page].device)]
+            i = args.page_kib.index(page >> 10)
+            want = (torch.arange(words, device=got.device)[None, :]
+                    + torch.as_tensor(src, device=got.device)[:, None] * 2**20 + i * 2**40)
+            verified = bool(torch.equal(got, want))
+            print(json.dumps({"case": c, "verified": verified and ok}), flush=True)
+        sys.stdin.readline()
+    finally:
+        mgr.close()
+    return 0
+
+
+def _transfer_seconds(backend: str) -> float:
+    snap = metrics.snapshot()["backends"].get(backend, {})
+    return float(snap.get("transfer_seconds", {}).get("sum", 0.0))
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from kvbridge.bench.raw_nixl import raw
+
+    kvargs, tensors = pools(args.page_kib, args.total_mib, 0, fill=True)
+    servers = [BootstrapServer("127.0.0.1"), BootstrapServer("127.0.0.1")]
+    managers = {
+        "fast": PrefillManager(kvargs, args.transfer_backend, bootstrap=servers[0].address, config=CONFIG),
+        "plain": PrefillManager(kvargs, args.transfer_backend, bootstrap=servers[1].address,
+                                config=SessionConfig(**{**CONFIG.__dict__, "gpu_fast_path": False})),
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.bench.gpu", "--decode", ",".join(s.address for s in servers),
+         "--transfer-backend", args.transfer_backend, "--reps", str(args.reps), "--decode-gpu", str(args.decode_gpu),
+         "--page-kib", *map(str, args.page_kib), "--total-mib", *map(str, args.total_mib)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rows = []
+    room = 0
+    try:
+        for c, (page, total, how) in enumerate(cases(args.page_kib, args.total_mib)):
+            src, dst = pages_of(page, total, how, c)
+            space = f"p{page >> 10}"
+            row: dict[str, Any] = {"page_bytes": page, "request_bytes": total, "pattern": how}
+            for path, mgr in managers.items():
+                times, latencies = [], []
+                for rep in range(args.reps + 1):
+                    room += 1
+                    sender = Sender(mgr, room)
+                    _wait(sender, Poll.WAITING_FOR_INPUT)
+                    metrics.reset()
+                    t0 = time.perf_counter()
+                    sender.send([], state_indices={space: src}, last=True)
+                    _wait(sender, Poll.SUCCESS)
+                    latency = time.perf_counter() - t0
+                    if sender.poll() != Poll.SUCCESS:
+                        raise RuntimeError(f"{path} page {page} {how}: {sender.failure()}")
+                    if rep:  # rep 0 warms up (connections, kernel compilation)
+                        times.append(_transfer_seconds(mgr.backend_name))
+                        latencies.append(latency)
+                row[f"{path}_GBps"] = total / statistics.median(times) / 1e9
+                row[f"{path}_latency_ms"] = statistics.median(latencies) * 1e3
+            # Raw NIXL: the plain manager's plan, through NIXL's calls (one request, re-posted).
+            plain = managers["plain"]
+            (peer,) = plain.peers()
+            plan = peer.route.plan({space: src}, {space: dst})
+            row["descriptors"] = len(plan)
+            if args.transfer_backend == "nixl":
+                go = raw(plain, plan, mem="VRAM", device=0)
+                go()
+                raw_times = []
+                for _ in range(args.reps):
+                    t0 = time.perf_counter()
+                    go()
+                    raw_times.append(time.perf_counter() - t0)
+                row["raw_nixl_GBps"] = total / statistics.median(raw_times) / 1e9
+            a, b = tensors[page][: total // 8], torch.empty(total // 8, dtype=torch.int64, device="cuda:0")
+            d2d = []
+            for _ in range(args.reps + 1):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                b.copy_(a)
+                torch.cuda.synchronize()
+                d2d.append(time.perf_counter() - t0)
+            row["d2d_GBps"] = total / statistics.median(d2d[1:]) / 1e9
+            row["fast_vs_d2d"] = row["fast_GBps"] / row["d2d_GBps"]
+            row["verified"] = json.loads(child.stdout.readline())["verified"]  # type: ignore[union-attr]
+            rows.append(row)
+            print(format_row(row), file=sys.stderr, flush=True)
+    finally:
+        if child.stdin:
+            child.stdin.write("done\n")
+            child.stdin.close()
+        try:
+            child.wait(120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        for m in managers.values():
+            m.close()
+        for s in servers:
+            s.close()
+    return rows
+
+
+def _wait(sender: Sender, state: Poll, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while sender.poll() < state and sender.poll() != Poll.FAILED and time.monotonic() < deadline:
+        time.sleep(0.0002)
+
+
+HEAD = (f"{'page':>7} {'request':>8} {'pattern':<10} {'desc':>7} {'fast GB/s':>10} {'plain GB/s':>10} "
+        f"{'raw NIXL':>9} {'D2D GB/s':>9} {'fast/D2D':>8} {'fast ms':>8} {'ok':>3}")
+
+
+def format_row(r: dict[str, Any]) -> str:
+    raw = f"{r['raw_nixl_GBps']:>9.1f}" if "raw_nixl_GBps" in r else f"{'-':>9}"
+    return (f"{r['page_bytes'] >> 10:>6}K {r['request_bytes'] >> 20:>6}Mi {r['pattern']:<10} {r['descriptors']:>7} "
+            f"{r['fast_GBps']:>10.1f} {r['plain_GBps']:>10.1f} {raw} {r['d2d_GBps']:>9.1f} {r['fast_vs_d2d']:>8.2f} "
+            f"{r['fast_latency_ms']:>8.2f} {'yes' if r['verified'] else 'NO':>3}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transfer-backend", default="nixl", help="backend of the plain path (default: nixl)")
+    parser.add_argument("--page-kib", type=int, nargs="+", default=[4, 16, 64, 256, 1024], help="page sizes in KiB")
+    parser.add_argument("--total-mib", type=int, nargs="+", default=[64, 1024], help="request sizes in MiB")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per case (median; default 3)")
+    parser.add_argument("--decode-gpu", type=int, default=0, help="GPU of the decode process (default 0)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--decode", help=argparse.SUPPRESS)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}.items():
+        os.environ.setdefault(key, value)
+    if args.decode:
+        return run_decode(args)
+    rows = run(args)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print("VRAM -> VRAM between two processes; GB/s = 1e9 bytes/s; median of", args.reps)
+        print(HEAD)
+        for r in rows:
+            print(format_row(r))
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
