@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from kvbridge.bench.raw_nixl import raw
+    from kvbridge.bench.transfer import finish_child, wait_for
 
     kvargs, tensors = pools(args.page_kib, args.total_mib, 0, fill=True)
     servers = [BootstrapServer("127.0.0.1"), BootstrapServer("127.0.0.1")]
@@ -140,11 +141,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for rep in range(args.reps + 1):
                     room += 1
                     sender = Sender(mgr, room)
-                    _wait(sender, Poll.WAITING_FOR_INPUT)
+                    wait_for(sender, Poll.WAITING_FOR_INPUT)
                     metrics.reset()
                     t0 = time.perf_counter()
                     sender.send([], state_indices={space: src}, last=True)
-                    _wait(sender, Poll.SUCCESS)
+                    wait_for(sender, Poll.SUCCESS)
                     latency = time.perf_counter() - t0
                     if sender.poll() != Poll.SUCCESS:
                         raise RuntimeError(f"{path} page {page} {how}: {sender.failure()}")
@@ -181,24 +182,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(row)
             print(format_row(row), file=sys.stderr, flush=True)
     finally:
-        if child.stdin:
-            child.stdin.write("done\n")
-            child.stdin.close()
-        try:
-            child.wait(120)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        finish_child(child)
         for m in managers.values():
             m.close()
         for s in servers:
             s.close()
     return rows
-
-
-def _wait(sender: Sender, state: Poll, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while sender.poll() < state and sender.poll() != Poll.FAILED and time.monotonic() < deadline:
-        time.sleep(0.0002)
 
 
 HEAD = (f"{'page':>7} {'request':>8} {'pattern':<10} {'desc':>7} {'fast GB/s':>10} {'plain GB/s':>10} "

@@ -174,10 +174,10 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
             # kvbridge, raw engine and memcpy alternate so noise hits all three alike.
             for rep in range(reps + 1):
                 sender = Sender(mgr, 1000 * c + rep + 1, metadata_row=0)
-                _wait(sender, Poll.WAITING_FOR_INPUT)
+                wait_for(sender, Poll.WAITING_FOR_INPUT)
                 t0 = time.perf_counter()
                 sender.send(src, last=True)
-                _wait(sender, Poll.SUCCESS)
+                wait_for(sender, Poll.SUCCESS)
                 elapsed = time.perf_counter() - t0
                 if sender.poll() != Poll.SUCCESS:
                     raise RuntimeError(f"{name}: {sender.failure()}")
@@ -212,22 +212,28 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
             row["kvbridge_vs_raw"] = row["kvbridge_gbps"] / row["raw_engine_gbps"] if raw_times else None
             results.append(row)
     finally:
-        if child.stdin:
-            child.stdin.write("done\n")
-            child.stdin.close()
-        try:
-            child.wait(60)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        finish_child(child)
         mgr.close()
         server.close()
     return results
 
 
-def _wait(sender: Sender, state: Poll, timeout: float = 300) -> None:
+def wait_for(sender: Sender, state: Poll, timeout: float = 600) -> None:
+    """Poll ``sender`` until it reaches ``state`` (or fails), at most ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while sender.poll() < state and sender.poll() != Poll.FAILED and time.monotonic() < deadline:
-        time.sleep(0.0005)
+        time.sleep(0.0002)
+
+
+def finish_child(child: subprocess.Popen[str], timeout: float = 120) -> None:
+    """Tell the decode child (waiting on stdin) to close, then reap it."""
+    if child.stdin:
+        child.stdin.write("done\n")
+        child.stdin.close()
+    try:
+        child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
 
 
 def format_table(results: list[dict[str, Any]]) -> str:

@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from .layout import Region
 
-__all__ = ["GpuPeer", "available", "copy", "element_width", "execute_on_host", "local_metadata", "open_peer", "work_items"]
+__all__ = ["GpuPeer", "available", "boot_id", "copy", "element_width", "execute_on_host", "local_metadata", "open_peer", "work_items"]
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,8 @@ def _on_device(device: int) -> None:
     torch.cuda.set_device(device)  # makes the device's primary context current in this thread
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
+    """This host's boot id: two processes see the same one only on the same host (and boot)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -169,7 +170,7 @@ def local_metadata(regions: Sequence[Region]) -> bytes:
             return b""
         # string_at, not handle.reserved: a c_char field stops at the first NUL byte.
         allocs[base.value] = _Alloc(r.device, base.value, size.value, ctypes.string_at(ctypes.addressof(handle), 64))
-    return msgspec.msgpack.encode(_Meta(_boot_id(), os.getpid(), list(allocs.values())))
+    return msgspec.msgpack.encode(_Meta(boot_id(), os.getpid(), list(allocs.values())))
 
 
 class GpuPeer:
@@ -191,7 +192,7 @@ def open_peer(metadata: bytes) -> GpuPeer | None:
     if not metadata or not available():
         return None
     meta = msgspec.msgpack.decode(metadata, type=_Meta)
-    if meta.boot_id != _boot_id():
+    if meta.boot_id != boot_id():
         return None
     lib = _driver()
     starts, ends, delta = [], [], []

@@ -28,6 +28,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.core.backend import Backend, BackendConfig, TransferError
+from kvbridge.core.gpu import boot_id
 from kvbridge.core.hookspecs import hookimpl
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
@@ -65,14 +66,6 @@ _writev.restype = ctypes.c_ssize_t
 _writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
-
-
 def start_time(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot), or None if there is none."""
     try:
@@ -108,14 +101,14 @@ class MemoryBackend(Backend):
 
     def metadata(self) -> bytes:
         pid = os.getpid()
-        return _encode(_Meta(_boot_id(), pid, start_time(pid) or 0, self._regions))
+        return _encode(_Meta(boot_id(), pid, start_time(pid) or 0, self._regions))
 
     def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
         try:
             meta = _decode(metadata)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise TransferError(f"memory: peer {peer!r} sent metadata ({len(metadata)} B) that is not a memory backend's: {exc}") from None
-        if meta.boot_id != _boot_id():
+        if meta.boot_id != boot_id():
             raise TransferError(f"memory: peer {peer!r} runs on another host; this backend moves bytes within one host only")
         if start_time(meta.pid) != meta.start_time:
             raise TransferError(f"memory: peer {peer!r} (pid {meta.pid}) is no longer running")
