@@ -102,7 +102,7 @@ def test_third_party_plugin_is_listed_with_its_distribution_and_capabilities(sit
     assert rows["needs-engine"]["available"] is False
     ring = rows["ring"]
     assert ring["kind"] == "state_handler" and ring["capabilities"] == {
-        "index_spaces": ["slot"], "hetero_tp": "", "layouts": [], "draft": True, "host_destination": False}
+        "index_spaces": ["slot"], "hetero_tp": "", "layouts": [], "draft": True, "host_destination": False, "roles": []}
     assert ring["distribution"] == "goodplug"
 
 
