@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import ui
 from kvbridge.core.plan import coalesce_runs, plan_pages
 
 
@@ -81,7 +82,8 @@ def _median_ms(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(reps: int = 5, cases: tuple[Case, ...] = CASES) -> list[dict[str, Any]]:
+def run(reps: int = 5, cases: tuple[Case, ...] = CASES, tracker: ui.Tracker | None = None) -> list[dict[str, Any]]:
+    """One result per case; ``tracker`` advances by one as each case ends."""
     results = []
     for case in cases:
         args = make_inputs(case)
@@ -106,36 +108,39 @@ def run(reps: int = 5, cases: tuple[Case, ...] = CASES) -> list[dict[str, Any]]:
                 "speedup": ref_ms / kv_ms,
             }
         )
+        if tracker is not None:
+            tracker.advance()
     return results
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
-    head = f"{'case':<44} {'descriptors':>12} {'kvbridge ms':>12} {'py-loop ms':>11} {'speedup':>8}"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        lines.append(
-            f"{r['case']:<44} {r['descriptors']:>12,} {r['kvbridge_ms']:>12.3f} "
-            f"{r['python_loop_ms']:>11.3f} {r['speedup']:>7.1f}x"
-        )
-    return "\n".join(lines)
+def format_table(results: list[dict[str, Any]]) -> Any:
+    """The results as a :func:`kvbridge.ui.table`."""
+    return ui.table(
+        ["case", "descriptors", "kvbridge ms", "py-loop ms", "speedup"],
+        [(r["case"], r["descriptors"], f"{r['kvbridge_ms']:.3f}", f"{r['python_loop_ms']:.3f}", f"{r['speedup']:.1f}x")
+         for r in results],
+        title="Plan building: median wall time per request (numpy planner vs per-layer Python loop)",
+        right=["descriptors", "kvbridge ms", "py-loop ms", "speedup"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvbridge bench plan", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvbridge bench plan", description=__doc__, formatter_class=ui.HelpFormatter)
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print results as JSON")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per case (min 5)")
+    parser.add_argument("--json", action="store_true", help="print results as JSON (times in milliseconds: *_ms)")
+    parser.add_argument("--reps", type=ui.int_at_least(5), default=5, metavar="N",
+                        help="timed repetitions per case, at least 5; cheap cases run at least 50")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    results = run(reps=max(5, args.reps))
+    with ui.progress(len(CASES), "cases", description="bench plan") as tracker:
+        results = run(reps=args.reps, cases=CASES, tracker=tracker)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        print("Plan building: median wall time per request (numpy planner vs per-layer Python loop)")
-        print(format_table(results))
-    return 0
+        ui.print_table(format_table(results))
+    return ui.EXIT_OK
