@@ -117,7 +117,7 @@ def test_listing_does_not_import_the_backend_engine(site, tmp_path_factory):
 
 def test_table_shows_missing_extra(site):
     good_dist(site)
-    out = run_kvbridge(site, "plugins", COLUMNS="120")
+    out = run_kvbridge(site, "plugins", COLUMNS="400")  # wide enough for one line per row
     line = next(l for l in out.stdout.splitlines() if l.startswith("needs-engine"))
     assert "needs kvbridge[nixl]" in line
 

@@ -3,9 +3,17 @@
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+
+from kvbridge.scaffold import _class_name
+
+# A name no installed plugin has, whatever else is installed here.
+NAME = f"scaffolded-{uuid.uuid4().hex[:8]}"
+PACKAGE = "kvbridge_" + NAME.replace("-", "_")
+BACKEND_CLASS = _class_name(NAME) + "Backend"
 
 
 def kvb(cwd: Path, *args: str, pythonpath: tuple[Path, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -16,9 +24,9 @@ def kvb(cwd: Path, *args: str, pythonpath: tuple[Path, ...] = ()) -> subprocess.
 
 def installed(project: Path, site: Path) -> tuple[Path, ...]:
     """What `pip install -e project` amounts to: its src on the path and a dist-info with its entry points."""
-    info = site / "kvbridge_my_link-0.1.0.dist-info"
+    info = site / f"{PACKAGE}-0.1.0.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvbridge-my-link\nVersion: 0.1.0\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kvbridge-{NAME}\nVersion: 0.1.0\n")
     pyproject = (project / "pyproject.toml").read_text()
     entry = pyproject.split("[project.entry-points.kvbridge]\n", 1)[1].split("\n", 1)[0]
     (info / "entry_points.txt").write_text(f"[kvbridge]\n{entry.replace(chr(34), '')}\n")  # TOML's quotes go
@@ -26,29 +34,29 @@ def installed(project: Path, site: Path) -> tuple[Path, ...]:
 
 
 def test_new_backend_writes_the_project_the_guide_describes(tmp_path):
-    out = kvb(tmp_path, "new-backend", "my-link")
+    out = kvb(tmp_path, "new-backend", NAME)
     assert out.returncode == 0, out.stderr
-    project = tmp_path / "kvbridge-my-link"
+    project = tmp_path / f"kvbridge-{NAME}"
     files = sorted(str(p.relative_to(project)) for p in project.rglob("*") if p.is_file())
-    assert files == ["README.md", "pyproject.toml", "src/kvbridge_my_link/__init__.py", "src/kvbridge_my_link/backend.py",
+    assert files == ["README.md", "pyproject.toml", f"src/{PACKAGE}/__init__.py", f"src/{PACKAGE}/backend.py",
                      "tests/test_conformance.py"]
     pyproject = (project / "pyproject.toml").read_text()
     assert '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"' in pyproject
-    assert '[project.entry-points.kvbridge]\nmy-link = "kvbridge_my_link"' in pyproject
+    assert f'[project.entry-points.kvbridge]\n{NAME} = "{PACKAGE}"' in pyproject
     for path in project.rglob("*.py"):
         compile(path.read_text(), str(path), "exec")
 
 
 def test_the_new_backend_is_listed_and_its_suite_fails_at_the_first_method_to_write(tmp_path):
-    assert kvb(tmp_path, "new-backend", "my-link", "--directory", "proj").returncode == 0
+    assert kvb(tmp_path, "new-backend", NAME, "--directory", "proj").returncode == 0
     path = installed(tmp_path / "proj", tmp_path / "site")
     listed = kvb(tmp_path, "plugins", "--json", pythonpath=path)
     assert listed.returncode == 0, listed.stderr
-    assert '"name": "my-link"' in listed.stdout and '"distribution": "kvbridge-my-link"' in listed.stdout
-    out = kvb(tmp_path / "proj", "conformance", "my-link", "-q", "-k", "registration or lands_byte_exact", pythonpath=path)
+    assert f'"name": "{NAME}"' in listed.stdout and f'"distribution": "kvbridge-{NAME}"' in listed.stdout
+    out = kvb(tmp_path / "proj", "conformance", NAME, "-q", "-k", "registration or lands_byte_exact", pythonpath=path)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "1 passed" in out.stdout  # the registration and the class agree from the start
-    assert "NotImplementedError: MyLinkBackend.register: register each region's memory with the engine" in out.stdout
+    assert f"NotImplementedError: {BACKEND_CLASS}.register: register each region's memory with the engine" in out.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -62,8 +70,8 @@ def test_a_bad_or_taken_name_is_a_usage_error(tmp_path, args, message):
 
 
 def test_it_never_writes_over_files(tmp_path):
-    (tmp_path / "kvbridge-my-link").mkdir()
-    (tmp_path / "kvbridge-my-link" / "mine.txt").write_text("keep")
-    out = kvb(tmp_path, "new-backend", "my-link")
-    assert out.returncode == 2 and "kvbridge-my-link already exists and is not an empty directory" in out.stderr
-    assert [p.name for p in (tmp_path / "kvbridge-my-link").iterdir()] == ["mine.txt"]
+    (tmp_path / f"kvbridge-{NAME}").mkdir()
+    (tmp_path / f"kvbridge-{NAME}" / "mine.txt").write_text("keep")
+    out = kvb(tmp_path, "new-backend", NAME)
+    assert out.returncode == 2 and f"kvbridge-{NAME} already exists and is not an empty directory" in out.stderr
+    assert [p.name for p in (tmp_path / f"kvbridge-{NAME}").iterdir()] == ["mine.txt"]
