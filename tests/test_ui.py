@@ -53,6 +53,16 @@ def test_progress_without_a_terminal_prints_a_line_per_quarter_with_an_eta():
     assert "ETA" in lines[0] and "ETA" not in lines[-1] and "1 failed" in lines[-1]
 
 
+def test_progress_without_a_terminal_also_prints_a_line_every_interval_of_a_long_quarter(monkeypatch):
+    out, now = io.StringIO(), [0.0]
+    monkeypatch.setattr(ui, "_clock", lambda: now[0])
+    with ui.progress(100, "pages", file=out) as bar:
+        for seconds in (4.0, 11.0, 12.0, 23.0):  # 1 % each: no quarter, but 11 s and 23 s are 10 s after a line
+            now[0] = seconds
+            bar.advance()
+    assert [line.split(",")[0] for line in out.getvalue().splitlines()] == ["2/100 pages", "4/100 pages"]
+
+
 def test_progress_on_a_terminal_is_a_bar_with_an_eta():
     class Terminal(io.StringIO):
         def isatty(self):

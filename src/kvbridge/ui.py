@@ -6,7 +6,8 @@ The conventions these implement are written down in ``docs/cli.md``:
   terminal; ``COLUMNS`` or 80 columns when stdout is not one) or, with
   ``--json``, as JSON whose keys carry their units;
 - progress goes to stderr through :func:`progress`, with the elapsed time and
-  an ETA: a bar on a terminal, a line at each quarter elsewhere (CI logs);
+  an ETA: a bar on a terminal, a line at each quarter (and every 10 s)
+  elsewhere (CI logs);
 - values read as words: ``yes``/``no``, ``-`` for none (:func:`cell`);
 - ``--help`` shows every option's default (:class:`HelpFormatter`), and the
   parser enforces what the help says (:func:`int_at_least`, :func:`positive_number`);
@@ -151,6 +152,12 @@ def _fit(out: Console, t: Table) -> None:
 
 
 # -- progress ----------------------------------------------------------------------------
+_clock = time.monotonic  # what progress times itself by (tests substitute it)
+
+#: Without a terminal, progress prints a line at each quarter, and at least this often (seconds) in between.
+LINE_INTERVAL = 10.0
+
+
 class Tracker:
     """Progress of one run; made by :func:`progress`."""
 
@@ -158,7 +165,7 @@ class Tracker:
         self.total, self.unit, self.description, self.file = max(0, total), unit, description, file
         self.completed = 0
         self.note = ""
-        self._t0 = time.monotonic()
+        self._t0 = self._last_line = _clock()
         self._next_quarter = 1
         self._bar: Progress | None = None
         self._task: TaskID | None = None
@@ -174,19 +181,26 @@ class Tracker:
         """``steps`` more are done; ``note`` (e.g. ``"1 failed"``) replaces the last one."""
         self.update(self.completed + steps, note)
 
-    def update(self, completed: int, note: str | None = None, description: str | None = None) -> None:
-        """``completed`` of the total are done (it only moves forward)."""
+    def update(self, completed: int, note: str | None = None, description: str | None = None,
+               total: int | None = None) -> None:
+        """``completed`` of the total are done (it only moves forward); ``total`` replaces the total
+        (for work whose size is known only once it starts)."""
+        if total is not None:
+            self.total = max(0, total)
         self.completed = max(self.completed, min(completed, self.total) if self.total else completed)
         if note is not None:
             self.note = note
         if description is not None:
             self.description = description
         if self._bar is not None and self._task is not None:
-            self._bar.update(self._task, completed=self.completed, note=self.note, description=self.description)
+            self._bar.update(self._task, completed=self.completed, note=self.note, description=self.description,
+                             total=self.total or None)
         elif self.file is not None and self.total:
             quarter = 4 * self.completed // self.total
-            if quarter >= self._next_quarter:
-                self._next_quarter = quarter + 1
+            now = _clock()
+            if quarter >= self._next_quarter or (now - self._last_line >= LINE_INTERVAL and self.completed < self.total):
+                self._next_quarter = max(self._next_quarter, quarter + 1)
+                self._last_line = now
                 self.file.write(self.line() + "\n")
                 self.file.flush()
 
@@ -194,14 +208,14 @@ class Tracker:
         """Seconds left at the rate so far; None before the first step."""
         if not self.completed or not self.total:
             return None
-        elapsed = time.monotonic() - self._t0
+        elapsed = _clock() - self._t0
         return elapsed / self.completed * (self.total - self.completed)
 
     def line(self) -> str:
         """The state in one line, as printed where there is no terminal."""
-        elapsed = time.monotonic() - self._t0
+        elapsed = _clock() - self._t0
         eta = self.eta()
-        text = f"{self.description + ': ' if self.description else ''}{self.completed}/{self.total} {self.unit}"
+        text = f"{self.description + ': ' if self.description else ''}{self.completed:,}/{self.total:,} {self.unit}"
         text += f", {self.note}" if self.note else ""
         text += f", {elapsed:.1f} s elapsed"
         if eta is not None and self.completed < self.total:
@@ -224,7 +238,8 @@ def progress(total: int, unit: str, *, description: str = "", file: IO[str] | No
 
     On a terminal: a rich bar with done/total, elapsed time and ETA, left in
     place when the block ends. Elsewhere: one :meth:`Tracker.line` at each
-    quarter. ``show=False`` counts without printing anything.
+    quarter, and every :data:`LINE_INTERVAL` seconds of a long quarter.
+    ``show=False`` counts without printing anything.
     """
     tracker = Tracker(total, unit, description, (file if file is not None else sys.stderr) if show else None)
     tracker._start()
