@@ -1,15 +1,26 @@
+"""The `kvbridge` command's conventions (docs/cli.md), command by command."""
+
+import io
 import json
+import os
+import re
 import subprocess
 import sys
 
+import pytest
+
 import kvbridge
+from kvbridge import ui
 
 
-def kvb(*args):
-    return subprocess.run([sys.executable, "-m", "kvbridge.cli", *args], capture_output=True, text=True, timeout=120)
+def kvb(*args, columns=None):
+    env = {**os.environ}
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    return subprocess.run([sys.executable, "-m", "kvbridge", *args], capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_version():
+def test_python_dash_m_kvbridge_is_the_kvbridge_command():
     out = kvb("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"kvbridge {kvbridge.__version__}"
 
@@ -22,17 +33,76 @@ def test_plugins_json_rows_have_the_documented_fields():
         assert row["kind"] in ("backend", "state_handler")
 
 
+def test_plugins_tables_fit_80_columns_and_read_as_words():
+    out = kvb("plugins", columns=80)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    words = out.stdout.split()
+    assert not {"True", "False", "None"} & set(words)
+    for title in ("Transfer backends", "State handlers", "Backend options"):
+        assert any(line.startswith(title) for line in lines)
+    assert any(line.startswith("memory ") and " ok " in line for line in lines)
+
+
 def test_no_command_prints_help_and_fails():
     out = kvb()
     assert out.returncode == 2 and "plugins" in out.stdout
 
 
-def test_bench_plan_reports_every_case(monkeypatch, capsys):
+@pytest.mark.parametrize("args, message", [
+    (["bench", "plan", "--reps", "0"], "argument --reps: must be >= 5, got 0"),
+    (["bench", "tp", "--reps", "x"], "argument --reps: expected a whole number, got 'x'"),
+    (["conformance", "--timeout-scale", "0", "memory"], "argument --timeout-scale: must be > 0, got '0'"),
+    (["demo", "--transfer-backend", "nope"], "unknown transfer backend 'nope'; installed backends:"),
+])
+def test_a_usage_error_exits_2_with_the_usage_line_and_says_what_is_allowed(args, message):
+    out = kvb(*args)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"usage: kvbridge {args[0]}")
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command, default", [
+    (["bench", "plan"], "(default: 5)"),
+    (["conformance"], "(default: 1.0)"),
+    (["demo"], "(default: 64)"),
+])
+def test_help_shows_defaults(command, default):
+    out = kvb(*command, "--help", columns=200)
+    assert out.returncode == 0 and default in out.stdout
+
+
+def test_help_shows_the_choices_of_transfer_backend():
+    from kvbridge.config import available_backends
+
+    out = kvb("demo", "--help", columns=200)
+    assert "--transfer-backend {" + ",".join(available_backends()) + "}" in out.stdout
+
+
+def test_bench_plan_reports_every_case_with_units_in_its_keys(monkeypatch):
     from kvbridge.bench import plan
 
+    monkeypatch.setenv("COLUMNS", "160")
+
     small = (plan.Case(3, 64, 128, True), plan.Case(3, 64, 128, False))
-    monkeypatch.setattr(plan, "CASES", small)
     results = plan.run(reps=5, cases=small)
     assert [r["descriptors"] for r in results][1] == 3  # contiguous: one per entry
     assert all(r["kvbridge_ms"] > 0 and r["python_loop_ms"] > 0 for r in results)
-    assert "speedup" in plan.format_table(results)
+    text = io.StringIO()
+    ui.print_table(plan.format_table(results), text)
+    assert "speedup" in text.getvalue() and "3 x 64 pages x 128 B, contiguous" in text.getvalue()
+
+
+def test_bench_plan_shows_progress_on_stderr_while_it_runs(monkeypatch, capsys):
+    from kvbridge.bench import plan
+    from kvbridge.cli import main
+
+    monkeypatch.setattr(plan, "CASES", (plan.Case(3, 64, 128, True), plan.Case(3, 64, 128, False)))
+    assert main(["bench", "plan", "--json"]) == 0
+    out = capsys.readouterr()
+    assert len(json.loads(out.out)) == 2  # stdout: the JSON document only
+    lines = out.err.splitlines()  # a line a quarter, counting the Python loop's descriptors (what takes the time)
+    assert len(lines) == 4 and all(line.startswith("bench plan: ") for line in lines)
+    done, total = re.match(r"bench plan: ([\d,]+)/([\d,]+) descriptors \(Python loop\)", lines[-1]).groups()
+    assert done == total and "ETA" in lines[0]

@@ -249,8 +249,9 @@ def test_plugins_json_lists_every_builtin_backends_options():
     }
     xfer = next(o for o in rows["nixl"]["options"] if o["name"] == "xfer_mode")
     assert xfer["default"] == "descs" and xfer["choices"] == ["descs", "prepped"]
-    table = subprocess.run([sys.executable, "-m", "kvbridge.cli", "plugins"], capture_output=True, text=True, timeout=60).stdout
-    assert "backend options (--transfer-option KEY=VALUE)" in table
+    table = subprocess.run([sys.executable, "-m", "kvbridge", "plugins"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "160"}).stdout
+    assert "Backend options (--transfer-option KEY=VALUE)" in table
     assert any(l.split()[:3] == ["nixl", "xfer_mode", "descs"] for l in table.splitlines())
 
 

@@ -21,7 +21,7 @@ from kvbridge.core.records import BackendCapabilities
 from kvbridge.testing.requirements import requires, unmet
 
 CHEAP = "registration or lands_byte_exact"  # two tests of the suite, a second or so
-INSTALLED = ", ".join(sorted(get_registry().backends))  # mooncake, nixl, ucx, zmq in CI
+INSTALLED = ", ".join(sorted(get_registry().backends))  # whatever is installed here, third-party plugins included
 
 
 def run(cmd: list[str], cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -39,7 +39,7 @@ def pytest_on(tmp_path: Path, body: str, *args: str, pythonpath: Path | None = N
 
 
 def kvbridge_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run([sys.executable, "-m", "kvbridge.cli", *args], tmp_path)
+    return run([sys.executable, "-m", "kvbridge", *args], tmp_path)
 
 
 # -- the fixture contract -----------------------------------------------------------------------
@@ -80,7 +80,7 @@ def test_a_backend_whose_engine_is_missing_fails_every_test_naming_the_module_to
 
 
 def test_bad_backend_options_fail_saying_what_they_must_be(tmp_path):
-    out = pytest_on(tmp_path, "class TestMine(BackendConformance):\n    backend = 'zmq'\n    backend_options = {'a': 1}\n")
+    out = pytest_on(tmp_path, "class TestMine(BackendConformance):\n    backend = 'memory'\n    backend_options = {'a': 1}\n")
     assert out.returncode == 1 and "backend_options must be a dict of str to str" in out.stdout, out.stdout
 
 
@@ -88,10 +88,10 @@ def test_a_test_needing_an_undeclared_capability_is_skipped_naming_it(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_mine.py").write_text(
         "from kvbridge.testing.conformance import BackendConformance\n\n"
-        "class TestMine(BackendConformance):\n    backend = 'zmq'\n")
+        "class TestMine(BackendConformance):\n    backend = 'memory'\n")
     out = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-k", "gpu_memory"], tmp_path)
     assert out.returncode == 0 and "1 skipped" in out.stdout, out.stdout
-    assert "needs capability memory_kinds containing 'vram'; backend 'zmq' declares memory_kinds=('dram',)" in out.stdout
+    assert "needs capability memory_kinds containing 'vram'; backend 'memory' declares memory_kinds=('dram',)" in out.stdout
 
 
 # -- requirements -----------------------------------------------------------------------------------
@@ -119,23 +119,37 @@ def test_requires_rejects_an_unknown_requirement_listing_the_known_ones():
 
 # -- kvbridge conformance ----------------------------------------------------------------------------
 def test_kvbridge_conformance_runs_the_suite_against_an_installed_backend(tmp_path):
-    out = kvbridge_cli(tmp_path, "conformance", "zmq", "-x", "-q", "-k", f"{CHEAP} or success_follows")
+    # memory ships with kvbridge: the test does not depend on what else is installed.
+    out = kvbridge_cli(tmp_path, "conformance", "memory", "-x", "-q", "-k", f"{CHEAP} or success_follows")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "3 passed" in out.stdout, out.stdout
 
 
 def test_kvbridge_conformance_exit_code_is_pytests(tmp_path):
-    out = kvbridge_cli(tmp_path, "conformance", "zmq", "-q", "-k", "no_test_has_this_name")
+    out = kvbridge_cli(tmp_path, "conformance", "memory", "-q", "-k", "no_test_has_this_name")
     assert out.returncode == 5, out.stdout + out.stderr  # pytest: no tests collected
 
 
-def test_kvbridge_conformance_checks_its_transfer_options_before_running_anything(tmp_path):
-    # zmq declares no options: refused up front (usage error), not after some tests ran.
-    out = kvbridge_cli(tmp_path, "conformance", "--transfer-option", "bogus=1", "--timeout-scale", "2",
-                       "zmq", "-q", "-k", "success_follows")
+@pytest.mark.parametrize("where", ["before NAME", "after NAME"])
+def test_kvbridge_conformance_checks_its_transfer_options_before_running_anything(tmp_path, where):
+    # memory declares no options: refused up front (usage error), not after some tests ran, nor passed to pytest.
+    own = ["--transfer-option", "bogus=1", "--timeout-scale", "2"]
+    pytest_args = ["-q", "-k", "success_follows"]
+    args = [*own, "memory", *pytest_args] if where == "before NAME" else ["memory", *pytest_args, *own]
+    out = kvbridge_cli(tmp_path, "conformance", *args)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout == ""
-    assert "kvbridge conformance: backend 'zmq' has no option 'bogus'; it declares no options" in out.stderr
+    assert out.stderr.startswith("usage: kvbridge conformance ")
+    assert ("kvbridge conformance: error: argument --transfer-option: backend 'memory' has no option 'bogus'; "
+            "it declares no options") in out.stderr
+
+
+def test_kvbridge_conformance_takes_its_options_after_name_and_gives_the_rest_to_pytest(tmp_path):
+    out = kvbridge_cli(tmp_path, "conformance", "memory", "-q", "--timeout-scale", "2", "-k", "registration")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 passed" in out.stdout
+    out = kvbridge_cli(tmp_path, "conformance", "memory", "-k", "registration", "--", "--timeout-scale", "2")
+    assert out.returncode == 4, out.stdout + out.stderr  # after --, everything is pytest's (which rejects it)
 
 
 def test_kvbridge_conformance_gives_its_transfer_options_to_every_manager(tmp_path):
@@ -146,10 +160,11 @@ def test_kvbridge_conformance_gives_its_transfer_options_to_every_manager(tmp_pa
     assert "'ucx_engine_config': 'TLS=no_such_transport'" in out.stdout and "1 failed" in out.stdout
 
 
-def test_kvbridge_conformance_of_an_unknown_backend_lists_the_installed_ones(tmp_path):
+def test_kvbridge_conformance_of_an_unknown_backend_is_a_usage_error_listing_the_installed_ones(tmp_path):
     out = kvbridge_cli(tmp_path, "conformance", "nosuch")
     assert out.returncode == 2
-    assert out.stderr.strip() == (
-        f"kvbridge: error: unknown transfer backend 'nosuch'; installed backends: {INSTALLED}. "
+    assert out.stderr.startswith("usage: kvbridge conformance ")
+    assert out.stderr.strip().endswith(
+        f"kvbridge conformance: error: argument NAME: unknown transfer backend 'nosuch'; installed backends: {INSTALLED}. "
         "If it comes from a separate package, that plugin may not be installed"
     )

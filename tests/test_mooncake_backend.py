@@ -190,3 +190,37 @@ def test_listing_the_plugin_does_not_import_the_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- the engine's own log lines ---------------------------------------------------------------------
+STARTS_ONE = """
+import logging, sys
+from kvbridge.core.backend import BackendConfig
+from kvbridge.core.plugins import get_registry
+from kvbridge.plugins.mooncake.backend import MooncakeBackend
+if sys.argv[1] != "default":
+    logging.basicConfig(level=getattr(logging, sys.argv[1]), format="LOG %(levelname)s %(name)s: %(message)s")
+opts = get_registry().backend_spec("mooncake").parse_options({})
+MooncakeBackend(BackendConfig(host="127.0.0.1", name="x", options=opts)).close()
+"""
+
+
+def start_engine(level: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MC_LOG_LEVEL"}  # kvbridge's level decides
+    return subprocess.run([sys.executable, "-c", STARTS_ONE, level], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_starting_and_closing_the_engine_prints_nothing_at_kvbridges_default_level():
+    out = start_engine("default")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "" and out.stdout == ""
+
+
+def test_the_engines_lines_at_start_and_close_go_through_logging_at_kvbridges_level():
+    out = start_engine("DEBUG")
+    assert out.returncode == 0, out.stderr
+    name = "kvbridge.plugins.mooncake.backend"
+    # Mooncake's error while it starts is harmless: logged at DEBUG, not ERROR; its INFO lines follow the level.
+    assert f"LOG DEBUG {name}: Local segment descriptor not found (transfer_metadata.cpp:" in out.stderr
+    assert f"LOG INFO {name}: " in out.stderr and "removeSegmentDesc" in out.stderr  # start-up and close
+    assert not [line for line in out.stderr.splitlines() if not line.startswith("LOG ")]  # nothing bypassed logging

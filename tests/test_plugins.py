@@ -79,7 +79,7 @@ def run_kvbridge(site: Path, *args: str, **env: str) -> subprocess.CompletedProc
     full_env.pop("KVBRIDGE_DISABLE_PLUGIN_AUTOLOAD", None)
     full_env.update(env)
     return subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli", *args], capture_output=True, text=True, env=full_env, timeout=60
+        [sys.executable, "-m", "kvbridge", *args], capture_output=True, text=True, env=full_env, timeout=60
     )
 
 
@@ -102,7 +102,7 @@ def test_third_party_plugin_is_listed_with_its_distribution_and_capabilities(sit
     assert rows["needs-engine"]["available"] is False
     ring = rows["ring"]
     assert ring["kind"] == "state_handler" and ring["capabilities"] == {
-        "index_spaces": ["slot"], "hetero_tp": "", "layouts": [], "draft": True, "host_destination": False}
+        "index_spaces": ["slot"], "hetero_tp": "", "layouts": [], "draft": True, "host_destination": False, "roles": []}
     assert ring["distribution"] == "goodplug"
 
 
@@ -117,7 +117,7 @@ def test_listing_does_not_import_the_backend_engine(site, tmp_path_factory):
 
 def test_table_shows_missing_extra(site):
     good_dist(site)
-    out = run_kvbridge(site, "plugins")
+    out = run_kvbridge(site, "plugins", COLUMNS="400")  # wide enough for one line per row
     line = next(l for l in out.stdout.splitlines() if l.startswith("needs-engine"))
     assert "needs kvbridge[nixl]" in line
 

@@ -1,77 +1,145 @@
-"""The ``kvbridge`` command."""
+"""The ``kvbridge`` command (also ``python -m kvbridge``); its conventions are in ``docs/cli.md``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import kvbridge
+from kvbridge import ui
 from kvbridge.core.plugins import PluginError, get_registry
-from kvbridge.config import TransferConfig, add_transfer_args, options_table  # noqa: F401  (host servers import these from here)
+from kvbridge.config import TransferConfig, add_transfer_args  # noqa: F401  (host servers import these from here)
 
 
+# -- kvbridge plugins ---------------------------------------------------------------------
 def _cmd_plugins(args: argparse.Namespace) -> int:
     registry = get_registry()
     rows = registry.rows()
     if args.json:
         print(json.dumps(rows, indent=2))
+    elif not rows:
+        print("no kvbridge plugins installed")
     else:
-        print(_plugins_table(rows))
-        if options_table(rows):
-            print("\n" + options_table(rows))
+        tables = [t for t in (_backends_table(rows), _handlers_table(rows), _options_table(rows)) if t.row_count]
+        for i, table in enumerate(tables):
+            if i:
+                print()
+            ui.print_table(table)
     for err in registry.errors:
         print(f"kvbridge: error: {err}", file=sys.stderr)
-    return 1 if registry.errors else 0
+    return ui.EXIT_FAILED if registry.errors else ui.EXIT_OK
 
 
-def _format_caps(caps: dict[str, Any]) -> str:
-    def fmt(v: Any) -> str:
-        if isinstance(v, (list, tuple)):
-            return "+".join(map(str, v))
-        return str(v)
-
-    return ", ".join(f"{k}={fmt(v)}" for k, v in caps.items() if v is not None) or "-"
-
-
-def _plugins_table(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return "no kvbridge plugins installed"
-    cols = ["name", "kind", "distribution", "version", "status", "capabilities"]
-    table = [
-        {
-            "name": r["name"],
-            "kind": r["kind"],
-            "distribution": r["distribution"],
-            "version": r["version"],
-            "status": ("ok" if r.get("available", True) else f"needs kvbridge[{r.get('extra')}]"),
-            "capabilities": _format_caps(r["capabilities"]),
-        }
-        for r in rows
-    ]
-    widths = {c: max(len(c), *(len(t[c]) for t in table)) for c in cols}
-    lines = ["  ".join(c.upper().ljust(widths[c]) for c in cols).rstrip()]
-    lines += ["  ".join(t[c].ljust(widths[c]) for c in cols).rstrip() for t in table]
-    return "\n".join(lines)
+def _status(row: dict[str, Any]) -> str:
+    if row["available"]:
+        return "ok"
+    if row.get("extra"):
+        return f"needs kvbridge[{row['extra']}]"
+    return "needs " + ", ".join(row.get("requires") or ["its engine"])
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvbridge import demo
+def _limits(caps: dict[str, Any]) -> str:
+    parts = []
+    if caps.get("max_descriptors_per_batch"):
+        parts.append(f"{caps['max_descriptors_per_batch']} desc/batch")
+    if caps.get("max_descriptors_in_flight"):
+        parts.append(f"{caps['max_descriptors_in_flight']} in flight")
+    if caps.get("max_bytes_per_batch"):
+        parts.append(f"{caps['max_bytes_per_batch'] / 2**20:g} MiB/batch")
+    return ", ".join(parts)
 
-    return demo.run_from_args(args)
+
+def _writes(caps: dict[str, Any]) -> str:
+    return ", ".join(("one-sided" if caps["one_sided"] else "two-sided",
+                      "cross-host" if caps["cross_host"] else "same host"))
 
 
-def _cmd_conformance(args: argparse.Namespace) -> int:
-    from kvbridge.testing import runner
+def _backends_table(rows: list[dict[str, Any]]) -> Any:
+    return ui.table(
+        ["backend", "from", "status", "memory", "limits", "writes"],
+        [(r["name"], r["distribution"], _status(r), r["capabilities"]["memory_kinds"], _limits(r["capabilities"]),
+          _writes(r["capabilities"])) for r in rows if r["kind"] == "backend"],
+        title="Transfer backends (--transfer-backend NAME)", nowrap=["backend"],
+    )
 
-    return runner.run_from_args(args)
+
+def _handlers_table(rows: list[dict[str, Any]]) -> Any:
+    return ui.table(
+        ["state handler", "from", "index spaces", "hetero TP", "layouts", "draft"],
+        [(r["name"], r["distribution"], r["capabilities"]["index_spaces"], r["capabilities"]["hetero_tp"],
+          r["capabilities"]["layouts"], r["capabilities"]["draft"]) for r in rows if r["kind"] == "state_handler"],
+        title="State handlers", nowrap=["state handler"],
+    )
 
 
-def _cmd_bench_plan(args: argparse.Namespace) -> int:
-    from kvbridge.bench import plan
+def _options_table(rows: list[dict[str, Any]]) -> Any:
+    return ui.table(
+        ["backend", "option", "default", "allowed", "help"],
+        [(r["name"], o["name"], o["default"], o["allowed"], o["help"])
+         for r in rows if r["kind"] == "backend" for o in r.get("options", ())],
+        title="Backend options (--transfer-option KEY=VALUE)", nowrap=["backend", "option"],
+    )
 
-    return plan.run_from_args(args)
+
+# -- the other commands, each in its own module ----------------------------------------------
+def _lazy(module: str) -> Callable[[argparse.Namespace], int]:
+    """``module.run_from_args``, imported when the command runs (``--help`` stays fast)."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).run_from_args(args))
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbridge", description=kvbridge.__doc__, formatter_class=ui.HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvbridge {kvbridge.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(subparsers: Any, name: str, summary: str, run: Callable[[argparse.Namespace], int],
+                add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = subparsers.add_parser(name, help=summary, description=summary[:1].upper() + summary[1:] + ".",
+                                                           formatter_class=ui.HelpFormatter)
+        if add_arguments is not None:
+            add_arguments(p)
+        p.set_defaults(func=run, command_parser=p)
+        return p
+
+    plugins = command(sub, "plugins", "list installed backends, state handlers and backend options", _cmd_plugins)
+    plugins.add_argument("--json", action="store_true", help="print a JSON list of objects, one per registration")
+
+    from kvbridge.demo import add_arguments as add_demo_arguments
+
+    command(sub, "demo", "prefill and decode processes moving verified requests; ends with a table",
+            _lazy("kvbridge.demo"), add_demo_arguments)
+
+    from kvbridge.testing.runner import add_arguments as add_conformance_arguments
+
+    command(sub, "conformance", "run the backend conformance suite against an installed backend",
+            _lazy("kvbridge.testing.runner"), add_conformance_arguments)
+
+    from kvbridge.scaffold import add_arguments as add_scaffold_arguments
+
+    command(sub, "new-backend", "create a backend plugin project: hook, Backend skeleton, conformance test",
+            _lazy("kvbridge.scaffold"), add_scaffold_arguments)
+
+    bench = sub.add_parser("bench", help="run a benchmark", formatter_class=ui.HelpFormatter)
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    from kvbridge.bench.plan import add_arguments as add_plan_arguments
+    from kvbridge.bench.tp import add_arguments as add_tp_arguments
+
+    command(bench_sub, "plan", "plan building vs a per-layer Python loop", _lazy("kvbridge.bench.plan"), add_plan_arguments)
+    command(bench_sub, "tp", "heterogeneous-TP plans: descriptors and time, NHD vs HND", _lazy("kvbridge.bench.tp"),
+            add_tp_arguments)
+    # Parsed by _bench_transfer (its options depend on --device); listed here for help.
+    bench_sub.add_parser("transfer", help="bytes between two processes: kvbridge vs raw engine vs memcpy or D2D "
+                         "(--device cpu|cuda; `kvbridge bench transfer --device cuda --help`)")
+    return parser
 
 
 def _bench_transfer(argv: list[str]) -> int:
@@ -87,51 +155,6 @@ def _bench_transfer(argv: list[str]) -> int:
     return transfer.main(rest)
 
 
-def _cmd_bench_tp(args: argparse.Namespace) -> int:
-    from kvbridge.bench import tp
-
-    return tp.run_from_args(args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvbridge", description=kvbridge.__doc__)
-    parser.add_argument("--version", action="version", version=f"kvbridge {kvbridge.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    p = sub.add_parser("plugins", help="list installed backends and state handlers")
-    p.add_argument("--json", action="store_true", help="print a JSON list of objects")
-    p.set_defaults(func=_cmd_plugins)
-
-    demo = sub.add_parser("demo", help="prefill and decode processes moving verified requests; ends with a table")
-    from kvbridge.demo import add_arguments as add_demo_arguments
-
-    add_demo_arguments(demo)
-    demo.set_defaults(func=_cmd_demo)
-
-    conformance = sub.add_parser("conformance", help="run the backend conformance suite against an installed backend")
-    from kvbridge.testing.runner import add_arguments as add_conformance_arguments
-
-    add_conformance_arguments(conformance)
-    conformance.set_defaults(func=_cmd_conformance)
-
-    bench = sub.add_parser("bench", help="run a benchmark")
-    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    bp = bench_sub.add_parser("plan", help="plan building vs a per-layer Python loop")
-    from kvbridge.bench.plan import add_arguments
-
-    add_arguments(bp)
-    bp.set_defaults(func=_cmd_bench_plan)
-    # Parsed by _bench_transfer (its options depend on --device); listed here for help.
-    bench_sub.add_parser("transfer", help="bytes between two processes: kvbridge vs raw engine vs memcpy or "
-                         "D2D (--device cpu|cuda; `kvbridge bench transfer --device cuda --help`)")
-    bt = bench_sub.add_parser("tp", help="heterogeneous-TP plans: descriptors and time, NHD vs HND")
-    from kvbridge.bench.tp import add_arguments as add_tp_arguments
-
-    add_tp_arguments(bt)
-    bt.set_defaults(func=_cmd_bench_tp)
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "transfer"]:
@@ -140,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return ui.EXIT_USAGE
     try:
         return int(args.func(args))
-    except PluginError as exc:  # unknown backend, missing engine, duplicate plugin: no traceback
-        print(f"kvbridge: error: {exc}", file=sys.stderr)
-        return 2
+    except PluginError as exc:  # unknown backend, missing engine, duplicate plugin: a usage error, no traceback
+        ui.usage_error(args.command_parser, str(exc))
+    except KeyboardInterrupt:
+        print(f"{args.command_parser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from kvbridge import ui
 from kvbridge.core.plugins import BACKEND_PREFERENCE, BackendUnavailableError, PluginError, Registry, get_registry
 from kvbridge.core.records import OptionError
 from kvbridge.core.session import SessionConfig
@@ -39,7 +40,6 @@ __all__ = [
     "add_transfer_args",
     "available_backends",
     "default_backend",
-    "options_table",
 ]
 
 _SESSION = SessionConfig()
@@ -287,14 +287,7 @@ def _option_type(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _seconds_type(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
-    return value
+_seconds_type = ui.positive_number("seconds")
 
 
 def _address_type(text: str) -> str:
@@ -354,21 +347,3 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     group.add_argument("--transfer-strict-index-lengths", dest="transfer_strict_index_lengths", action="store_true",
                        help="treat every index-length mismatch as an error (default: trim page lists with a warning)")
     return group
-
-
-def options_table(rows: list[dict[str, Any]]) -> str:
-    """The backends' declared options as a text table (``kvbridge plugins``), from ``Registry.rows()``."""
-    table = [
-        {"backend": r["name"], "option": o["name"], "default": o["default"] or "-", "allowed": o["allowed"], "help": o["help"]}
-        for r in rows
-        if r["kind"] == "backend"
-        for o in r.get("options", ())
-    ]
-    if not table:
-        return ""
-    cols = ["backend", "option", "default", "allowed", "help"]
-    widths = {c: max(len(c), *(len(t[c]) for t in table)) for c in cols}
-    lines = ["backend options (--transfer-option KEY=VALUE):"]
-    lines.append("  " + "  ".join(c.upper().ljust(widths[c]) for c in cols).rstrip())
-    lines += ["  " + "  ".join(t[c].ljust(widths[c]) for c in cols).rstrip() for t in table]
-    return "\n".join(lines)

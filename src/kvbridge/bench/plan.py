@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import ui
 from kvbridge.core.plan import coalesce_runs, plan_pages
 
 
@@ -72,30 +73,40 @@ def reference_loop(src_bases, dst_bases, item, src_idx, dst_idx) -> tuple[list[i
     return src, dst, nbytes
 
 
-def _median_ms(fn: Callable[[], Any], reps: int) -> float:
+def _median_ms(fn: Callable[[], Any], reps: int, after_each: Callable[[], None] = lambda: None) -> float:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        after_each()
     return statistics.median(times) * 1e3
 
 
-def run(reps: int = 5, cases: tuple[Case, ...] = CASES) -> list[dict[str, Any]]:
+def run(reps: int = 5, cases: tuple[Case, ...] = CASES, tracker: ui.Tracker | None = None) -> list[dict[str, Any]]:
+    """One result per case.
+
+    ``tracker`` counts descriptors built by the Python loop (what takes the
+    time), so its ETA holds across cases of very different sizes.
+    """
+    inputs = [make_inputs(case) for case in cases]
+    plans = [plan_pages(*args) for args in inputs]
+    # Cheap cases get more repetitions so the median is stable; never fewer than `reps`.
+    runs = [max(reps, 5 if len(plan) > 10**5 else 50) for plan in plans]
+    bar = tracker if tracker is not None else ui.Tracker(0, "", "", None)
+    bar.update(0, total=sum((1 + n) * len(plan) for n, plan in zip(runs, plans)))
     results = []
-    for case in cases:
-        args = make_inputs(case)
-        plan = plan_pages(*args)
+    for case, args, plan, n in zip(cases, inputs, plans, runs):
         ref = reference_loop(*args)
+        bar.advance(len(plan))
         if not (
             np.array_equal(plan.src_addr, ref[0])
             and np.array_equal(plan.dst_addr, ref[1])
             and np.array_equal(plan.nbytes, ref[2])
         ):
             raise AssertionError(f"{case.label}: planner and reference loop disagree")
-        # Cheap cases get more repetitions so the median is stable; never fewer than `reps`.
-        kv_ms = _median_ms(lambda: plan_pages(*args), max(reps, 5 if len(plan) > 10**5 else 50))
-        ref_ms = _median_ms(lambda: reference_loop(*args), max(reps, 5 if len(plan) > 10**5 else 50))
+        kv_ms = _median_ms(lambda: plan_pages(*args), n)
+        ref_ms = _median_ms(lambda: reference_loop(*args), n, lambda: bar.advance(len(plan)))
         results.append(
             {
                 **asdict(case),
@@ -109,33 +120,34 @@ def run(reps: int = 5, cases: tuple[Case, ...] = CASES) -> list[dict[str, Any]]:
     return results
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
-    head = f"{'case':<44} {'descriptors':>12} {'kvbridge ms':>12} {'py-loop ms':>11} {'speedup':>8}"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        lines.append(
-            f"{r['case']:<44} {r['descriptors']:>12,} {r['kvbridge_ms']:>12.3f} "
-            f"{r['python_loop_ms']:>11.3f} {r['speedup']:>7.1f}x"
-        )
-    return "\n".join(lines)
+def format_table(results: list[dict[str, Any]]) -> Any:
+    """The results as a :func:`kvbridge.ui.table`."""
+    return ui.table(
+        ["case", "descriptors", "kvbridge ms", "py-loop ms", "speedup"],
+        [(r["case"], r["descriptors"], f"{r['kvbridge_ms']:.3f}", f"{r['python_loop_ms']:.3f}", f"{r['speedup']:.1f}x")
+         for r in results],
+        title="Plan building: median wall time per request (numpy planner vs per-layer Python loop)",
+        right=["descriptors", "kvbridge ms", "py-loop ms", "speedup"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvbridge bench plan", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvbridge bench plan", description=__doc__, formatter_class=ui.HelpFormatter)
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print results as JSON")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per case (min 5)")
+    parser.add_argument("--json", action="store_true", help="print results as JSON (times in milliseconds: *_ms)")
+    parser.add_argument("--reps", type=ui.int_at_least(5), default=5, metavar="N",
+                        help="timed repetitions per case, at least 5; cheap cases run at least 50")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    results = run(reps=max(5, args.reps))
+    with ui.progress(0, "descriptors (Python loop)", description="bench plan") as tracker:
+        results = run(reps=args.reps, cases=CASES, tracker=tracker)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        print("Plan building: median wall time per request (numpy planner vs per-layer Python loop)")
-        print(format_table(results))
-    return 0
+        ui.print_table(format_table(results))
+    return ui.EXIT_OK

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import ui
 from kvbridge.core.layout import IndexSpace, KVArgs, Region, Shard
 from kvbridge.core.pairing import pair_layouts
 
@@ -46,7 +47,8 @@ def kvargs(rank: int, tp: int, layout: str, pool_pages: int) -> KVArgs:
                   page_size=PAGE, tp_rank=rank, tp_size=tp)
 
 
-def run(reps: int = 5) -> list[dict[str, Any]]:
+def run(reps: int = 5, tracker: ui.Tracker | None = None) -> list[dict[str, Any]]:
+    """One row per (prefill TP, decode TP) of :data:`PAIRS`; ``tracker`` advances as each ends."""
     pages = TOKENS // PAGE
     rng = np.random.default_rng(0)
     src = np.sort(rng.choice(4 * pages, pages, replace=False)).astype(np.int32)
@@ -69,40 +71,40 @@ def run(reps: int = 5) -> list[dict[str, Any]]:
             row[f"{layout}_ms"] = statistics.median(times) * 1e3
             row["bytes"] = sum(p.total_bytes for p in plans)
         rows.append(row)
+        if tracker is not None:
+            tracker.advance()
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'TP p->d':>8} {'MiB':>6} {'NHD desc':>10} {'NHD max/pair':>13} {'NHD ms':>8} "
-            f"{'HND desc':>10} {'HND max/pair':>13} {'HND ms':>8}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['prefill_tp']:>4}->{r['decode_tp']:<3} {r['bytes'] / 2**20:>6.0f} {r['nhd_descriptors']:>10,} "
-            f"{r['nhd_max_per_pair']:>13,} {r['nhd_ms']:>8.2f} {r['hnd_descriptors']:>10,} {r['hnd_max_per_pair']:>13,} "
-            f"{r['hnd_ms']:>8.2f}"
-        )
-    return "\n".join(lines)
+def format_table(rows: list[dict[str, Any]]) -> Any:
+    """The rows as a :func:`kvbridge.ui.table`."""
+    columns = ["TP p->d", "MiB", "NHD desc", "NHD max/pair", "NHD ms", "HND desc", "HND max/pair", "HND ms"]
+    return ui.table(
+        columns,
+        [(f"{r['prefill_tp']}->{r['decode_tp']}", f"{r['bytes'] / 2**20:.0f}", r["nhd_descriptors"], r["nhd_max_per_pair"],
+          f"{r['nhd_ms']:.2f}", r["hnd_descriptors"], r["hnd_max_per_pair"], f"{r['hnd_ms']:.2f}") for r in rows],
+        title=(f"One {TOKENS}-token request, {HEADS} KV heads x {HEAD_DIM} bf16, {LAYERS} layers, {PAGE}-token pages, "
+               "fragmented; summed over all rank pairs"),
+        right=columns,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print results as JSON")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    parser.add_argument("--json", action="store_true", help="print results as JSON (times in milliseconds: *_ms)")
+    parser.add_argument("--reps", type=ui.int_at_least(1), default=5, metavar="N", help="timed repetitions (median)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    rows = run(max(1, args.reps))
+    with ui.progress(len(PAIRS), "TP pairs", description="bench tp") as tracker:
+        rows = run(args.reps, tracker)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"One {TOKENS}-token request, {HEADS} KV heads x {HEAD_DIM} bf16, {LAYERS} layers, {PAGE}-token pages, "
-              "fragmented; summed over all rank pairs")
-        print(format_table(rows))
-    return 0
+        ui.print_table(format_table(rows))
+    return ui.EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvbridge bench tp", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="kvbridge bench tp", description=__doc__, formatter_class=ui.HelpFormatter)
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))

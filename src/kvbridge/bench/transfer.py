@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import ui
 from kvbridge.config import TransferConfig, add_transfer_args
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
@@ -149,7 +150,9 @@ def _raw_for(backend: str) -> Callable[[PrefillManager, Any], Callable[[], None]
     return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
 
 
-def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib: int) -> list[dict[str, Any]]:
+def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib: int,
+        tracker: ui.Tracker | None = None) -> list[dict[str, Any]]:
+    """One row per case; rates in gigabytes (10**9 B) per second (``*_GBps``); ``tracker`` advances per case."""
     pages = (total_mib << 20) // (regions * PAGE)
     kv, meta, args = make_pools(regions, pages, fill=True)
     server = BootstrapServer("127.0.0.1")
@@ -204,13 +207,15 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
                 "backend": backend,
                 "bytes": regions * pages * PAGE,
                 "descriptors": len(plan) if plan is not None else 0,
-                "kvbridge_gbps": gb / statistics.median(kv_times),
-                "raw_engine_gbps": gb / statistics.median(raw_times) if raw_times else None,
-                "memcpy_gbps": gb / statistics.median(mem_times),
+                "kvbridge_GBps": gb / statistics.median(kv_times),
+                "raw_engine_GBps": gb / statistics.median(raw_times) if raw_times else None,
+                "memcpy_GBps": gb / statistics.median(mem_times),
                 "verified": verified,
             }
-            row["kvbridge_vs_raw"] = row["kvbridge_gbps"] / row["raw_engine_gbps"] if raw_times else None
+            row["kvbridge_vs_raw"] = row["kvbridge_GBps"] / row["raw_engine_GBps"] if raw_times else None
             results.append(row)
+            if tracker is not None:
+                tracker.advance()
     finally:
         finish_child(child)
         mgr.close()
@@ -236,26 +241,30 @@ def finish_child(child: subprocess.Popen[str], timeout: float = 120) -> None:
         child.kill()
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
-    head = f"{'case':<26} {'backend':<9} {'desc':>6} {'kvbridge GB/s':>14} {'raw GB/s':>9} {'memcpy GB/s':>12} {'kvb/raw':>8} {'bytes ok':>8}"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        raw = f"{r['raw_engine_gbps']:.2f}" if r["raw_engine_gbps"] else "-"
-        ratio = f"{r['kvbridge_vs_raw']:.2f}" if r["kvbridge_vs_raw"] else "-"
-        lines.append(
-            f"{r['case']:<26} {r['backend']:<9} {r['descriptors']:>6} {r['kvbridge_gbps']:>14.2f} {raw:>9} "
-            f"{r['memcpy_gbps']:>12.2f} {ratio:>8} {str(r['verified']):>8}"
-        )
-    return "\n".join(lines)
+def format_table(results: list[dict[str, Any]]) -> Any:
+    """The results as a :func:`kvbridge.ui.table`."""
+    def rate(value: float | None) -> str | None:
+        return f"{value:.2f}" if value else None
+
+    columns = ["case", "backend", "desc", "kvbridge GB/s", "raw GB/s", "memcpy GB/s", "kvb/raw", "bytes ok"]
+    return ui.table(
+        columns,
+        [(r["case"], r["backend"], r["descriptors"], rate(r["kvbridge_GBps"]), rate(r["raw_engine_GBps"]),
+          rate(r["memcpy_GBps"]), rate(r["kvbridge_vs_raw"]), r["verified"]) for r in results],
+        right=columns[2:7], nowrap=["backend"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ui.HelpFormatter)
     add_transfer_args(parser)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per transfer, in MiB")
-    parser.add_argument("--regions", type=int, default=1, help="buffers the bytes are split across")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--reps", type=ui.int_at_least(1), default=3, metavar="N", help="timed repetitions per case")
+    parser.add_argument("--total-mib", type=ui.int_at_least(1), default=256, metavar="MIB",
+                        help="bytes moved per transfer, in MiB")
+    parser.add_argument("--regions", type=ui.int_at_least(1), default=1, metavar="N",
+                        help="buffers the bytes are split across")
+    parser.add_argument("--json", action="store_true",
+                        help="print results as JSON (rates in gigabytes per second: *_GBps)")
     parser.add_argument("--decode", metavar="BOOTSTRAP", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "WARNING"}.items():
@@ -267,13 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     config = dataclasses.replace(CONFIG, backend_options=dict(cfg.backend_options))
     if args.decode:
         return run_decode(cfg.backend, config, args.decode, args.reps, args.regions, pages)
-    results = run(cfg.backend, config, args.reps, args.regions, args.total_mib)
+    with ui.progress(len(cases(pages)), "cases", description=f"bench transfer ({cfg.backend})") as tracker:
+        results = run(cfg.backend, config, args.reps, args.regions, args.total_mib, tracker)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        print(f"{args.total_mib} MiB in {args.regions} region(s), prefill -> decode over 127.0.0.1, median of {args.reps}")
-        print(format_table(results))
-    return 0 if all(r["verified"] for r in results) else 1
+        table = format_table(results)
+        table.title = (f"{args.total_mib} MiB in {args.regions} region(s), prefill -> decode over 127.0.0.1, "
+                       f"median of {args.reps}")
+        ui.print_table(table)
+    return ui.EXIT_OK if all(r["verified"] for r in results) else ui.EXIT_FAILED
 
 
 if __name__ == "__main__":

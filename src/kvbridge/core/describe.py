@@ -21,10 +21,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .layout import IndexSpace, KVArgs, MemoryKind, Region, Shard
+from .layout import ROLES, IndexSpace, KVArgs, MemoryKind, Region, Shard
 from .plugins import Registry, get_registry
+from .records import StateHandlerSpec
 
-__all__ = ["DescribeContext", "Description", "StateHandler", "buffer_region", "describe"]
+__all__ = ["DescribeContext", "Description", "StateHandler", "buffer_region", "describe", "element_size", "item_count"]
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,12 @@ def buffer_region(
 
 
 def item_count(buf: Any) -> int:
+    """Items in a buffer (numpy array or torch tensor): its first dimension, the index space's count."""
     return int(buf.shape[0])
 
 
 def element_size(buf: Any) -> int:
+    """Bytes per element of a buffer (numpy array or torch tensor)."""
     return int(buf.element_size() if hasattr(buf, "element_size") else buf.itemsize)
 
 
@@ -105,6 +108,7 @@ def describe(
             spec = resolver.resolve(pool)
             handler = registry.load_state_handler(spec.name)
             desc = handler.describe(pool, DescribeContext(tp_rank, tp_size, draft))
+            _check_roles(spec, desc.regions)
             regions.extend(desc.regions)
             for space in desc.index_spaces:
                 known = spaces.setdefault(space.name, space)
@@ -117,6 +121,18 @@ def describe(
         regions=tuple(regions), index_spaces=tuple(spaces.values()), dtype=dtype, page_size=page_size,
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
     )
+
+
+def _check_roles(spec: StateHandlerSpec, regions: Iterable[Region]) -> None:
+    """Every region's role is core's or one its handler declared (an open vocabulary, checked where it is used)."""
+    declared = set(spec.capabilities.roles)
+    for r in regions:
+        if r.role not in ROLES and r.role not in declared:
+            raise ValueError(
+                f"state handler {spec.name!r} described region {r.name!r} with role {r.role!r}, which it does not "
+                f"declare; add it to its HandlerCapabilities(roles=...) (declared: {', '.join(sorted(declared)) or 'none'}; "
+                f"core's roles: {', '.join(sorted(ROLES))})"
+            )
 
 
 def paged_kv(

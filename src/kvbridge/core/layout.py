@@ -19,18 +19,25 @@ Vocabulary:
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
 import numpy as np
 
-__all__ = ["KV_PAGE_SPACE", "METADATA_SPACE", "ROLES", "MEMORY_KINDS", "IndexSpace", "Shard", "Region", "KVArgs"]
+__all__ = ["KV_PAGE_SPACE", "METADATA_SPACE", "ROLES", "ROLE_PATTERN", "MEMORY_KINDS", "check_role", "IndexSpace", "Shard", "Region", "KVArgs"]
 
-#: What a region holds. A role outside this set is rejected: pairing and
-#: slicing rules are keyed on it, so a typo must not pass silently.
+#: What a region holds, for the buffers core's pools and the built-in state
+#: handlers describe. The vocabulary is open: a state handler names its other
+#: buffers (several per layer, say ``wkv_a`` and ``wkv_b``) with its own roles,
+#: declared in ``HandlerCapabilities.roles``; ``describe()`` rejects a role its
+#: handler did not declare, so a typo fails where it is made. Regions pair by
+#: (state type, role, layer, draft): a role only has to be the same word on both sides.
 ROLES: frozenset[str] = frozenset(
     {"k", "v", "kv", "conv", "temporal", "indexer", "scale", "state", "metadata"}
 )
+#: What every role is: a lowercase word (letters, digits, ``_``), starting with a letter.
+ROLE_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
 
 #: The index space consumed chunk by chunk (full KV pages).
 KV_PAGE_SPACE = "kv_page"
@@ -39,6 +46,16 @@ METADATA_SPACE = "metadata_row"
 
 MemoryKind = Literal["dram", "vram"]
 MEMORY_KINDS: frozenset[str] = frozenset({"dram", "vram"})
+
+
+def check_role(role: object, where: str) -> None:
+    """Raise ``ValueError`` (starting with ``where``) unless ``role`` is a lowercase word."""
+    if not isinstance(role, str) or not ROLE_PATTERN.fullmatch(role):
+        raise ValueError(
+            f"{where}: role {role!r} is not a lowercase word (letters, digits, '_', starting with a letter); "
+            f"core's roles are {', '.join(sorted(ROLES))}, and a state handler declares its own in "
+            "HandlerCapabilities.roles"
+        )
 
 
 class IndexSpace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -147,10 +164,7 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         where = f"region {self.name!r}"
         if not self.name:
             raise ValueError("a region has an empty name")
-        if self.role not in ROLES:
-            raise ValueError(
-                f"{where}: unknown role {self.role!r}; known roles: {', '.join(sorted(ROLES))}"
-            )
+        check_role(self.role, where)
         if self.mem not in MEMORY_KINDS:
             raise ValueError(f"{where}: unknown memory kind {self.mem!r}; use 'dram' or 'vram'")
         if self.addr <= 0:

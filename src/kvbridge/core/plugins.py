@@ -202,6 +202,7 @@ class Registry:
             if isinstance(spec, BackendSpec):
                 row["capabilities"] = msgspec.to_builtins(spec.capabilities)
                 row["available"] = all(_module_installed(m) for m in spec.requires)
+                row["requires"] = list(spec.requires)
                 row["extra"] = spec.extra
                 row["options"] = [
                     {

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from .layout import check_role
+
 __all__ = ["BackendCapabilities", "BackendSpec", "HandlerCapabilities", "OptionError", "OptionSpec", "StateHandlerSpec"]
 
 #: Type names an :class:`OptionSpec` may use instead of a parse function.
@@ -246,6 +248,13 @@ class HandlerCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     draft: bool = False
     #: Some of its destinations may be decode host memory while the source is device memory.
     host_destination: bool = False
+    #: Region roles it uses besides core's (:data:`~kvbridge.core.layout.ROLES`), e.g.
+    #: ``("wkv_a", "wkv_b")`` for several buffers per layer; ``describe()`` rejects any other.
+    roles: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for role in self.roles:
+            check_role(role, "HandlerCapabilities.roles")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.core.backend import Backend, BackendConfig, TransferError, TransferTimeout
+from kvbridge.core.enginelog import engine_level, routed_stderr
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
 from kvbridge.core.records import BackendCapabilities
@@ -59,14 +60,23 @@ log = logging.getLogger(__name__)
 MIN_TRANSFER_TIMEOUT = 5  # MC_TRANSFER_TIMEOUT is clamped to this by the engine
 
 
+#: What Mooncake logs while it starts that says nothing wrong: with the
+#: P2PHANDSHAKE metadata mode it looks up its own segment before publishing it
+#: ("E ... Local segment descriptor not found"), and it notes its allocator.
+#: Routed to DEBUG; with protocol=tcp so is "No RDMA devices found".
+STARTUP_NOISE = ("Local segment descriptor not found", "Using default malloc/free", "Memory allocator already initialized")
+
+
 def _engine_env(transfer_timeout: float) -> None:
     """Default Mooncake's logging and timeouts; values the user set win.
 
     Must run before ``mooncake.engine`` is first imported (the log level is
-    read then); the timeouts are read when an engine is created.
+    read then): it follows the ``kvbridge`` logger's level (WARNING unless
+    the host sets one), so there is no INFO line per call. The timeouts are
+    read when an engine is created.
     """
     secs = max(1, math.ceil(transfer_timeout))
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # otherwise one INFO line per call
+    os.environ.setdefault("MC_LOG_LEVEL", engine_level())
     os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(secs))
     os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", str(secs))
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(MIN_TRANSFER_TIMEOUT, secs)))
@@ -85,13 +95,16 @@ class MooncakeBackend(Backend):
         # Imported only now: Mooncake reads MC_LOG_LEVEL when its module loads.
         from mooncake.engine import TransferEngine
 
-        self._engine: TransferEngine | None = TransferEngine()
-        rc = self._engine.initialize(config.host, "P2PHANDSHAKE", self.protocol, self.device_name)
+        noise = STARTUP_NOISE + (("No RDMA devices found",) if self.protocol == "tcp" else ())
+        # Mooncake logs to file descriptor 2 while it starts: through this module's logger instead.
+        with routed_stderr(log, noise) as said:
+            self._engine: TransferEngine | None = TransferEngine()
+            rc = self._engine.initialize(config.host, "P2PHANDSHAKE", self.protocol, self.device_name)
         if rc != 0:
             raise TransferError(
                 f"mooncake: TransferEngine.initialize({config.host!r}, 'P2PHANDSHAKE', "
                 f"{self.protocol!r}, {self.device_name!r}) returned {rc}; check the protocol "
-                "option and, for rdma, the device_name option"
+                "option and, for rdma, the device_name option" + (f" (the engine said: {'; '.join(said)})" if said else "")
             )
         self._session = f"{config.host}:{self._engine.get_rpc_port()}"
         self._registered: list[Region] = []
@@ -157,13 +170,14 @@ class MooncakeBackend(Backend):
         engine, self._engine = self._engine, None
         if engine is None:
             return
-        for r in self._registered:
-            rc = engine.unregister_memory(r.addr)
-            if rc != 0:  # nothing else to do at close; keep releasing the rest
-                log.warning("mooncake: unregister_memory for region %r returned %d", r.name, rc)
-        self._registered.clear()
-        self._peers.clear()
-        del engine  # the engine's destructor stops its threads and listeners
+        with routed_stderr(log):  # the engine logs as it shuts down
+            for r in self._registered:
+                rc = engine.unregister_memory(r.addr)
+                if rc != 0:  # nothing else to do at close; keep releasing the rest
+                    log.warning("mooncake: unregister_memory for region %r returned %d", r.name, rc)
+            self._registered.clear()
+            self._peers.clear()
+            del engine  # the engine's destructor stops its threads and listeners
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,7 @@
+"""``python -m kvbridge``: the ``kvbridge`` command, for environments whose scripts are not on PATH."""
+
+import sys
+
+from kvbridge.cli import main
+
+sys.exit(main())
