@@ -50,6 +50,7 @@ from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver,
 from kvbridge.core.transport import open_transport
 from kvbridge.testing.e2e import SENTINEL, Pools, Scenario, prefill_pools, serve
 from kvbridge.testing.hybrid import Spec
+from kvbridge.testing.memory import state as process_state
 from kvbridge.testing.requirements import unmet
 
 __all__ = [
@@ -178,7 +179,11 @@ class Child:
         return rc, json.loads(lines[-1]) if lines else None
 
     def freeze(self) -> None:
+        """SIGSTOP the process and wait (bounded) until the kernel shows it stopped: the signal is asynchronous."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while process_state(self.proc.pid) not in ("T", None) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def thaw(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
