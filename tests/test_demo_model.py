@@ -62,7 +62,8 @@ DAMAGE = {
     "nsa scales": lambda c, s: c.index_scale[SPARSE].index_fill_(0, _prompt_rows(s, s.length), -1.0),
     "dsv4 window latents": lambda c, s: c.latent.index_fill_(0, s.tensors["ring"], 0),
     "dsv4 c4 (host rows)": lambda c, s: c.c4.view(-1, CFG.latent).index_fill_(0, s.tensors["c4"][: s.length // 4], 0),
-    "dsv4 c4 index keys": lambda c, s: c.c4_index.view(-1, CFG.index_dim).index_fill_(0, s.tensors["c4_index"][: s.length // 4], 0),
+    "dsv4 c4 index keys": lambda c, s: c.c4_index.view(-1, CFG.index_dim).index_fill_(
+        0, s.tensors["c4_index"][: s.length // 4], 0),
     "dsv4 c128 summary": lambda c, s: c.summary[s.slot].zero_(),
     "draft kv": lambda c, s: c.draft_v.index_fill_(0, _prompt_rows(s, s.length), 0),
     "draft index keys": lambda c, s: c.draft_ik.index_fill_(0, _prompt_rows(s, s.length), 0),

@@ -61,9 +61,12 @@ class Allocator:
     def __init__(self, n: int) -> None:
         self.free = list(range(n))
 
-    def take(self, n: int) -> list[int] | None:
-        if n > len(self.free):
-            return None
+    def has(self, n: int) -> bool:
+        return n <= len(self.free)
+
+    def take(self, n: int) -> list[int]:
+        if not self.has(n):
+            raise RuntimeError(f"{n} wanted, {len(self.free)} free")
         return [heapq.heappop(self.free) for _ in range(n)]
 
     def give(self, items: list[int]) -> None:
@@ -177,18 +180,18 @@ class Caches:
         n_pages = -(-tokens // P)
         n_c4 = tokens // cfg.ratio
         n_rows = -(-n_c4 // self.c4_per_item) if self.role == "decode" else 0
-        if (len(self._pages.free) < n_pages or len(self._ring.free) < cfg.ring_pages or not self._slots.free
-                or len(self._c4.free) < n_rows):
+        if not (self._pages.has(n_pages) and self._ring.has(cfg.ring_pages) and self._slots.has(1)
+                and self._c4.has(n_rows)):
             return None
-        pages, ring, (slot,) = self._pages.take(n_pages), self._ring.take(cfg.ring_pages), self._slots.take(1)
-        assert pages is not None and ring is not None
-        rows = self._c4.take(n_rows) or []
+        pages, ring, rows = self._pages.take(n_pages), self._ring.take(cfg.ring_pages), self._c4.take(n_rows)
+        slot = self._slots.take(1)[0]
         s = Seq(room=room, pages=pages, ring=ring, slot=slot, row=slot, c4_rows=rows, page_size=P)
         c4_items = rows if self.role == "decode" else pages
         s.tensors = {
             "pages": torch.tensor(pages, device=self.device),
             "ring": torch.tensor(ring, device=self.device),
-            "c4": torch.as_tensor(c4_token_indices(c4_items, self.c4_per_item, tokens, cfg.ratio), device=self.c4.device),
+            "c4": torch.as_tensor(c4_token_indices(c4_items, self.c4_per_item, tokens, cfg.ratio),
+                                  device=self.c4.device),
             "c4_index": torch.as_tensor(c4_token_indices(pages, P // cfg.ratio, tokens, cfg.ratio), device=self.device),
         }
         for state in (self.conv, self.ssm, self.summary):  # a new request starts from zero state

@@ -110,7 +110,8 @@ def _weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     H, D, L = cfg.hidden, cfg.head_dim, cfg.latent
     mamba, comp = LAYERS["mamba"], LAYERS["compressed"]
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab, H), "lm_head": (H, cfg.vocab)}
-    attn = {"wq": (H, cfg.heads * D), "wk": (H, cfg.kv_heads * D), "wv": (H, cfg.kv_heads * D), "wo": (cfg.heads * D, H)}
+    attn = {"wq": (H, cfg.heads * D), "wk": (H, cfg.kv_heads * D), "wv": (H, cfg.kv_heads * D),
+            "wo": (cfg.heads * D, H)}
     indexer = {"wiq": (H, cfg.index_dim), "wik": (H, cfg.index_dim)}
     mlp = {"wg": (H, cfg.mlp), "wu": (H, cfg.mlp), "wd": (cfg.mlp, H)}
     for layer in (LAYERS["full"], LAYERS["swa"], LAYERS["sparse"]):
@@ -221,8 +222,8 @@ class Model:
         pos = torch.arange(s.length - len(hidden), s.length, device=self.device)
         x = torch.cat([rms_norm(hidden), rms_norm(self.w["embed"][next_tokens])], -1) @ self.w["draft.win"]
         n = rms_norm(x)
-        x = x + self.tp.all_reduce(self._attention(c, s, n, pos, "draft.", c.draft_k, c.draft_v, sparse=(c.draft_ik, c.draft_is))
-                                   + self._mlp(n, "draft."))
+        mix = self._attention(c, s, n, pos, "draft.", c.draft_k, c.draft_v, sparse=(c.draft_ik, c.draft_is))
+        x = x + self.tp.all_reduce(mix + self._mlp(n, "draft."))
         return rms_norm(x[-1]) @ self.w["lm_head"]
 
     # -- mixers ---------------------------------------------------------------------------------
@@ -230,13 +231,16 @@ class Model:
         return self._attention(c, s, x, pos, f"{layer}.", c.k[layer], c.v[layer])
 
     def _sparse(self, c: Caches, s: Seq, x: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.Tensor:
-        return self._attention(c, s, x, pos, f"{layer}.", c.k[layer], c.v[layer], sparse=(c.index_k[layer], c.index_scale[layer]))
+        indexer = (c.index_k[layer], c.index_scale[layer])
+        return self._attention(c, s, x, pos, f"{layer}.", c.k[layer], c.v[layer], sparse=indexer)
 
     def _window(self, c: Caches, s: Seq, x: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.Tensor:
         return self._attention(c, s, x, pos, f"{layer}.", c.k[layer], c.v[layer], window=True)
 
     def _attention(self, c: Caches, s: Seq, x: torch.Tensor, pos: torch.Tensor, p: str, kbuf: torch.Tensor,
-                   vbuf: torch.Tensor, window: bool = False, sparse: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   vbuf: torch.Tensor, window: bool = False,
+                   sparse: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """GQA over the paged cache (or the window ring), optionally restricted to the indexer's top-k."""
         cfg, T, D = self.cfg, len(x), self.cfg.head_dim
         q = rope((x @ self.w[p + "wq"]).view(T, self.heads, D), pos)
         k = stored(rope((x @ self.w[p + "wk"]).view(T, self.kv_heads, D), pos), kbuf.dtype)
@@ -295,7 +299,8 @@ class Model:
         h = ssm_state.to(F64)
         ys = []
         for t in range(T):  # the recurrence, one token at a time, the state stored as the cache holds it
-            h = stored(decay[t, :, None, None] * h + dt[t, :, None, None] * xs[t, :, :, None] * B[t, :, None, :], ssm_state.dtype)
+            h = decay[t, :, None, None] * h + dt[t, :, None, None] * xs[t, :, :, None] * B[t, :, None, :]
+            h = stored(h, ssm_state.dtype)
             ys.append(torch.einsum("hpn,hn->hp", h, C[t]) + w[p + "D"][:, None] * xs[t])
         ssm_state.copy_(h)
         y = torch.stack(ys).reshape(T, -1) * F.silu(x @ w[p + "wz"])
