@@ -487,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("argument --device: cuda was asked for but torch sees no CUDA device")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # TP traffic stays on loopback
     tmp = tempfile.mkdtemp(prefix=f"kvbridge-{args.role}-")
-    ctx = mp.get_context("fork")  # torch is imported once, here; the ranks start in milliseconds
+    # Forked ranks start in milliseconds (torch is imported once, here); CUDA is not fork-safe once
+    # initialised (is_available() above may have), so CUDA ranks start afresh.
+    ctx = mp.get_context("spawn" if args.device == "cuda" else "fork")
     store = os.path.join(tmp, "store")  # the ranks' rendezvous (torch.distributed FileStore)
     ranks = [ctx.Process(target=_rank_main, args=(r, args, transfer, store), name=f"{args.role}-tp{r}")
              for r in range(args.tp)]
