@@ -119,9 +119,13 @@ class Router:
         if msg["op"] == "first":
             self.to_client(req["ident"], {"op": "first", "id": req["id"], "token": msg["token"]})
         elif msg["op"] in ("prefilled", "done"):
-            req["prefill" if msg["op"] == "prefilled" else "decode"] = msg
-            if "prefill" in req and "decode" in req:
+            role, other = ("prefill", "decode") if msg["op"] == "prefilled" else ("decode", "prefill")
+            req[role] = msg
+            if other in req:
                 self.finish(msg["room"])
+            elif not msg["ok"]:  # the other server would otherwise wait for its timeouts
+                self.servers[other].send(json.dumps({"op": "abort", "room": msg["room"],
+                                                     "reason": f"{role} failed: {msg['reason']}"}).encode())
 
     def finish(self, room: int, reason: str | None = None) -> None:
         req = self.requests.pop(room)

@@ -26,8 +26,8 @@ Where kvbridge comes in (the parts a host server copies):
 Front protocol (zmq ROUTER on rank 0, one JSON object per message):
 ``{"op": "info"}``, ``{"op": "prefill", "room", "prompt"}`` (answered by
 ``prefilled``), ``{"op": "decode", "room", "prompt", "max_new_tokens",
-"bootstrap"}`` (answered by ``first`` then ``done``), ``{"op": "stats"}``,
-``{"op": "shutdown"}``.
+"bootstrap"}`` (answered by ``first`` then ``done``), ``{"op": "abort", "room", "reason"}``,
+``{"op": "stats"}``, ``{"op": "shutdown"}``.
 """
 
 from __future__ import annotations
@@ -214,6 +214,14 @@ class RankServer:
         elif op == "shutdown":
             self.reply({"op": "bye"}, to)
             self.stopping = True
+        elif op == "abort":  # the other server failed this request: stop waiting for it
+            room = msg.get("room")
+            job = self.jobs.get(room) if isinstance(room, int) else None
+            job = job or next((j for j in self.waiting if j.room == room), None)
+            if job is not None:
+                if job in self.waiting:
+                    self.waiting.remove(job)
+                self.finish(job, False, str(msg.get("reason") or "aborted by the router"))
         elif op == self.role:
             problem = self.check(msg)
             if problem is None:
@@ -489,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix=f"kvbridge-{args.role}-")
     # Forked ranks start in milliseconds (torch is imported once, here); CUDA is not fork-safe once
     # initialised (is_available() above may have), so CUDA ranks start afresh.
-    ctx = mp.get_context("spawn" if args.device == "cuda" else "fork")
+    ctx: Any = mp.get_context("spawn" if args.device == "cuda" else "fork")
     store = os.path.join(tmp, "store")  # the ranks' rendezvous (torch.distributed FileStore)
     ranks = [ctx.Process(target=_rank_main, args=(r, args, transfer, store), name=f"{args.role}-tp{r}")
              for r in range(args.tp)]
