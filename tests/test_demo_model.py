@@ -53,7 +53,7 @@ def _prompt_rows(s, n):
 
 FULL, SWA, SPARSE = LAYERS["full"], LAYERS["swa"], LAYERS["sparse"]
 DAMAGE = {
-    "kv (full attention)": lambda c, s: c.k[FULL][s.pages[0]].normal_(),
+    "kv (full attention)": lambda c, s: (c.k[FULL][s.pages[0]].zero_(), c.v[FULL][s.pages[0]].zero_()),
     "kv (sparse layer)": lambda c, s: c.v[SPARSE].index_fill_(0, _prompt_rows(s, s.length), 0),
     "swa": lambda c, s: c.k[SWA].index_fill_(0, s.tensors["ring"], 0),
     "mamba conv": lambda c, s: c.conv[s.slot].zero_(),
