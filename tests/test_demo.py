@@ -41,12 +41,13 @@ def demo_json(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
 def test_disaggregated_generation_equals_colocated(backend):
     out, s = demo_json("--transfer-backend", backend, "--prefill-tp", "2", "--decode-tp", "1")
     assert out.returncode == 0, json.dumps(s, indent=1)[-3000:] + out.stderr[-2000:]
-    assert s["result"] == "PASS" and s["token_check"] == "PASS" and s["requests_ok"] == 3
+    assert s["result"] == "PASS" and s["token_check"] == "PASS" and s["succeeded"] == 3
     assert s["generated_tokens"] == 3 * 8 and s["draft_guesses_checked"] == 3 * 8
-    assert STATE_TYPES <= set(s["transferred_bytes_by_state"])  # every state handler moved bytes
-    assert s["transferred_bytes"] == sum(s["transferred_bytes_by_state"].values()) > 0
-    assert s["transfer_gigabytes_per_s"] > 0 and 0 < s["ttft_ms_p50"] <= s["ttft_ms_p99"]
-    assert 0 < s["transfer_latency_ms_p50"] <= s["transfer_latency_ms_p99"]
+    assert STATE_TYPES <= set(s["bytes_by_state"])  # every state handler moved bytes
+    assert s["bytes"] == sum(s["bytes_by_state"].values()) > 0
+    assert s["transfer_GBps"] > 0 and 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"]
+    assert 0 < s["transfer_latency_p50_ms"] <= s["transfer_latency_p99_ms"]
+    assert "demo: 3/3 requests, 0 failed" in out.stderr  # with --json too, progress goes to stderr
 
 
 def test_heterogeneous_tp_1_to_2_with_the_draft_head():
@@ -58,7 +59,7 @@ def test_heterogeneous_tp_1_to_2_with_the_draft_head():
 def test_heterogeneous_tp_1_to_2_without_the_draft_head_prints_the_table():
     out = demo("--transfer-backend", "memory", "--prefill-tp", "1", "--decode-tp", "2", "--no-draft", *SMALL)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    assert "3/3" in out.stderr  # the progress bar's last state (a terminal sees it move)
+    assert "demo: 3/3 requests, 0 failed" in out.stderr  # progress: a line per quarter when not on a terminal
     assert "prefill TP 1 -> decode TP 2, cpu, no draft head" in out.stdout
     for row in ("bytes mamba", "bytes dsv4_c4", "transfer rate", "TTFT p50 / p99", "token check", "PASS: 3 / 3"):
         assert row in out.stdout
@@ -72,7 +73,7 @@ def test_a_damaged_transfer_fails_the_token_check():
     assert out.returncode == 1
     assert s["result"] == "FAIL" and s["token_check"] == "FAIL"
     assert [(m["request"], m["what"]) for m in s["mismatches"]] == [(0, "tokens"), (1, "tokens")]
-    assert s["requests_ok"] == 3  # every transfer succeeded: only the tokens tell
+    assert s["succeeded"] == 3  # every transfer succeeded: only the tokens tell
 
 
 def _descendants(pid: int) -> set[int]:
@@ -137,6 +138,14 @@ def test_unknown_backend_is_a_usage_error_listing_the_choices():
     assert "Traceback" not in out.stderr
 
 
+def test_without_pytorch_the_demo_is_a_usage_error_naming_the_extra():
+    code = ("import sys; sys.modules['torch'] = None; from kvbridge.cli import main; "
+            "sys.exit(main(['demo', '--transfer-backend', 'memory']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "usage:" in out.stderr and "install PyTorch (pip install 'kvbridge[torch]'" in out.stderr
+
+
 def test_help_shows_the_defaults():
     out = demo("--help")
     assert out.returncode == 0
@@ -184,8 +193,8 @@ STATS = {"prefill": [{"backends": {"memory": {"bytes": {"kv": 3000, "mamba": 100
 
 def test_transfer_rate_is_bytes_over_the_time_transfers_ran_not_wall_time():
     s = summarize(_args(), _cfg(), [_result([1], [5, 6], [7, 8])], [_expected([5, 6], [7, 8])], STATS, wall_s=10.0)
-    assert s["result"] == "PASS" and s["transferred_bytes"] == 4000
-    assert s["transfer_gigabytes_per_s"] == pytest.approx(4000 / 2e-6 / 1e9)
+    assert s["result"] == "PASS" and s["bytes"] == 4000
+    assert s["transfer_GBps"] == pytest.approx(4000 / 2e-6 / 1e9)
 
 
 def test_one_differing_draft_guess_fails_the_check():

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the MTP draft head (its caches move too) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the weights and the prompts (default: %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON document (progress still goes to stderr)")
     parser.add_argument("--inject-fault", help=argparse.SUPPRESS)  # tests: passed on to the decode server
     add_transfer_args(parser)
     parser.set_defaults(demo_parser=parser)
@@ -219,12 +219,12 @@ def run(args: argparse.Namespace, cfg: TransferConfig, progress: Any) -> dict[st
         children.start("decode", "kvbridge.demo.server", _server_args(args, cfg, "decode", args.decode_tp))
         thread.start()  # the reference computes while the servers start
         deadline = time.monotonic() + START_S
-        starting = progress.add_task("starting servers", total=None)
+        progress.stage("starting servers")
         fronts = {name: children.ready(name, deadline)["front"] for name in ("prefill", "decode")}
         children.start("router", "kvbridge.demo.router", ["--prefill", fronts["prefill"], "--decode", fronts["decode"],
                                                           "--host", cfg.host])
         router = children.ready("router", deadline)["front"]
-        progress.remove_task(starting)
+        progress.stage(None)
         results, stats = _generate(router, work, args, progress, children.check)
         children.wait(10)  # shut down by the router; stopped below if not
         thread.join(STALL_S)
@@ -262,9 +262,8 @@ def _generate(router: str, work: list[list[int]], args: argparse.Namespace, prog
 
     client = Client(router)
     results = [Result(p) for p in work]
-    task = progress.add_task("requests", total=len(work))
     try:
-        next_up, in_flight, finished, last = 0, 0, 0, time.monotonic()
+        next_up, in_flight, finished, failed, last = 0, 0, 0, 0, time.monotonic()
         while finished < len(work):
             while in_flight < args.concurrency and next_up < len(work):
                 rid = client.submit(work[next_up], args.max_new_tokens)
@@ -283,7 +282,8 @@ def _generate(router: str, work: list[list[int]], args: argparse.Namespace, prog
             elif msg["op"] == "done":
                 r.done = msg
                 in_flight, finished = in_flight - 1, finished + 1
-                progress.advance(task)
+                failed += not msg["ok"]
+                progress.advance(note=f"{failed} failed")
         stats = client.call({"op": "stats"}, STALL_S)
         client.call({"op": "shutdown"}, 10)
     finally:
@@ -333,18 +333,18 @@ def summarize(args: argparse.Namespace, cfg: TransferConfig, results: list[Resul
         "device": args.device,
         "draft": args.draft,
         "requests": len(results),
-        "requests_ok": len(ok),
+        "succeeded": len(ok),
         "prompt_tokens": sum(len(r.prompt) for r in results),
         "generated_tokens": sum(len(r.done.get("tokens", [])) for r in ok),
         "draft_guesses_checked": sum(len(r.done.get("draft", [])) for r in ok),
-        "transferred_bytes_by_state": dict(sorted(backend_bytes.items())),
-        "transferred_bytes": total,
+        "bytes_by_state": dict(sorted(backend_bytes.items())),
+        "bytes": total,
         "transfer_job_s": job_s,
-        "transfer_gigabytes_per_s": total / job_s / 1e9 if job_s else None,
-        "transfer_latency_ms_p50": _pct(lat, 0.5),
-        "transfer_latency_ms_p99": _pct(lat, 0.99),
-        "ttft_ms_p50": _pct(ttft, 0.5),
-        "ttft_ms_p99": _pct(ttft, 0.99),
+        "transfer_GBps": total / job_s / 1e9 if job_s else None,
+        "transfer_latency_p50_ms": _pct(lat, 0.5),
+        "transfer_latency_p99_ms": _pct(lat, 0.99),
+        "ttft_p50_ms": _pct(ttft, 0.5),
+        "ttft_p99_ms": _pct(ttft, 0.99),
         "wall_s": wall_s,
         "mismatches": mismatches,
         "problems": problems,
@@ -373,16 +373,16 @@ def table(s: dict[str, Any]) -> Any:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f} ms"
 
-    t.add_row("requests", f"{s['requests_ok']} / {s['requests']} completed")
+    t.add_row("requests", f"{s['succeeded']} / {s['requests']} completed")
     t.add_row("tokens", f"{s['prompt_tokens']:,} prompt, {s['generated_tokens']:,} generated"
                         + (f", {s['draft_guesses_checked']:,} draft guesses" if s["draft"] else ""))
-    for state, n in s["transferred_bytes_by_state"].items():
+    for state, n in s["bytes_by_state"].items():
         t.add_row(f"bytes {state}", f"{n:,}")
-    rate = s["transfer_gigabytes_per_s"]
-    t.add_row("bytes total", f"{s['transferred_bytes']:,} in {1e3 * s['transfer_job_s']:.1f} ms of transfer jobs")
+    rate = s["transfer_GBps"]
+    t.add_row("bytes total", f"{s['bytes']:,} in {1e3 * s['transfer_job_s']:.1f} ms of transfer jobs")
     t.add_row("transfer rate", "-" if rate is None else f"{rate:.3f} GB/s (bytes / time transfers ran)")
-    t.add_row("transfer latency p50 / p99", f"{ms(s['transfer_latency_ms_p50'])} / {ms(s['transfer_latency_ms_p99'])}")
-    t.add_row("TTFT p50 / p99", f"{ms(s['ttft_ms_p50'])} / {ms(s['ttft_ms_p99'])}")
+    t.add_row("transfer latency p50 / p99", f"{ms(s['transfer_latency_p50_ms'])} / {ms(s['transfer_latency_p99_ms'])}")
+    t.add_row("TTFT p50 / p99", f"{ms(s['ttft_p50_ms'])} / {ms(s['ttft_p99_ms'])}")
     check = s["token_check"]
     same = s["requests"] - len({m["request"] for m in s["mismatches"]})
     t.add_row("token check", f"[{'green' if check == 'PASS' else 'red'} bold]{check}[/]: {same} / {s['requests']} "
@@ -397,24 +397,87 @@ def table(s: dict[str, Any]) -> Any:
     return t
 
 
+def _environment_problem(device: str) -> str | None:
+    """Why the demo cannot run here (a usage error, like an engine that is not installed), or None."""
+    try:
+        import torch
+    except ImportError:
+        return "the demo runs a PyTorch model: install PyTorch (pip install 'kvbridge[torch]', or torch itself)"
+    if device == "cuda" and not torch.cuda.is_available():
+        return "argument --device: cuda was asked for but torch sees no CUDA device"
+    return None
+
+
+class Progress:
+    """Progress on stderr as docs/cli.md describes: a rich bar on a terminal, elsewhere one line
+    per quarter (``demo: 8/16 requests, 0 failed, 2.1 s elapsed, ETA 2 s``).
+
+    The same calls as ``kvbridge.ui.progress`` (issue 15); this goes once that is on this branch.
+    """
+
+    def __init__(self, total: int, unit: str, description: str, file: IO[str]) -> None:
+        self.total, self.unit, self.description, self.file = total, unit, description, file
+        self.done, self.note, self.t0, self.quarter = 0, "", time.monotonic(), 0
+        self.bar: Any = None
+        if file.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import Progress as Bar
+
+            self.bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                           TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                           TimeRemainingColumn(), console=Console(file=file))
+            self.task = self.bar.add_task(description, total=total, note="")
+
+    def __enter__(self) -> Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def stage(self, what: str | None) -> None:
+        """A step before the counted work starts (None: it is over)."""
+        if what is None:
+            self.t0 = time.monotonic()  # elapsed time and ETA count the work itself
+        if self.bar is not None:
+            self.bar.update(self.task, description=f"{self.description}: {what}" if what else self.description)
+        elif what:
+            print(f"{self.description}: {what}", file=self.file, flush=True)
+
+    def update(self, done: int, note: str | None = None) -> None:
+        self.done, self.note = max(self.done, done), self.note if note is None else note
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done, note=self.note)
+        elif self.total and 4 * self.done // self.total > self.quarter:
+            self.quarter = 4 * self.done // self.total
+            elapsed = time.monotonic() - self.t0
+            eta = elapsed / self.done * (self.total - self.done)
+            print(f"{self.description}: {self.done}/{self.total} {self.unit}, {self.note}, {elapsed:.1f} s elapsed, "
+                  f"ETA {eta:.0f} s", file=self.file, flush=True)
+
+    def advance(self, steps: int = 1, note: str | None = None) -> None:
+        self.update(self.done + steps, note)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     parser = getattr(args, "demo_parser", None)
     cfg = TransferConfig.from_args(args, parser)  # the backend and its options, checked together; exits 2
-    if args.device == "cuda" and parser is not None:
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("argument --device: cuda was asked for but torch sees no CUDA device")
+    problem = _environment_problem(args.device)
+    if problem is not None:
+        if parser is None:
+            raise SystemExit(f"kvbridge demo: error: {problem}")
+        parser.error(problem)
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     def on_term(*_: object) -> None:
         raise Stopped()
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=Console(stderr=True), disable=args.json) as progress:
+        with Progress(args.requests, "requests", "demo", sys.stderr) as progress:
             summary = run(args, cfg, progress)
     except (KeyboardInterrupt, Stopped) as exc:
         print("kvbridge demo: interrupted; every process it started has been stopped", file=sys.stderr)
