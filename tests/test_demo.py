@@ -1,50 +1,226 @@
-"""`kvbridge demo`, the README's first command, end to end on every installed backend."""
+"""`kvbridge demo`, the README's first command: a router, a prefill and a decode server generating,
+every token checked against a colocated run of the same model.
 
+CI runs each engine once (prefill TP 2 -> decode TP 1, draft head on), one heterogeneous pair on
+``memory`` with and without the draft head, the two injected faults, and both ways of stopping it.
+The whole matrix (every backend x 2->1, 1->2, 2->4 x draft on/off) is ``scripts/demo_matrix.sh``.
+"""
+
+import io
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
-from kvbridge.demo import Spec, summarize
+from kvbridge.demo.run import prompts, summarize, table
 from kvbridge.testing import available_backends
 
+ENGINES = [b for b in ("mooncake", "nixl", "ucx") if b in available_backends()]
+STATE_TYPES = {"kv", "swa", "mamba", "nsa", "dsv4_c4", "dsv4_indexer", "dsv4_c128", "metadata"}
+SMALL = ("--requests", "3", "--max-new-tokens", "8")
 
-def demo(*args):
-    return subprocess.run([sys.executable, "-m", "kvbridge.cli", "demo", *args], capture_output=True, text=True, timeout=240)
+
+def demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbridge.cli", "demo", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
-@pytest.mark.parametrize("backend", available_backends())
-def test_demo_passes_with_prefill_tp2_to_decode_tp1(backend):
-    out = demo("--transfer-backend", backend, "--prefill-tp", "2", "--decode-tp", "1", "--requests", "8", "--json")
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    s = json.loads(out.stdout)
-    assert s["result"] == "PASS" and s["succeeded"] == 8 and s["verified"]
-    assert {"kv", "swa", "nsa", "mamba", "dsv4", "draft", "metadata"} <= set(s["bytes_by_state"])
+def demo_json(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = demo(*args, *SMALL, "--json")
+    assert out.stdout.lstrip().startswith("{"), out.stderr[-3000:]
+    return out, json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("backend", [*ENGINES, "memory"])
+def test_disaggregated_generation_equals_colocated(backend):
+    out, s = demo_json("--transfer-backend", backend, "--prefill-tp", "2", "--decode-tp", "1")
+    assert out.returncode == 0, json.dumps(s, indent=1)[-3000:] + out.stderr[-2000:]
+    assert s["result"] == "PASS" and s["token_check"] == "PASS" and s["succeeded"] == 3
+    assert s["generated_tokens"] == 3 * 8 and s["draft_guesses_checked"] == 3 * 8
+    assert STATE_TYPES <= set(s["bytes_by_state"])  # every state handler moved bytes
     assert s["bytes"] == sum(s["bytes_by_state"].values()) > 0
-    assert 0 < s["latency_ms_p50"] <= s["latency_ms_p99"]
+    assert s["transfer_GBps"] > 0 and 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"]
+    assert 0 < s["transfer_latency_p50_ms"] <= s["transfer_latency_p99_ms"]
+    assert "demo: 3/3 requests, 0 failed" in out.stderr  # with --json too, progress goes to stderr
 
 
-def test_demo_table_shows_progress_and_the_result():
-    out = demo("--requests", "4")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "4/4 requests" in out.stderr  # the progress bar (milestone lines when not a terminal)
-    for label in ("requests", "bytes kv", "throughput", "latency p50 / p99", "every byte verified  yes", "result               PASS"):
-        assert label in out.stdout
+def test_heterogeneous_tp_1_to_2_with_the_draft_head():
+    out, s = demo_json("--transfer-backend", "memory", "--prefill-tp", "1", "--decode-tp", "2", "--draft")
+    assert out.returncode == 0 and s["token_check"] == "PASS", json.dumps(s, indent=1)[-3000:]
+    assert s["draft_guesses_checked"] == 3 * 8
 
 
-def test_unknown_backend_is_a_clear_error_without_a_traceback():
+def test_heterogeneous_tp_1_to_2_without_the_draft_head_prints_the_table():
+    out = demo("--transfer-backend", "memory", "--prefill-tp", "1", "--decode-tp", "2", "--no-draft", *SMALL)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "demo: 3/3 requests, 0 failed" in out.stderr  # progress: a line per quarter when not on a terminal
+    assert "prefill TP 1 -> decode TP 2, cpu, no draft head" in out.stdout
+    for row in ("bytes mamba", "bytes dsv4_c4", "transfer rate", "TTFT p50 / p99", "token check", "PASS: 3 / 3"):
+        assert row in out.stdout
+
+
+def test_a_damaged_transfer_fails_the_token_check():
+    """The decode server damages what arrived for two requests before decoding (garbage bytes in the
+    first KV page of one, the Mamba state of the other zeroed): the demo must name both and exit 1."""
+    out, s = demo_json("--transfer-backend", "memory", "--prefill-tp", "1", "--no-draft", "--concurrency", "1",
+                       "--inject-fault", "corrupt-kv-page,drop-mamba-state")
+    assert out.returncode == 1
+    assert s["result"] == "FAIL" and s["token_check"] == "FAIL"
+    assert [(m["request"], m["what"]) for m in s["mismatches"]] == [(0, "tokens"), (1, "tokens")]
+    assert s["succeeded"] == 3  # every transfer succeeded: only the tokens tell
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig,processes", [(signal.SIGTERM, 6), (signal.SIGINT, 5)],
+                         ids=["SIGTERM while serving", "Ctrl-C while starting"])
+def test_a_signal_stops_every_process_the_demo_started(sig, processes):
+    """SIGTERM once the router is up and requests flow (prefill: supervisor + 2 ranks, decode:
+    supervisor + 1 rank, router); Ctrl-C as soon as the servers' ranks exist."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "demo", "--transfer-backend", "memory",
+                             "--requests", "1000", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        started: set[int] = set()
+        while time.monotonic() < deadline:
+            started = _descendants(proc.pid)
+            if len(started) >= processes:
+                break
+            time.sleep(0.05)
+        assert len(started) >= processes, f"the demo started {len(started)} processes"
+        if sig == signal.SIGTERM:
+            time.sleep(0.5)  # requests flowing
+        proc.send_signal(sig)
+        proc.wait(30)
+        assert proc.returncode == (143 if sig == signal.SIGTERM else 130), proc.stderr.read()[-2000:]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in started):
+            time.sleep(0.05)
+        assert not [p for p in started if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_unknown_backend_is_a_usage_error_listing_the_choices():
     out = demo("--transfer-backend", "carrier-pigeon")
     assert out.returncode == 2
-    assert "unknown transfer backend 'carrier-pigeon'; installed backends:" in out.stderr
+    assert "usage:" in out.stderr and "unknown transfer backend 'carrier-pigeon'; installed backends:" in out.stderr
     assert "Traceback" not in out.stderr
 
 
-def test_any_failed_room_makes_the_summary_fail():
-    spec = Spec(backend="x", requests=2)
-    decode = {"rooms": {"1": [["SUCCESS", None]], "2": [["FAILED", "peer gone"]]}, "mismatches": [],
-              "latency_s": [0.1, 0.2], "bytes_by_state": {"kv": 10}, "seconds": 1.0}
-    prefill = {"rooms": {"1": [["SUCCESS", None]], "2": [["FAILED", "peer gone"]]}}
-    s = summarize(spec, prefill, decode, 0, 0, "")
-    assert s["result"] == "FAIL" and s["succeeded"] == 1
-    assert any("room 2: FAILED peer gone" in p for p in s["problems"])
+def test_without_pytorch_the_demo_is_a_usage_error_naming_the_extra():
+    code = ("import sys; sys.modules['torch'] = None; from kvbridge.cli import main; "
+            "sys.exit(main(['demo', '--transfer-backend', 'memory']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "usage:" in out.stderr and "install PyTorch (pip install 'kvbridge[torch]'" in out.stderr
+
+
+def test_help_shows_the_defaults():
+    out = demo("--help")
+    assert out.returncode == 0
+    assert "(default: 16)" in out.stdout and "--prefill-tp" in out.stdout and "--transfer-backend" in out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False")
+def test_demo_on_cuda():
+    backend = next((b for b in ("nixl", "ucx") if b in available_backends()), None)
+    if backend is None:
+        pytest.skip("needs a backend that moves GPU memory (nixl or ucx)")
+    out, s = demo_json("--transfer-backend", backend, "--device", "cuda")
+    assert out.returncode == 0 and s["token_check"] == "PASS", json.dumps(s, indent=1)[-3000:]
+
+
+# -- the summary, without processes -----------------------------------------------------------------
+def _args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"prefill_tp": 2, "decode_tp": 1, "device": "cpu", "draft": True, **kw})
+
+
+def _cfg():
+    from kvbridge.config import TransferConfig
+
+    return TransferConfig(backend="memory")
+
+
+def _result(prompt, tokens, draft, ok=True, reason=None):
+    from kvbridge.demo.run import Result
+
+    return Result(prompt, submitted=0.0, first_at=0.01,
+                  done={"ok": ok, "reason": reason, "tokens": tokens, "draft": draft, "prefill": {"transfer_ms": 1.0}})
+
+
+def _expected(tokens, draft):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tokens=tokens, draft=draft)
+
+
+STATS = {"prefill": [{"backends": {"memory": {"bytes": {"kv": 3000, "mamba": 1000},
+                                              "transfer_seconds": {"sum": 2e-6}}}}]}
+
+
+def test_transfer_rate_is_bytes_over_the_time_transfers_ran_not_wall_time():
+    s = summarize(_args(), _cfg(), [_result([1], [5, 6], [7, 8])], [_expected([5, 6], [7, 8])], STATS, wall_s=10.0)
+    assert s["result"] == "PASS" and s["bytes"] == 4000
+    assert s["transfer_GBps"] == pytest.approx(4000 / 2e-6 / 1e9)
+
+
+def test_one_differing_draft_guess_fails_the_check():
+    s = summarize(_args(), _cfg(), [_result([1], [5, 6], [7, 9])], [_expected([5, 6], [7, 8])], STATS, wall_s=1.0)
+    assert s["result"] == "FAIL" and s["mismatches"][0] == {
+        "request": 0, "prompt_tokens": 1, "what": "draft", "first_difference_at": 1, "expected": [7, 8], "got": [7, 9]}
+
+
+def test_a_failed_request_fails_the_run_with_its_reason():
+    s = summarize(_args(), _cfg(), [_result([1], [], [], ok=False, reason="decode: peer gone")],
+                  [_expected([5], [7])], STATS, wall_s=1.0)
+    assert s["result"] == "FAIL" and s["token_check"] == "FAIL" and "request 0: decode: peer gone" in s["problems"]
+
+
+def test_the_table_fits_a_narrow_terminal():
+    from rich.console import Console
+
+    s = summarize(_args(), _cfg(), [_result([1], [5, 6], [7, 8])], [_expected([5, 6], [7, 8])], STATS, wall_s=1.0)
+    buf = io.StringIO()
+    Console(file=buf, width=60).print(table(s))
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 60
+    assert any("PASS" in line and "result" in line for line in lines)
+
+
+def test_prompts_vary_in_length_and_are_the_same_for_a_seed():
+    a, b = prompts(32, seed=3), prompts(32, seed=3)
+    assert a == b and len({len(p) for p in a}) > 10
+    assert min(len(p) for p in a) >= 1 and max(len(p) for p in a) > 64  # some need several prefill chunks

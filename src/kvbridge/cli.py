@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvbridge.demo import add_arguments as add_demo_arguments
 
-    command(sub, "demo", "prefill and decode processes moving verified requests; ends with a table",
+    command(sub, "demo", "prefill and decode servers of a tiny hybrid model; every token checked against a colocated run",
             _lazy("kvbridge.demo"), add_demo_arguments)
 
     from kvbridge.testing.runner import add_arguments as add_conformance_arguments

@@ -40,6 +40,9 @@ class Room:
             raise ValueError(f"room must be an integer in 0 .. 2**64-1, got {room!r}")
         self.room = int(room)
         self.created = time.monotonic()
+        #: ``time.monotonic()`` when the room reached SUCCESS or FAILED (a host's poll loop
+        #: sees it later, by up to one iteration; latencies are measured from this).
+        self.ended: float | None = None
         self._state = Poll.BOOTSTRAPPING
         self._reason: str | None = None
 
@@ -60,10 +63,12 @@ class Room:
         if self.final:
             return False
         if state == Poll.FAILED:
-            self._state, self._reason = Poll.FAILED, reason or "failed"
+            self._state, self._reason, self.ended = Poll.FAILED, reason or "failed", time.monotonic()
             log.warning("room %d failed: %s", self.room, self._reason)
             return True
         if state > self._state:
             self._state = state
+            if state == Poll.SUCCESS:
+                self.ended = time.monotonic()
             return True
         return False

@@ -52,7 +52,7 @@ class Spec(msgspec.Struct, kw_only=True):
     strict: bool = False
     c4_row_tokens: int = 3  # decode host rows; prefill device pages hold PAGE // RATIO = 2 (unaligned)
     timeout: float = 60.0
-    # Sizes: tiny by default (tests); the demo raises them.
+    # Sizes: tiny by default (tests).
     head_dim: int = 2
     pages: int = 40
     max_request_pages: int = 5
