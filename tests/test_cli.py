@@ -66,7 +66,7 @@ def test_a_usage_error_exits_2_with_the_usage_line_and_says_what_is_allowed(args
 @pytest.mark.parametrize("command, default", [
     (["bench", "plan"], "(default: 5)"),
     (["conformance"], "(default: 1.0)"),
-    (["demo"], "(default: 64)"),
+    (["demo"], "(default: 16)"),
 ])
 def test_help_shows_defaults(command, default):
     out = kvb(*command, "--help", columns=200)
