@@ -81,9 +81,6 @@ class Indices:
     def __len__(self) -> int:
         return int(self.array.shape[0])
 
-    def head(self, n: int) -> Indices:
-        """The first ``n`` indices (a view; still checked)."""
-        return Indices(self.array[:n], self.count, self.unique)
-
     def __getitem__(self, key: slice) -> Indices:
+        """A slice (a view; still checked)."""
         return Indices(self.array[key], self.count, self.unique)

@@ -20,6 +20,7 @@ from .layout import Region
 
 __all__ = [
     "Indices",
+    "RegionTable",
     "PlanError",
     "TransferPlan",
     "coalesce_runs",
@@ -140,7 +141,7 @@ class TransferPlan:
             ("source", self.src_addr, src_regions),
             ("destination", self.dst_addr, dst_regions),
         ):
-            inside = _inside_regions(addrs, self.nbytes, regions)
+            inside = RegionTable(regions).locate(addrs, self.nbytes)[1]
             if not inside.all():
                 i = int(np.flatnonzero(~inside)[0])
                 a, n = int(addrs[i]), int(self.nbytes[i])
@@ -200,19 +201,33 @@ def _byte_bounds(nbytes: IntArray, step: int, max_bytes: int) -> list[int]:
     return bounds
 
 
-def _inside_regions(addrs: IntArray, nbytes: IntArray, regions: Sequence[Region]) -> npt.NDArray[np.bool_]:
-    if not regions:
-        return np.zeros(addrs.shape, dtype=bool)
-    starts = np.array([r.addr for r in regions], dtype=np.int64)
-    ends = np.array([r.end for r in regions], dtype=np.int64)
-    order = np.argsort(starts, kind="stable")
-    starts, ends = starts[order], ends[order]
-    # Regions do not overlap (KVArgs checks), so the only candidate is the
-    # last region starting at or before the descriptor.
-    pos = np.searchsorted(starts, addrs, side="right") - 1
-    ok = pos >= 0
-    pos = np.where(ok, pos, 0)
-    return ok & (addrs + nbytes <= ends[pos])
+class RegionTable:
+    """Regions sorted by address, to find which one holds each address of a whole array.
+
+    Regions do not overlap (KVArgs checks), so the only candidate for an
+    address is the last region starting at or before it: one
+    ``searchsorted`` per array. ``vram`` and ``device`` give each region's
+    memory kind and device, in the same (sorted) order.
+    """
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        ordered = sorted(regions, key=lambda r: r.addr)
+        self.starts = np.array([r.addr for r in ordered], np.int64)
+        self.ends = np.array([r.end for r in ordered], np.int64)
+        self.vram = np.array([r.mem == "vram" for r in ordered], bool)
+        self.device = np.array([r.device for r in ordered], np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts.shape[0])
+
+    def locate(self, addrs: IntArray, nbytes: IntArray) -> tuple[IntArray, npt.NDArray[np.bool_]]:
+        """Per descriptor: the index of its region (0 where none) and whether it lies wholly inside it."""
+        if not len(self):
+            return np.zeros(addrs.shape, np.int64), np.zeros(addrs.shape, bool)
+        pos = np.searchsorted(self.starts, addrs, side="right") - 1
+        ok = pos >= 0
+        pos = np.where(ok, pos, 0)
+        return pos, ok & (addrs + nbytes <= self.ends[pos])
 
 
 def _nearest(addr: int, regions: Sequence[Region]) -> str:

@@ -54,6 +54,7 @@ class PrefillManager(TransferManager[Sender]):
         super().__init__(kvargs, backend, config)
         self._pending: dict[int, dict[str, DecodeRequest]] = {}  # requests that arrived before their sender
         self._peers: dict[str, DecodePeer] = {}
+        self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
         router = self.loop.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         port = router.bind_to_random_port(f"tcp://{self.config.host}")
@@ -93,8 +94,7 @@ class PrefillManager(TransferManager[Sender]):
 
     def source_indices(self, space: str, values: npt.ArrayLike) -> Indices:
         """The host's source list for ``space``, checked against this rank's own index space."""
-        declared = {s.name: s.count for s in self.kvargs.index_spaces}
-        return Indices.check(f"source {space} index", values, declared.get(space))
+        return Indices.check(f"source {space} index", values, self._space_counts.get(space))
 
     def notify(self, peer: DecodePeer, msg: P.Message) -> None:
         """Send ``msg`` to decode ``peer`` (any thread)."""

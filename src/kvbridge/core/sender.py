@@ -210,7 +210,7 @@ class Sender(Room):
             "room %d: %s index lists differ (prefill %d, decode %d); sending the first %d",
             self.room, space, len(src), len(dst), n,
         )
-        return src.head(n), dst.head(n)  # views: the request's own lists stay as they are
+        return src[:n], dst[:n]  # views: the request's own lists stay as they are
 
     # -- on the peer's worker thread -------------------------------------------------------
     def _write_chunk(

@@ -30,7 +30,7 @@ import numpy as np
 from . import gpu
 from .backend import Backend, BackendConfig, TransferError, TransferTimeout
 from .layout import Region
-from .plan import TransferPlan
+from .plan import RegionTable, TransferPlan
 from .plugins import PluginError, get_registry, import_object
 from .records import BackendCapabilities, BackendSpec
 
@@ -56,8 +56,7 @@ class Transport:
         self._batch_bytes = self.capabilities.max_bytes_per_batch
         self._regions: list[Region] = []
         self._gpu_peers: dict[str, gpu.GpuPeer] = {}
-        # Local GPU regions, sorted: which device a source address lives on.
-        self._vram = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+        self._vram = RegionTable(())  # local GPU regions: which device a source address lives on
 
     # -- memory -----------------------------------------------------------------------------
     def check_memory(self, regions: Sequence[Region], whose: str) -> None:
@@ -75,9 +74,7 @@ class Transport:
         self.check_memory(regions, "local")
         self.backend.register(regions)
         self._regions = list(regions)
-        vram = sorted((r for r in regions if r.mem == "vram"), key=lambda r: r.addr)
-        self._vram = tuple(np.array(v, np.int64) for v in ([r.addr for r in vram], [r.end for r in vram],
-                                                            [r.device for r in vram]))  # type: ignore[assignment]
+        self._vram = RegionTable([r for r in regions if r.mem == "vram"])
 
     def metadata(self) -> bytes:
         return self.backend.metadata()
@@ -90,7 +87,7 @@ class Transport:
         self.check_memory(regions, f"peer {peer!r}")
         self.backend.add_peer(peer, metadata, regions)
         self._gpu_peers.pop(peer, None)
-        if self.fast_path and local_metadata and len(self._vram[0]):
+        if self.fast_path and local_metadata and len(self._vram):
             try:
                 mapped = gpu.open_peer(local_metadata)
             except Exception as exc:  # the backend path still works
@@ -144,18 +141,16 @@ class Transport:
 
     def _copy_on_gpu(self, peer: str, mapped: gpu.GpuPeer, plan: TransferPlan, deadline: float) -> TransferPlan:
         """Copy the descriptors GPU -> mapped peer GPU with the kernel; return the rest for the backend."""
-        starts, ends, devices = self._vram
-        pos = np.searchsorted(starts, plan.src_addr, side="right") - 1
-        safe = np.maximum(pos, 0)
-        from_gpu = (pos >= 0) & (plan.src_addr + plan.nbytes <= ends[safe])
+        region, from_gpu = self._vram.locate(plan.src_addr, plan.nbytes)
         into, dst = mapped.translate(plan.dst_addr, plan.nbytes)
         fast = from_gpu & into
         if not fast.any():
             return plan
         if time.monotonic() >= deadline:
             raise TransferTimeout(f"{self.name}: write to peer {peer!r} passed its deadline before it started")
-        for device in np.unique(devices[safe[fast]]).tolist():
-            on = fast & (devices[safe] == device)
+        devices = self._vram.device[region]
+        for device in np.unique(devices[fast]).tolist():
+            on = fast & (devices == device)
             try:
                 gpu.copy(int(device), plan.src_addr[on], dst[on], plan.nbytes[on])
             except Exception as exc:

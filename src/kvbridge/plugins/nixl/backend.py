@@ -129,7 +129,7 @@ import numpy.typing as npt
 
 from kvbridge.core.backend import Backend, BackendConfig, TransferError, TransferTimeout
 from kvbridge.core.layout import Region
-from kvbridge.core.plan import TransferPlan
+from kvbridge.core.plan import RegionTable, TransferPlan
 from kvbridge.core.records import BackendCapabilities
 
 from . import CAPABILITIES
@@ -269,27 +269,11 @@ def _expand(first: npt.NDArray[np.int64], pages: npt.NDArray[np.int64]) -> npt.N
     return (np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(first - (ends - pages), pages)).astype(np.int32)
 
 
-class _Kinds:
-    """Which memory (NIXL's "DRAM"/"VRAM") and device each address of one side's regions is in."""
-
-    def __init__(self, regions: Sequence[Region]) -> None:
-        ordered = sorted(regions, key=lambda r: r.addr)
-        self.starts = np.array([r.addr for r in ordered], np.int64)
-        self.vram = np.array([r.mem == "vram" for r in ordered], bool)
-        self.device = np.array([r.device for r in ordered], np.uint64)
-        self.uniform = bool(self.vram.all() or not self.vram.any())
-
-    def of(self, addr: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.uint64]]:
-        """Per address: in GPU memory?, device id (addresses are inside regions: core checked)."""
-        pos = np.maximum(np.searchsorted(self.starts, addr, side="right") - 1, 0)
-        return self.vram[pos], self.device[pos]
-
-
 def _mem(vram: bool) -> str:
     return "VRAM" if vram else "DRAM"
 
 
-_Side = tuple[bool, npt.NDArray[np.uint64]]  # (GPU memory?, device id per descriptor)
+_Side = tuple[bool, npt.NDArray[np.int64]]  # (GPU memory?, device id per descriptor)
 
 
 @dataclass
@@ -297,7 +281,7 @@ class _Peer:
     name: str  # kvbridge's peer id
     agent: str  # the NIXL agent name add_remote_agent returned
     table: PageTable | None  # None when the peer registered no regions, or they mix memory kinds
-    kinds: _Kinds
+    regions: RegionTable  # its regions: which memory kind and device each destination is in
     writes: int = 0  # writes in progress (guarded by the backend's lock)
     retired: bool = False  # removed while a write was in progress; released by the last write
     forget_agent: bool = True  # whether retiring also unloads the remote agent
@@ -332,7 +316,7 @@ class NixlBackend(Backend):
         self._peers: dict[str, _Peer] = {}
         self._registered: list[Region] = []
         self._reg_descs: list[Any] = []
-        self._kinds = _Kinds(())
+        self._local_regions = RegionTable(())
         self._local: PageTable | None = None
         self._stuck: list[nixl_xfer_handle] = []  # requests NIXL refused to cancel at a deadline
         log.debug("nixl agent %s up: progress delay %d us, UCX %s, xfer mode %s",
@@ -346,7 +330,7 @@ class NixlBackend(Backend):
 
     def _prep(self, agent_name: str, regions: Sequence[Region]) -> PageTable | None:
         """The prepared page table of ``regions``, or None if they mix memory kinds (``descs`` mode then)."""
-        if not regions or not _Kinds(regions).uniform:
+        if not regions or len({r.mem for r in regions}) > 1:
             return None
         agent = self._live_agent()
         rows, index = PageTable.rows(regions)
@@ -356,7 +340,7 @@ class NixlBackend(Backend):
     def register(self, regions: Sequence[Region]) -> None:
         """Register every region with the agent (per memory kind) and prepare the local page table."""
         agent = self._live_agent()
-        self._kinds = _Kinds(regions)
+        self._local_regions = RegionTable(regions)
         if not regions:
             return
         try:
@@ -400,7 +384,7 @@ class NixlBackend(Backend):
             ) from exc
         with self._lock:
             old = self._peers.pop(peer, None)
-            self._peers[peer] = _Peer(peer, agent_name, table, _Kinds(regions))
+            self._peers[peer] = _Peer(peer, agent_name, table, RegionTable(regions))
         if old is not None:
             self._retire(old, forget_agent=old.agent != agent_name)
 
@@ -487,12 +471,15 @@ class NixlBackend(Backend):
         self._live_agent()
         with self._using(peer) as p:
             # A NIXL descriptor list holds one memory kind: one request per (source, destination) kind.
-            src_vram, src_dev = self._kinds.of(batch.src_addr)
-            dst_vram, dst_dev = p.kinds.of(batch.dst_addr)
-            for sv, dv in {(bool(a), bool(b)) for a, b in zip(*np.unique(np.stack([src_vram, dst_vram]), axis=1))}:
-                pick = (src_vram == sv) & (dst_vram == dv)
+            # (core checked every descriptor lies inside a region of each side)
+            src = self._local_regions.locate(batch.src_addr, batch.nbytes)[0]
+            dst = p.regions.locate(batch.dst_addr, batch.nbytes)[0]
+            kinds = 2 * self._local_regions.vram[src] + p.regions.vram[dst]  # 0..3: (source, destination) in VRAM?
+            for kind in np.unique(kinds).tolist():
+                pick = kinds == kind
                 sub = batch if pick.all() else TransferPlan(batch.src_addr[pick], batch.dst_addr[pick], batch.nbytes[pick])
-                self._post(p, sub, (sv, src_dev[pick]), (dv, dst_dev[pick]), deadline)
+                self._post(p, sub, (kind >= 2, self._local_regions.device[src[pick]]),
+                           (kind % 2 == 1, p.regions.device[dst[pick]]), deadline)
 
     def _post(self, p: _Peer, batch: TransferPlan, src: _Side, dst: _Side, deadline: float) -> None:
         """One WRITE request: create, post, poll until DONE, ERR or ``deadline``, release."""
