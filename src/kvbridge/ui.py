@@ -177,6 +177,18 @@ class Tracker:
             )
             self._task = self._bar.add_task(description, total=self.total or None, note="")
 
+    def stage(self, what: str | None) -> None:
+        """A step before the counted work starts (``"starting servers"``); None: it is over, and
+        elapsed time and ETA count from now."""
+        if what is None:
+            self._t0 = self._last_line = _clock()
+        text = f"{self.description}: {what}" if what else self.description
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, description=text)
+        elif what and self.file is not None:
+            self.file.write(text + "\n")
+            self.file.flush()
+
     def advance(self, steps: int = 1, note: str | None = None) -> None:
         """``steps`` more are done; ``note`` (e.g. ``"1 failed"``) replaces the last one."""
         self.update(self.completed + steps, note)

@@ -29,6 +29,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from kvbridge import ui
 from kvbridge.config import TransferConfig, add_transfer_args
 
 __all__ = ["add_arguments", "run_from_args", "prompts"]
@@ -408,60 +409,6 @@ def _environment_problem(device: str) -> str | None:
     return None
 
 
-class Progress:
-    """Progress on stderr as docs/cli.md describes: a rich bar on a terminal, elsewhere one line
-    per quarter (``demo: 8/16 requests, 0 failed, 2.1 s elapsed, ETA 2 s``).
-
-    The same calls as ``kvbridge.ui.progress`` (issue 15); this goes once that is on this branch.
-    """
-
-    def __init__(self, total: int, unit: str, description: str, file: IO[str]) -> None:
-        self.total, self.unit, self.description, self.file = total, unit, description, file
-        self.done, self.note, self.t0, self.quarter = 0, "", time.monotonic(), 0
-        self.bar: Any = None
-        if file.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-            from rich.progress import Progress as Bar
-
-            self.bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
-                           TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                           TimeRemainingColumn(), console=Console(file=file))
-            self.task = self.bar.add_task(description, total=total, note="")
-
-    def __enter__(self) -> Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def stage(self, what: str | None) -> None:
-        """A step before the counted work starts (None: it is over)."""
-        if what is None:
-            self.t0 = time.monotonic()  # elapsed time and ETA count the work itself
-        if self.bar is not None:
-            self.bar.update(self.task, description=f"{self.description}: {what}" if what else self.description)
-        elif what:
-            print(f"{self.description}: {what}", file=self.file, flush=True)
-
-    def update(self, done: int, note: str | None = None) -> None:
-        self.done, self.note = max(self.done, done), self.note if note is None else note
-        if self.bar is not None:
-            self.bar.update(self.task, completed=self.done, note=self.note)
-        elif self.total and 4 * self.done // self.total > self.quarter:
-            self.quarter = 4 * self.done // self.total
-            elapsed = time.monotonic() - self.t0
-            eta = elapsed / self.done * (self.total - self.done)
-            print(f"{self.description}: {self.done}/{self.total} {self.unit}, {self.note}, {elapsed:.1f} s elapsed, "
-                  f"ETA {eta:.0f} s", file=self.file, flush=True)
-
-    def advance(self, steps: int = 1, note: str | None = None) -> None:
-        self.update(self.done + steps, note)
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     parser = getattr(args, "demo_parser", None)
     cfg = TransferConfig.from_args(args, parser)  # the backend and its options, checked together; exits 2
@@ -477,7 +424,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        with Progress(args.requests, "requests", "demo", sys.stderr) as progress:
+        with ui.progress(args.requests, "requests", description="demo") as progress:
             summary = run(args, cfg, progress)
     except (KeyboardInterrupt, Stopped) as exc:
         print("kvbridge demo: interrupted; every process it started has been stopped", file=sys.stderr)
