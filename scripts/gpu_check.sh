@@ -3,7 +3,8 @@
 #
 # Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
-# Writes gpu-tests.log, bench.txt and bench.json to $OUT (default ./gpu-out).
+# Writes gpu-tests.log, kernel.{txt,json}, bench.{txt,json} and demo.txt to $OUT (default ./gpu-out).
+# KERNEL_TUNE=1 also tries several tile sizes and warp counts for the copy kernel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -14,14 +15,18 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     || { echo "gpu_check: installing the carried wheels failed" >&2; exit 1; }
   export PYTHONPATH=/tmp/kvb-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # this checkout's code (a carried wheel may be older)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import sys, torch, triton, kvbridge; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'kvbridge', kvbridge.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
 python3 -m kvbridge.cli plugins | tee -a "$OUT/machine.txt"
 rc=0
 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py "tests/test_conformance.py::TestNixl::test_gpu_memory_pages_arrive_byte_exact" \
   2>&1 | tee "$OUT/gpu-tests.log" || rc=1
+python3 benchmarks/gpu_kernel_bench.py --json ${KERNEL_TUNE:+--tune} > "$OUT/kernel.json" 2> "$OUT/kernel.txt" || rc=1
+tail -20 "$OUT/kernel.txt"
 python3 -m kvbridge.cli bench transfer --device cuda --json "$@" > "$OUT/bench.json" 2> "$OUT/bench.txt" || rc=1
 tail -30 "$OUT/bench.txt"
+python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 | tee "$OUT/demo.txt" | tail -25 || rc=1
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   python3 -m kvbridge.cli bench transfer --device cuda --decode-gpu 1 --page-kib 16 64 --total-mib 1024 --json \
     > "$OUT/bench-2gpu.json" 2> "$OUT/bench-2gpu.txt" || rc=1

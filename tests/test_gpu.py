@@ -32,33 +32,50 @@ def descriptors(rng: np.random.Generator, src: np.ndarray, dst: np.ndarray, coun
     return src_off, dst_off[order], sizes[order]
 
 
-@pytest.mark.parametrize("unit, longest", [(8, 64 << 10), (2, 256), (1, 33), (4, 20000), (8, 8)])
-def test_the_kernels_work_split_copies_every_byte_once_to_its_place(unit, longest):
+# (16 KiB, 64 KiB): whole pieces (TILE 8-byte elements) of unequal descriptors, the masked-by-piece case.
+@pytest.mark.parametrize("unit, longest", [(8, 64 << 10), (2, 256), (1, 33), (4, 20000), (8, 8), (16, 4096), (16 << 10, 64 << 10)])
+def test_the_kernels_work_split_and_translation_copy_every_byte_once_to_its_place(unit, longest):
+    # The destination buffer stands for a peer's memory mapped at another address: descriptors carry
+    # the peer's addresses (dst_base), the reference translates them through the mapping as the kernel does.
     rng = np.random.default_rng(unit * longest)
     src = rng.integers(0, 256, 4 << 20, dtype=np.uint8)
     count = 300
     src_off, dst_off, sizes = descriptors(rng, src, np.empty(0), count, unit, longest)
     dst = np.zeros(int(sizes.sum()) + 64, np.uint8)
-    gpu.execute_on_host(src.ctypes.data + src_off, dst.ctypes.data + dst_off, sizes)
+    dst_base = 1 << 44  # the peer's address of dst[0]
+    peer = gpu.GpuPeer(np.array([dst_base], np.int64), np.array([dst_base + dst.nbytes], np.int64),
+                       np.array([dst.ctypes.data - dst_base], np.int64))
+    gpu.execute_on_host(src.ctypes.data + src_off, dst_base + dst_off, sizes, peer)
     want = np.zeros_like(dst)
     for s, d, n in zip(src_off, dst_off, sizes):
         want[d:d + n] = src[s:s + n]
     np.testing.assert_array_equal(dst, want)
 
 
-def test_element_width_is_the_widest_that_divides_every_address_and_size():
+@pytest.mark.parametrize("allocations", [1, 2, 3, 7, 8, 9, 122])
+def test_the_kernels_binary_search_finds_the_allocation_holding_each_address(allocations):
+    rng = np.random.default_rng(allocations)
+    starts = np.sort(rng.choice(1 << 40, allocations, replace=False)).astype(np.int64) * 4096
+    ends = starts + 4096
+    deltas = rng.integers(-(1 << 30), 1 << 30, allocations).astype(np.int64) * 8
+    which = rng.integers(0, allocations, 5000)
+    addr = starts[which] + rng.integers(0, 4096, 5000)
+    np.testing.assert_array_equal(gpu.kernel_translate(addr, starts, deltas), addr + deltas[which])
+    peer = gpu.GpuPeer(starts, ends, deltas)
+    assert peer.inside(addr, np.ones_like(addr)).all()
+    assert not peer.inside(starts[which], np.full_like(addr, 4097)).any()  # runs past its allocation's end
+
+
+def test_the_launch_shape_takes_the_widest_element_that_divides_every_address_and_size():
     a = np.array([0x1000, 0x2000], np.int64)
-    assert gpu.element_width(a, a + 64, np.array([64, 128])) == 8
-    assert gpu.element_width(a, a + 4, np.array([64, 128])) == 4
-    assert gpu.element_width(a, a, np.array([6, 128])) == 2
-    assert gpu.element_width(a + 1, a, np.array([64, 128])) == 1
-
-
-def test_pieces_of_a_descriptor_are_consecutive_and_cover_it():
-    desc, off = gpu.work_items(np.array([5, 1, 12]), 4)
-    assert desc.tolist() == [0, 0, 1, 2, 2, 2] and off.tolist() == [0, 4, 0, 0, 4, 8]
-    assert gpu.tiling(np.array([3])) == (4, gpu.TILE // 4)
-    assert gpu.tiling(np.array([10**6])) == (gpu.TILE, 1)
+    # 16 elements of 8 bytes per piece; a 64-byte size is only half a piece: pieces need a mask
+    assert gpu.shape(a, a + 64, np.array([64, 128])) == gpu.Shape(8, 16, 1, gpu.TILE // 16, True, False)
+    assert gpu.shape(a, a + 64, np.array([256, 256])).even  # equal sizes: whole pieces
+    assert gpu.shape(a, a + 4, np.array([64, 128])).width == 4
+    assert gpu.shape(a, a, np.array([6, 128])).width == 2
+    assert gpu.shape(a + 1, a, np.array([64, 128])).width == 1
+    big = gpu.shape(a, a, np.array([1 << 20, 8]))  # 131072 elements: TILE-element pieces, 64 per descriptor
+    assert (big.chunk, big.pieces, big.rows, big.even) == (gpu.TILE, (1 << 17) // gpu.TILE, 1, False)
 
 
 def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():
@@ -77,6 +94,32 @@ def test_the_fast_path_is_refused_when_switched_off():
 
 
 # -- VRAM end to end, on a CUDA machine -----------------------------------------------------------------
+@pytest.mark.skipif(not gpu.available(), reason="needs a CUDA device visible to torch; this machine has none")
+@pytest.mark.parametrize("unit, longest", [(16 << 10, 64 << 10), (8, 64 << 10), (2, 300), (1 << 20, 4 << 20)])
+def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocations(unit, longest):
+    # In one process: the "peer" is three tensors known by fake addresses 2**44 + ..., translated by the
+    # kernel's search; unequal descriptor lengths, whole pieces (even) and masked ones.
+    import torch
+
+    rng = np.random.default_rng(unit)
+    src = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8, device="cuda")
+    count = 40
+    sizes = rng.integers(1, longest // unit + 1, count) * unit
+    parts = [torch.zeros(int(sizes.sum()) + 4096, dtype=torch.uint8, device="cuda") for _ in range(3)]
+    fake = [(1 << 44) + i * (1 << 36) for i in range(3)]
+    peer = gpu.GpuPeer(np.array(fake, np.int64), np.array([f + p.numel() for f, p in zip(fake, parts)], np.int64),
+                       np.array([p.data_ptr() - f for f, p in zip(fake, parts)], np.int64))
+    which = rng.integers(0, 3, count)
+    dst_off = np.concatenate(([0], np.cumsum(sizes)[:-1]))[rng.permutation(count)]
+    src_off = rng.integers(0, (src.numel() - longest) // unit, count) * unit
+    gpu.copy(0, src.data_ptr() + src_off, np.array(fake, np.int64)[which] + dst_off, sizes.astype(np.int64), peer)
+    want = [torch.zeros_like(p) for p in parts]
+    for w, s, d, n in zip(which, src_off, dst_off, sizes):
+        want[w][d:d + n] = src[s:s + n]
+    for got, exp in zip(parts, want):
+        assert torch.equal(got, exp)
+
+
 class TestGpuEndToEnd(BackendHarness):
     backend = "nixl"
 

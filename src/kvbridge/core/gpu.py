@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -35,7 +35,10 @@ import numpy.typing as npt
 
 from .layout import Region
 
-__all__ = ["GpuPeer", "available", "boot_id", "copy", "element_width", "execute_on_host", "local_metadata", "open_peer", "work_items"]
+__all__ = [
+    "GpuPeer", "Shape", "available", "boot_id", "copy", "execute_on_host", "kernel_translate", "local_metadata", "open_peer",
+    "shape",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,43 +47,65 @@ TILE = 2048  # elements one kernel program copies
 
 
 # -- the work split (numpy; tested on CPU) ------------------------------------------------------------
-def element_width(src: IntArray, dst: IntArray, nbytes: IntArray) -> int:
-    """The widest element (8, 4, 2 or 1 bytes) every address and size is a multiple of."""
+class Shape(NamedTuple):
+    """How one launch splits descriptors: element ``width`` in bytes, ``chunk`` elements per piece,
+    ``pieces`` per descriptor (of the longest), ``rows`` pieces per program (rows x chunk = :data:`TILE`);
+    ``align16``: every address and size is a multiple of 16 bytes; ``even``: every size is a multiple of a
+    piece, so no piece needs a per-element mask (the kernel then moves 16-byte vectors)."""
+
+    width: int
+    chunk: int
+    pieces: int
+    rows: int
+    align16: bool
+    even: bool
+
+
+def shape(src: IntArray, dst: IntArray, nbytes: IntArray) -> Shape:
+    """The launch shape of a descriptor set: the widest element every address and size is a multiple of."""
     if not len(nbytes):
-        return 8
-    bits = int(np.bitwise_or.reduce(np.concatenate([src, dst, nbytes]) & 7))
-    for width in (8, 4, 2):
-        if bits % width == 0:
-            return width
-    return 1
+        return Shape(8, 1, 1, TILE, True, True)
+    size_bits = int(np.bitwise_or.reduce(nbytes))
+    bits = int(np.bitwise_or.reduce(src) | np.bitwise_or.reduce(dst)) | size_bits
+    width = next(w for w in (8, 4, 2, 1) if bits % w == 0)
+    longest = max(1, int(nbytes.max()) // width)
+    chunk = min(TILE, 1 << (longest - 1).bit_length())
+    # the largest power of two dividing every size, against a piece's bytes
+    even = (size_bits & -size_bits) >= chunk * width
+    return Shape(width, chunk, -(-longest // chunk), TILE // chunk, bits % 16 == 0, even)
 
 
-def work_items(elems: IntArray, chunk: int) -> tuple[IntArray, IntArray]:
-    """``(descriptor, element offset)`` of every ``chunk``-element piece of every descriptor."""
-    pieces = -(-elems // chunk)
-    total = int(pieces.sum())
-    desc = np.repeat(np.arange(len(elems), dtype=np.int64), pieces)
-    first = np.cumsum(pieces) - pieces
-    offset = (np.arange(total, dtype=np.int64) - np.repeat(first, pieces)) * chunk
-    return desc, offset
+def search_steps(allocations: int) -> int:
+    """Steps of the kernel's branchless binary search over ``allocations`` sorted starts (none for one)."""
+    return (allocations - 1).bit_length()
 
 
-def tiling(elems: IntArray) -> tuple[int, int]:
-    """``(chunk, rows)``: elements per piece and pieces per program (rows x chunk = :data:`TILE`)."""
-    longest = int(elems.max()) if len(elems) else 1
-    chunk = min(TILE, 1 << max(0, (longest - 1).bit_length()))
-    return chunk, TILE // chunk
+def kernel_translate(dst: IntArray, starts: IntArray, deltas: IntArray) -> IntArray:
+    """The kernel's address translation (last start <= address, by halving steps) in numpy."""
+    pos = np.zeros(dst.shape, np.int64)
+    steps = search_steps(len(starts))
+    for i in range(steps):
+        cand = pos + (1 << (steps - 1 - i))
+        ok = cand < len(starts)
+        take = ok & (starts[np.minimum(cand, len(starts) - 1)] <= dst)
+        pos = np.where(take, cand, pos)
+    return dst + deltas[pos]
 
 
-def execute_on_host(src: IntArray, dst: IntArray, nbytes: IntArray) -> None:
-    """The kernel's work split run with ``ctypes.memmove`` on host memory: the CPU reference."""
-    width = element_width(src, dst, nbytes)
-    elems = nbytes // width
-    chunk, _ = tiling(elems)
-    desc, off = work_items(elems, chunk)
-    count = np.minimum(elems[desc] - off, chunk) * width
-    for d, o, n in zip(desc.tolist(), (off * width).tolist(), count.tolist()):
-        ctypes.memmove(int(dst[d]) + o, int(src[d]) + o, n)
+def execute_on_host(src: IntArray, dst: IntArray, nbytes: IntArray, peer: GpuPeer) -> None:
+    """The kernel's work split and translation run with ``ctypes.memmove`` on host memory: the CPU reference."""
+    sh = shape(src, dst, nbytes)
+    piece = np.arange(len(nbytes) * sh.pieces, dtype=np.int64)  # every (descriptor, piece), as the programs do
+    d, first = piece // sh.pieces, (piece % sh.pieces) * sh.chunk * sh.width
+    piece_bytes = sh.chunk * sh.width
+    if sh.even:  # the kernel's per-piece mask: a piece is copied whole or not at all
+        size = np.where(first < nbytes[d], piece_bytes, 0)
+    else:
+        size = np.minimum(nbytes[d] - first, piece_bytes)
+    target = kernel_translate(dst, peer.starts, peer.delta)
+    for i, o, n in zip(d.tolist(), first.tolist(), size.tolist()):
+        if n > 0:
+            ctypes.memmove(int(target[i]) + o, int(src[i]) + o, n)
 
 
 # -- CUDA driver calls (ctypes: the C ABI is stable) ------------------------------------------------
@@ -174,17 +199,32 @@ def local_metadata(regions: Sequence[Region]) -> bytes:
 
 
 class GpuPeer:
-    """A peer's GPU allocations mapped into this process: translates its addresses to ours."""
+    """A peer's GPU allocations mapped into this process (sorted by the peer's address)."""
 
     def __init__(self, starts: IntArray, ends: IntArray, delta: IntArray) -> None:
         self.starts, self.ends, self.delta = starts, ends, delta
+        self._tables: dict[int, tuple[Any, Any]] = {}
 
-    def translate(self, dst: IntArray, nbytes: IntArray) -> tuple[npt.NDArray[np.bool_], IntArray]:
-        """Which descriptors land in mapped peer memory, and their destination addresses here."""
+    def inside(self, dst: IntArray, nbytes: IntArray) -> npt.NDArray[np.bool_]:
+        """Which descriptors land wholly inside one mapped allocation."""
         pos = np.searchsorted(self.starts, dst, side="right") - 1
-        safe = np.maximum(pos, 0)
-        inside = (pos >= 0) & (dst + nbytes <= self.ends[safe])
-        return inside, dst + self.delta[safe]
+        return (pos >= 0) & (dst + nbytes <= self.ends[np.maximum(pos, 0)])
+
+    def covers(self, regions: Sequence[Region]) -> bool:
+        """Whether every one of ``regions`` (the peer's) lies inside a mapped allocation."""
+        if not regions:
+            return True
+        addr = np.array([r.addr for r in regions], np.int64)
+        return bool(self.inside(addr, np.array([r.nbytes for r in regions], np.int64)).all())
+
+    def on_device(self, device: int) -> tuple[Any, Any]:
+        """The kernel's translation table (starts, deltas) as tensors on ``device``."""
+        if device not in self._tables:
+            import torch
+
+            self._tables[device] = (torch.from_numpy(self.starts).to(f"cuda:{device}"),
+                                    torch.from_numpy(self.delta).to(f"cuda:{device}"))
+        return self._tables[device]
 
 
 def open_peer(metadata: bytes) -> GpuPeer | None:
@@ -218,6 +258,10 @@ def open_peer(metadata: bytes) -> GpuPeer | None:
 
 # -- the kernel ---------------------------------------------------------------------------------------
 _kernel: Any = None
+#: Descriptors per kernel launch at most: a write's later slices are packed and sent while earlier
+#: ones are copied, so the host's per-descriptor work hides behind the copy.
+SLICE_BYTES = 128 << 20
+NUM_WARPS = 8
 
 
 def _compile() -> Any:
@@ -225,44 +269,101 @@ def _compile() -> Any:
     import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
     @triton.jit
-    def copy_pieces(src_tab, dst_tab, len_tab, piece_desc, piece_off, pieces,
-                    ROWS: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr):
-        # One program copies ROWS pieces of CHUNK elements; a piece is part of one descriptor.
+    def copy_pieces(tab, count, starts, deltas, allocs, PIECES: tl.constexpr, ROWS: tl.constexpr,
+                    CHUNK: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr, STEPS: tl.constexpr,
+                    ALIGN16: tl.constexpr, EVEN: tl.constexpr):
+        # ``tab`` holds ``count`` sources, then destinations (peer addresses), then sizes in bytes.
+        # Piece p is elements [(p % PIECES) * CHUNK, +CHUNK) of descriptor p // PIECES; one program
+        # copies ROWS pieces. A destination is translated into this process through the peer's
+        # mapped allocations (sorted starts, deltas): a branchless binary search of STEPS steps.
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        live = rows < pieces
-        d = tl.load(piece_desc + rows, mask=live, other=0)
-        first = tl.load(piece_off + rows, mask=live, other=0)
-        n = tl.load(len_tab + d, mask=live, other=0)
-        s = tl.load(src_tab + d, mask=live, other=0).to(tl.pointer_type(DTYPE))
-        t = tl.load(dst_tab + d, mask=live, other=0).to(tl.pointer_type(DTYPE))
+        live = rows < count * PIECES
+        d = rows // PIECES
+        first = (rows % PIECES) * CHUNK
+        s = tl.load(tab + d, mask=live, other=0)
+        t = tl.load(tab + count + d, mask=live, other=0)
+        n = tl.load(tab + 2 * count + d, mask=live, other=0) // WIDTH
+        pos = tl.zeros_like(t)
+        for i in tl.static_range(STEPS):
+            cand = pos + (1 << (STEPS - 1 - i))
+            ok = live & (cand < allocs)
+            start = tl.load(starts + cand, mask=ok, other=0)
+            pos = tl.where(ok & (start <= t), cand, pos)
+        t += tl.load(deltas + pos, mask=live, other=0)
+        if ALIGN16:
+            s = tl.multiple_of(s, 16)
+            t = tl.multiple_of(t, 16)
+        sp = s.to(tl.pointer_type(DTYPE))
+        tp = t.to(tl.pointer_type(DTYPE))
         idx = first[:, None] + tl.arange(0, CHUNK)[None, :]
-        mask = live[:, None] & (idx < n[:, None])
-        tl.store(t[:, None] + idx, tl.load(s[:, None] + idx, mask=mask), mask=mask)
+        if EVEN:  # whole pieces: a mask constant along each piece, so loads and stores vectorise
+            mask = (live & (first < n))[:, None]
+        else:
+            mask = live[:, None] & (idx < n[:, None])
+        tl.store(tp[:, None] + idx, tl.load(sp[:, None] + idx, mask=mask), mask=mask)
 
     return copy_pieces
 
 
-def copy(device: int, src: IntArray, dst: IntArray, nbytes: IntArray) -> None:
-    """Copy every descriptor on ``device`` with one kernel launch; return once the bytes have landed."""
+class _Staging(threading.local):
+    """Per thread and device: a stream, and pinned/device buffers for descriptor tables (grown as needed)."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[int, tuple[Any, Any, Any]] = {}
+
+    def get(self, device: int, words: int) -> tuple[Any, Any, Any]:
+        import torch
+
+        stream, host, dev = self.by_device.get(device, (None, None, None))
+        if stream is None:
+            stream = torch.cuda.Stream(device)
+        if host is None or host.numel() < words:
+            words = max(words, 1 << 16)
+            host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+            dev = torch.empty(words, dtype=torch.int64, device=f"cuda:{device}")
+        self.by_device[device] = stream, host, dev
+        return stream, host, dev
+
+
+_staging = _Staging()
+
+
+def copy(device: int, src: IntArray, dst: IntArray, nbytes: IntArray, peer: GpuPeer) -> None:
+    """Copy every descriptor into ``peer``'s mapped memory on ``device``; return once the bytes have landed.
+
+    ``dst`` holds the peer's own addresses; the kernel translates them. The
+    descriptors must lie in local GPU memory of ``device`` and in the peer's
+    mapped allocations (core checked both).
+    """
     global _kernel
-    if not len(nbytes):
+    count = len(nbytes)
+    if not count:
         return
     import torch
     import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
     if _kernel is None:
         _kernel = _compile()
-    width = element_width(src, dst, nbytes)
-    elems = nbytes // width
-    chunk, rows = tiling(elems)
-    desc, off = work_items(elems, chunk)
-    dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[width]
+    sh = shape(src, dst, nbytes)
+    dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[sh.width]
     _on_device(device)
-    dev = torch.device("cuda", device)
-    host = torch.from_numpy(np.concatenate([src, dst, elems, desc, off]))
-    table = host.pin_memory().to(dev, non_blocking=True)
-    n = len(nbytes)
-    grid = (-(-len(desc) // rows),)
-    _kernel[grid](table[:n], table[n:2 * n], table[2 * n:3 * n], table[3 * n:3 * n + len(desc)], table[3 * n + len(desc):],
-                  len(desc), ROWS=rows, CHUNK=chunk, DTYPE=dtype, num_warps=8)
-    torch.cuda.current_stream(dev).synchronize()
+    starts, deltas = peer.on_device(device)
+    # Slices of about SLICE_BYTES: pack slice k+1 on the CPU while the GPU copies slice k.
+    per = max(1, min(count, int(SLICE_BYTES // max(1, int(nbytes[0])))))
+    stream, host, dev = _staging.get(device, 3 * count)
+    h = host.numpy()
+    with torch.cuda.stream(stream):
+        for lo in range(0, count, per):
+            hi = min(count, lo + per)
+            m = hi - lo
+            base = 3 * lo
+            h[base:base + m] = src[lo:hi]
+            h[base + m:base + 2 * m] = dst[lo:hi]
+            h[base + 2 * m:base + 3 * m] = nbytes[lo:hi]
+            table = dev[base:base + 3 * m]
+            table.copy_(host[base:base + 3 * m], non_blocking=True)
+            grid = (-(-m * sh.pieces // sh.rows),)
+            _kernel[grid](table, m, starts, deltas, len(peer.starts), PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk,
+                          WIDTH=sh.width, DTYPE=dtype, STEPS=search_steps(len(peer.starts)), ALIGN16=sh.align16,
+                          EVEN=sh.even, num_warps=NUM_WARPS)
+        stream.synchronize()

@@ -55,7 +55,8 @@ class Transport:
         self._batch_descriptors = self.capabilities.batch_descriptors
         self._batch_bytes = self.capabilities.max_bytes_per_batch
         self._regions: list[Region] = []
-        self._gpu_peers: dict[str, gpu.GpuPeer] = {}
+        # peer -> (its mapped GPU allocations, the one local device when every descriptor qualifies)
+        self._gpu_peers: dict[str, tuple[gpu.GpuPeer, int | None]] = {}
         self._vram = RegionTable(())  # local GPU regions: which device a source address lives on
 
     # -- memory -----------------------------------------------------------------------------
@@ -94,7 +95,10 @@ class Transport:
                 log.warning("GPU fast path to peer %r unavailable: %s", peer, exc)
                 mapped = None
             if mapped is not None:
-                self._gpu_peers[peer] = mapped
+                # Every local region on one GPU and every peer region mapped: no descriptor needs sorting.
+                devices = {r.device for r in self._regions}
+                whole = len(self._vram) == len(self._regions) and len(devices) == 1 and mapped.covers(regions)
+                self._gpu_peers[peer] = mapped, (devices.pop() if whole else None)
                 log.info("GPU fast path on for peer %r", peer)
 
     def remove_peer(self, peer: str) -> None:
@@ -120,9 +124,9 @@ class Transport:
         further batch is started) and passes on the backend's
         :class:`TransferError`, saying how much had landed before.
         """
-        mapped = self._gpu_peers.get(peer)
-        if mapped is not None:
-            plan = self._copy_on_gpu(peer, mapped, plan, deadline)
+        route = self._gpu_peers.get(peer)
+        if route is not None:
+            plan = self._copy_on_gpu(peer, *route, plan, deadline)
         batches = self.batches(plan)
         landed = 0
         for i, batch in enumerate(batches):
@@ -139,24 +143,32 @@ class Transport:
                 raise type(exc)(f"{exc} (batch {i + 1} of {len(batches)}; the {i} before it, {landed} B, landed)") from exc
             landed += batch.total_bytes
 
-    def _copy_on_gpu(self, peer: str, mapped: gpu.GpuPeer, plan: TransferPlan, deadline: float) -> TransferPlan:
+    def _copy_on_gpu(
+        self, peer: str, mapped: gpu.GpuPeer, device: int | None, plan: TransferPlan, deadline: float
+    ) -> TransferPlan:
         """Copy the descriptors GPU -> mapped peer GPU with the kernel; return the rest for the backend."""
-        region, from_gpu = self._vram.locate(plan.src_addr, plan.nbytes)
-        into, dst = mapped.translate(plan.dst_addr, plan.nbytes)
-        fast = from_gpu & into
-        if not fast.any():
-            return plan
         if time.monotonic() >= deadline:
             raise TransferTimeout(f"{self.name}: write to peer {peer!r} passed its deadline before it started")
-        devices = self._vram.device[region]
-        for device in np.unique(devices[fast]).tolist():
-            on = fast & (devices == device)
+        if device is not None:  # every descriptor qualifies (decided per region at add_peer)
+            groups = [(device, plan)]
+            rest = TransferPlan.empty()
+        else:
+            region, from_gpu = self._vram.locate(plan.src_addr, plan.nbytes)
+            fast = from_gpu & mapped.inside(plan.dst_addr, plan.nbytes)
+            if not fast.any():
+                return plan
+            devices = self._vram.device[region]
+            groups = []
+            for dev in np.unique(devices[fast]).tolist():
+                on = fast & (devices == dev)
+                groups.append((int(dev), TransferPlan(plan.src_addr[on], plan.dst_addr[on], plan.nbytes[on])))
+            rest = TransferPlan(plan.src_addr[~fast], plan.dst_addr[~fast], plan.nbytes[~fast])
+        for dev, part in groups:
             try:
-                gpu.copy(int(device), plan.src_addr[on], dst[on], plan.nbytes[on])
+                gpu.copy(dev, part.src_addr, part.dst_addr, part.nbytes, mapped)
             except Exception as exc:
                 raise TransferError(f"{self.name}: GPU copy to peer {peer!r} failed: {exc}") from exc
-        rest = ~fast
-        return TransferPlan(plan.src_addr[rest], plan.dst_addr[rest], plan.nbytes[rest])
+        return rest
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "gpu_fast_path_peers": sorted(self._gpu_peers), **self.backend.describe()}

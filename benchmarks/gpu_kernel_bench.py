@@ -1,0 +1,165 @@
+"""The fast path's kernel in one process: tuning, and heterogeneous TP 2 -> 1 NHD vs equal TP.
+
+Runs :func:`kvbridge.core.gpu.copy` with a peer mapped at its own address
+(one process: no IPC; the kernel and its host-side work are what the
+cross-process fast path runs), next to torch's device-to-device copy of the
+same bytes in the same run. Every case is checked byte-exact with torch
+indexing. Needs a CUDA GPU.
+
+    python benchmarks/gpu_kernel_bench.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from concurrent.futures import ThreadPoolExecutor
+import time
+
+import numpy as np
+import torch
+
+from kvbridge.core import gpu
+from kvbridge.core.layout import IndexSpace, KVArgs, Region, Shard
+from kvbridge.core.pairing import pair_layouts
+
+GiB = 1 << 30
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def identity_peer(t: torch.Tensor, allocations: int = 1) -> gpu.GpuPeer:
+    """``t`` as a peer's memory mapped at its own address, cut into ``allocations`` (the kernel searches them)."""
+    size = t.numel() * t.element_size()
+    starts = t.data_ptr() + np.arange(allocations, dtype=np.int64) * (size // allocations)
+    ends = np.append(starts[1:], t.data_ptr() + size)
+    return gpu.GpuPeer(starts, ends, np.zeros(allocations, np.int64))
+
+
+def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
+    src = torch.arange(2 * GiB // 8, dtype=torch.int64, device="cuda")
+    dst = torch.zeros(2 * GiB // 8, dtype=torch.int64, device="cuda")
+    peer = identity_peer(dst)
+    d2d = GiB / timed(lambda: dst[: GiB // 8].copy_(src[: GiB // 8]), reps) / 1e9
+    rows = []
+    for kib in (4, 16, 64, 256, 1024):
+        page = kib << 10
+        n = GiB // page
+        rng = np.random.default_rng(kib)
+        s_idx = rng.choice(2 * n, n, replace=False)
+        d_idx = rng.choice(2 * n, n, replace=False)
+        s_addr = src.data_ptr() + s_idx.astype(np.int64) * page
+        d_addr = dst.data_ptr() + d_idx.astype(np.int64) * page
+        nb = np.full(n, page, np.int64)
+        row = {"page_kib": kib, "descriptors": n, "d2d_GBps": d2d}
+        for tile, warps in tunings:
+            gpu.TILE, gpu.NUM_WARPS = tile, warps
+            dst.zero_()
+            secs = timed(lambda: gpu.copy(0, s_addr, d_addr, nb, peer), reps)
+            w = page // 8
+            got = dst.view(-1, w)[torch.as_tensor(d_idx, device="cuda")]
+            want = src.view(-1, w)[torch.as_tensor(s_idx, device="cuda")]
+            row[f"GBps_t{tile}_w{warps}"] = GiB / secs / 1e9
+            row[f"ok_t{tile}_w{warps}"] = bool(torch.equal(got, want))
+        gpu.TILE, gpu.NUM_WARPS = tunings[0]
+        row["GBps_8_allocations"] = GiB / timed(lambda: gpu.copy(0, s_addr, d_addr, nb, identity_peer(dst, 8)), reps) / 1e9
+        # where the time goes: the host-side part alone (shape + packing)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            gpu.shape(s_addr, d_addr, nb)
+            np.concatenate([s_addr, d_addr, nb])
+        row["host_ms"] = (time.perf_counter() - t0) / reps * 1e3
+        idx_s, idx_d = torch.as_tensor(s_idx, device="cuda"), torch.as_tensor(d_idx, device="cuda")
+        w = page // 8
+        row["torch_index_GBps"] = GiB / timed(lambda: dst.view(-1, w).index_copy_(0, idx_d, src.view(-1, w)[idx_s]), reps) / 1e9
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    del src, dst
+    torch.cuda.empty_cache()
+    return rows
+
+
+HEADS, HEAD_DIM, LAYERS, PAGE = 8, 128, 32, 16
+
+
+def kv(t: torch.Tensor, rank: int, tp: int, layout: str, pool: int) -> KVArgs:
+    heads = HEADS // tp
+    item = PAGE * heads * HEAD_DIM * 2
+    shard = (Shard(kind="split", outer=PAGE, totals=(HEADS,), unit_nbytes=HEAD_DIM * 2) if layout == "nhd"
+             else Shard(kind="split", outer=1, totals=(HEADS,), unit_nbytes=PAGE * HEAD_DIM * 2))
+    regions = tuple(Region(name=f"{role}{layer}", addr=t.data_ptr() + (2 * layer + k) * pool * item, nbytes=pool * item,
+                           stride=item, role=role, index_space="kv_page", layer=layer, shard=shard, mem="vram")
+                    for layer in range(LAYERS) for k, role in enumerate(("k", "v")))
+    return KVArgs(regions=regions, index_spaces=(IndexSpace("kv_page", pool, PAGE),), dtype="bfloat16",
+                  page_size=PAGE, tp_rank=rank, tp_size=tp)
+
+
+def hetero(reps: int) -> list[dict]:
+    """One request of ~1 GiB (all layers' K and V) from TP 1 and from TP 2 (two ranks, two threads) to TP 1."""
+    item = PAGE * HEADS * HEAD_DIM * 2
+    n = GiB // (2 * LAYERS * item)  # pages of the request
+    pool = 2 * n
+    words = 2 * LAYERS * pool * item // 2
+    dst = torch.zeros(words, dtype=torch.int16, device="cuda")
+    peer = identity_peer(dst)
+    rng = np.random.default_rng(7)
+    s_idx, d_idx = rng.choice(pool, n, replace=False), rng.choice(pool, n, replace=False)
+    rows = []
+    workers = ThreadPoolExecutor(2)
+    for layout in ("nhd", "hnd"):
+        for tp in (1, 2):
+            srcs = [torch.randint(-30000, 30000, (words // tp,), dtype=torch.int16, device="cuda") for _ in range(tp)]
+            routes = [pair_layouts(kv(srcs[r], r, tp, layout, pool), kv(dst, 0, 1, layout, pool)) for r in range(tp)]
+            t0 = time.perf_counter()
+            plans = [r.plan({"kv_page": s_idx}, {"kv_page": d_idx}) for r in routes]
+            plan_ms = (time.perf_counter() - t0) * 1e3
+
+            def go():  # each rank on its own long-lived thread, as each prefill rank's worker is
+                for f in [workers.submit(gpu.copy, 0, p.src_addr, p.dst_addr, p.nbytes, peer) for p in plans]:
+                    f.result()
+
+            dst.zero_()
+            secs = timed(go, reps)
+            # oracle: global [layer, kv, page, token, head, dim] (nhd) / [.., page, head, token, dim] (hnd) from rank slices
+            heads = HEADS // tp
+            shape = (2 * LAYERS, pool, PAGE, heads, HEAD_DIM) if layout == "nhd" else (2 * LAYERS, pool, heads, PAGE, HEAD_DIM)
+            full = torch.cat([s.view(shape) for s in srcs], dim=3 if layout == "nhd" else 2)
+            dshape = (2 * LAYERS, pool, PAGE, HEADS, HEAD_DIM) if layout == "nhd" else (2 * LAYERS, pool, HEADS, PAGE, HEAD_DIM)
+            ok = torch.equal(dst.view(dshape)[:, torch.as_tensor(d_idx, device="cuda")],
+                             full[:, torch.as_tensor(s_idx, device="cuda")])
+            row = {"layout": layout, "prefill_tp": tp, "bytes": sum(p.total_bytes for p in plans),
+                   "descriptors": sum(len(p) for p in plans), "plan_ms": plan_ms,
+                   "GBps": sum(p.total_bytes for p in plans) / secs / 1e9, "ok": bool(ok)}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            del srcs, full
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tune", action="store_true", help="try several tile sizes and warp counts")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    tunings = [(gpu.TILE, gpu.NUM_WARPS)] + ([(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)] if a.tune else [])
+    out = {"pages": pages(a.reps, tunings), "hetero": hetero(a.reps)}
+    if a.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
