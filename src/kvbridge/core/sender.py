@@ -41,6 +41,8 @@ class _Job:
     totals: Totals
     layered: LayeredPlan | None = None  # send(layerwise=True): ``plan`` grouped by layer
     seconds: float = 0.0  # time spent writing so far (metrics)
+    # Announced layer groups not yet taken by the worker: (groups, what, ready) per layer_ready().
+    announced: list[tuple[list[int], str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -250,10 +252,8 @@ class Sender(Room):
             what = f"{kind}{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
             # Queued under the lock: a peer's jobs keep the order the layers were announced in.
             for job in lc.jobs:
-                assert job.layered is not None
-                part = job.layered.groups(groups)
-                if len(part):
-                    job.peer.worker.submit(functools.partial(self._write_layers, job, part, lc.chunk, what, ready))
+                job.announced.append((groups, what, ready))
+                job.peer.worker.submit(functools.partial(self._write_layers, job, lc.chunk))
                 if complete:
                     job.peer.worker.submit(functools.partial(self._write_chunk, job, lc.chunk, lc.last, True))
 
@@ -347,15 +347,28 @@ class Sender(Room):
             job.seconds += time.monotonic() - start
         return True
 
-    def _write_layers(self, job: _Job, part: TransferPlan, chunk: int, what: str, ready: Any) -> None:
-        """Some layers of a layer-wise chunk, once their source is final (``ready``)."""
-        if ready is not None and self.poll() != Poll.FAILED:
-            try:
-                ready.synchronize()
-            except Exception as exc:
-                self.manager.fail_sender(self, f"room {self.room} chunk {chunk} {what}: waiting for the layers' "
-                                               f"source (ready.synchronize()) failed: {exc}", "transfer_error")
-                return
+    def _write_layers(self, job: _Job, chunk: int) -> None:
+        """Every layer announced for this peer and not yet written, in one write once their source is final.
+
+        When layers are announced faster than they transfer (bandwidth-bound),
+        the ones that piled up meanwhile go together: as few writes as a
+        per-chunk send, instead of one per layer.
+        """
+        with self.manager.lock:
+            taken, job.announced = job.announced, []
+        if not taken or self.poll() == Poll.FAILED:
+            return
+        assert job.layered is not None
+        what = "; ".join(w for _, w, _ in taken)
+        for _, _, ready in taken:
+            if ready is not None:
+                try:
+                    ready.synchronize()
+                except Exception as exc:
+                    self.manager.fail_sender(self, f"room {self.room} chunk {chunk} {what}: waiting for the layers' "
+                                                   f"source (ready.synchronize()) failed: {exc}", "transfer_error")
+                    return
+        part = job.layered.groups([g for groups, _, _ in taken for g in groups])
         self._write(job, [part], f"chunk {chunk} ({what})")
 
     def _write_chunk(self, job: _Job, chunk: int, last: bool, layered: bool = False) -> None:
