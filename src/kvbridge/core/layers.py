@@ -28,7 +28,9 @@ LayerKey = tuple[int, bool]  # (layer id, draft)
 
 def layer_list(layers: int | Iterable[int]) -> list[int]:
     """``layers`` (one id, a range or any iterable of ids) as a list of ints; ``ValueError`` for anything else."""
-    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+    if isinstance(layers, bool):
+        raise ValueError(f"layers must be a layer id, a range or an iterable of layer ids, got {layers!r}")
+    if isinstance(layers, (int, np.integer)):
         return [int(layers)]
     try:
         out = list(layers)

@@ -41,8 +41,8 @@ class _Job:
     totals: Totals
     layered: LayeredPlan | None = None  # send(layerwise=True): ``plan`` grouped by layer
     seconds: float = 0.0  # time spent writing so far (metrics)
-    # Announced layer groups not yet taken by the worker: (groups, what, ready) per layer_ready().
-    announced: list[tuple[list[int], str, Any]] = field(default_factory=list)
+    # Announced layer groups not yet taken by the worker: (groups, ready) per layer_ready().
+    announced: list[tuple[list[int], Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -249,19 +249,26 @@ class Sender(Room):
             complete = len(lc.announced) == len(index.keys)
             if complete:
                 self._layered = None
-            what = f"{kind}{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
             # Queued under the lock: a peer's jobs keep the order the layers were announced in.
             for job in lc.jobs:
-                job.announced.append((groups, what, ready))
+                job.announced.append((groups, ready))
                 job.peer.worker.submit(functools.partial(self._write_layers, job, lc.chunk))
                 if complete:
                     job.peer.worker.submit(functools.partial(self._write_chunk, job, lc.chunk, lc.last, True))
 
     def _missing(self, lc: _LayeredChunk) -> str:
+        return self._names([g for g in range(len(self.manager.layer_index.keys)) if g not in lc.announced])
+
+    def _names(self, groups: Sequence[int]) -> str:
+        """Layer groups for messages: ``layers 0, 1; draft layer 100``."""
         keys = self.manager.layer_index.keys
-        missing = [keys[g] for g in range(len(keys)) if g not in lc.announced]
-        names = [f"{'draft ' if d else ''}{layer}" for layer, d in missing]
-        return f"layer{'s' if len(names) > 1 else ''} {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+        out = []
+        for draft in (False, True):
+            ids = sorted(keys[g][0] for g in groups if keys[g][1] == draft)
+            if ids:
+                shown = ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
+                out.append(f"{'draft ' if draft else ''}layer{'s' if len(ids) > 1 else ''} {shown}")
+        return "; ".join(out)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         """Give up on this room; decode is told. Bytes already in flight may still land."""
@@ -359,8 +366,9 @@ class Sender(Room):
         if not taken or self.poll() == Poll.FAILED:
             return
         assert job.layered is not None
-        what = "; ".join(w for _, w, _ in taken)
-        for _, _, ready in taken:
+        groups = [g for gs, _ in taken for g in gs]
+        what = self._names(groups)
+        for _, ready in taken:
             if ready is not None:
                 try:
                     ready.synchronize()
@@ -368,7 +376,7 @@ class Sender(Room):
                     self.manager.fail_sender(self, f"room {self.room} chunk {chunk} {what}: waiting for the layers' "
                                                    f"source (ready.synchronize()) failed: {exc}", "transfer_error")
                     return
-        part = job.layered.groups([g for groups, _, _ in taken for g in groups])
+        part = job.layered.groups(groups)
         self._write(job, [part], f"chunk {chunk} ({what})")
 
     def _write_chunk(self, job: _Job, chunk: int, last: bool, layered: bool = False) -> None:

@@ -430,7 +430,7 @@ class BackendConformance(BackendHarness):
         wait_until(finished(sender), self.scaled(10.0), "sender after the fault")
         assert sender.poll() == Poll.FAILED
         reason = sender.failure() or ""
-        assert re.match(r"transfer of chunk 0 \(layers? [01]\) to '.+' failed: ", reason), reason
+        assert re.match(r"transfer of chunk 0 \(layers? [01](, 1)?\) to '.+' failed: ", reason), reason
         rc, d = decode.finish()
         assert d is not None, decode.stderr()[-3000:]
         assert rc == 1 and d["requests"] == 0, "decode reported SUCCESS for a room whose layer never landed"
