@@ -53,6 +53,7 @@ def test_no_command_prints_help_and_fails():
 @pytest.mark.parametrize("args, message", [
     (["bench", "plan", "--reps", "0"], "argument --reps: must be >= 5, got 0"),
     (["bench", "tp", "--reps", "x"], "argument --reps: expected a whole number, got 'x'"),
+    (["bench", "layerwise", "--compute-ms", "1,-2"], "argument --compute-ms: milliseconds must be >= 0, got '1,-2'"),
     (["conformance", "--timeout-scale", "0", "memory"], "argument --timeout-scale: must be > 0, got '0'"),
     (["demo", "--transfer-backend", "nope"], "unknown transfer backend 'nope'; installed backends:"),
 ])
@@ -106,3 +107,16 @@ def test_bench_plan_shows_progress_on_stderr_while_it_runs(monkeypatch, capsys):
     assert len(lines) == 4 and all(line.startswith("bench plan: ") for line in lines)
     done, total = re.match(r"bench plan: ([\d,]+)/([\d,]+) descriptors \(Python loop\)", lines[-1]).groups()
     assert done == total and "ETA" in lines[0]
+
+
+def test_bench_layerwise_moves_verified_requests_both_ways_and_reports_ratios():
+    # The smallest run: 2 layers of one 64 KiB page, one timed request per mode, on the memory backend.
+    out = kvb("bench", "layerwise", "--transfer-backend", "memory", "--layers", "2", "--layer-mib", "0.0625",
+              "--compute-ms", "0,20", "--reps", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [r["compute_ms"] for r in rows] == [0, 20] and all(r["verified"] for r in rows)
+    for r in rows:
+        assert r["exposed_ratio"] == r["exposed_layerwise_ms"] / r["exposed_chunk_ms"]
+        assert r["ttft_chunk_ms"] >= r["exposed_chunk_ms"] > 0
+    assert rows[1]["regime"] == "compute-bound" and rows[1]["ttft_chunk_ms"] >= 40  # two 20 ms layers

@@ -134,3 +134,11 @@ class TestGpuEndToEnd(BackendHarness):
         spec = self.hybrid_spec(prefill_tp=prefill_tp, decode_tp=decode_tp, layout=layout, draft=True,
                                 device="cuda", gpu_fast_path=fast, pages=256, max_request_pages=64, head_dim=64)
         all_succeeded(*self.run_hybrid(children, spec)[:2])
+
+    @requires("vram", "cuda_device")
+    @pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "plain-nixl"])
+    def test_layerwise_chunks_arrive_byte_exact_in_gpu_memory(self, children: Callable[..., Child], fast: bool) -> None:
+        # Each chunk sent with layerwise=True: the fast path's kernel copies one layer slice per write.
+        spec = self.hybrid_spec(prefill_tp=2, decode_tp=1, layout="nhd", draft=True, device="cuda", gpu_fast_path=fast,
+                                pages=256, max_request_pages=64, head_dim=64, layerwise=True)
+        all_succeeded(*self.run_hybrid(children, spec)[:2])

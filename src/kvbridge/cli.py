@@ -130,12 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark", formatter_class=ui.HelpFormatter)
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    from kvbridge.bench.layerwise import add_arguments as add_layerwise_arguments
     from kvbridge.bench.plan import add_arguments as add_plan_arguments
     from kvbridge.bench.tp import add_arguments as add_tp_arguments
 
     command(bench_sub, "plan", "plan building vs a per-layer Python loop", _lazy("kvbridge.bench.plan"), add_plan_arguments)
     command(bench_sub, "tp", "heterogeneous-TP plans: descriptors and time, NHD vs HND", _lazy("kvbridge.bench.tp"),
             add_tp_arguments)
+    command(bench_sub, "layerwise", "layer-wise vs per-chunk sending: TTFT and the transfer left exposed after compute",
+            _lazy("kvbridge.bench.layerwise"), add_layerwise_arguments)
     # Parsed by _bench_transfer (its options depend on --device); listed here for help.
     bench_sub.add_parser("transfer", help="bytes between two processes: kvbridge vs raw engine vs memcpy or D2D "
                          "(--device cpu|cuda; `kvbridge bench transfer --device cuda --help`)")

@@ -12,6 +12,7 @@ import zmq
 from . import protocol as P
 from .bootstrap import register_rank
 from .channel import routed_message
+from .layers import LayerIndex
 from .layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
 from .pairing import IncompatibleLayoutError, Route, pair_layouts
@@ -55,6 +56,7 @@ class PrefillManager(TransferManager[Sender]):
         self._pending: dict[int, dict[str, DecodeRequest]] = {}  # requests that arrived before their sender
         self._peers: dict[str, DecodePeer] = {}
         self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
+        self.layer_index = LayerIndex(kvargs)  # layer-wise sending: which layer each source address belongs to
         router = self.loop.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         port = router.bind_to_random_port(f"tcp://{self.config.host}")

@@ -5,14 +5,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
 from . import protocol as P
 from .backend import TransferTimeout
+from .layers import LayeredPlan, layer_list
 from .layout import KV_PAGE_SPACE, METADATA_SPACE
 from .metrics import metrics
 from .pairing import Route
@@ -28,6 +29,31 @@ __all__ = ["DecodeRequest", "Sender"]
 log = logging.getLogger(__name__)
 
 Totals = dict[str, tuple[int, int]]  # state type -> (bytes, descriptors)
+
+
+@dataclass
+class _Job:
+    """One chunk's writes to one decode peer."""
+
+    peer: DecodePeer
+    plan: TransferPlan
+    meta_plan: TransferPlan | None
+    totals: Totals
+    layered: LayeredPlan | None = None  # send(layerwise=True): ``plan`` grouped by layer
+    seconds: float = 0.0  # time spent writing so far (metrics)
+    # Announced layer groups not yet taken by the worker: (groups, ready) per layer_ready().
+    announced: list[tuple[list[int], Any]] = field(default_factory=list)
+
+
+@dataclass
+class _LayeredChunk:
+    """A chunk sent with ``layerwise=True`` whose layers are being announced."""
+
+    chunk: int
+    last: bool
+    jobs: list[_Job]
+    announced: set[int] = field(default_factory=set)  # layer groups posted
+    touched: float = field(default_factory=time.monotonic)  # send() or the latest layer_ready()
 
 
 @dataclass
@@ -59,6 +85,13 @@ class Sender(Room):
     The host creates it, waits for WAITING_FOR_INPUT (every decode rank's
     request has arrived), calls :meth:`send` once per prefill chunk, and
     polls until SUCCESS or FAILED.
+
+    Layer-wise: ``send(pages, layerwise=True)`` plans the chunk but posts
+    nothing; the host then calls :meth:`layer_ready` as each layer (or group
+    of layers) of the chunk has been computed, and that layer's KV and state
+    go out on the transfer threads while the host computes the next. Once
+    every one of :attr:`layers` has been announced, the chunk's metadata row
+    (last chunk) and its completion follow.
     """
 
     def __init__(self, manager: PrefillManager, room: int, metadata_row: int = 0) -> None:
@@ -72,6 +105,7 @@ class Sender(Room):
         self._last_sent = False
         self._unfinished = 0  # peers whose last chunk has not landed yet
         self._busy: dict[str, float] = {}  # peer -> start of its running write
+        self._layered: _LayeredChunk | None = None
         with manager.lock:
             manager.add_room(self)
             for req in manager.take_pending(self.room):
@@ -106,6 +140,10 @@ class Sender(Room):
                     f"bootstrap_timeout={cfg.bootstrap_timeout}s", "timeout")
         if self._busy and now - min(self._busy.values()) > cfg.transfer_timeout:
             return f"transfer did not complete within transfer_timeout={cfg.transfer_timeout}s", "timeout"
+        lc = self._layered
+        if lc is not None and now - lc.touched > cfg.transfer_timeout:
+            return (f"{self._missing(lc)} of chunk {lc.chunk} (sent layerwise) were not announced with layer_ready() "
+                    f"within transfer_timeout={cfg.transfer_timeout}s", "timeout")
         return None
 
     # -- the host's calls ------------------------------------------------------------------
@@ -114,12 +152,18 @@ class Sender(Room):
         page_indices: npt.ArrayLike,
         state_indices: Mapping[str, npt.ArrayLike] | None = None,
         last: bool = False,
+        layerwise: bool = False,
     ) -> None:
         """Queue one prefill chunk (its KV pages, plus state with the last chunk).
 
         Returns at once; progress shows in :meth:`poll`. Bad indices (out of
         range, more pages than decode allocated, a slot-list mismatch) fail
         the room with the reason, on both sides.
+
+        With ``layerwise=True`` the chunk is planned now (and bad indices fail
+        the room now) but nothing moves until :meth:`layer_ready` announces
+        its layers; every layer in :attr:`layers` must be announced before
+        the next ``send()``.
         """
         m = self.manager
         with m.lock:
@@ -127,9 +171,15 @@ class Sender(Room):
                 return
             if self.poll() == Poll.BOOTSTRAPPING:
                 raise RuntimeError(f"room {self.room}: send() before every decode rank's request arrived; wait for WAITING_FOR_INPUT")
+            if self._layered is not None:
+                lc = self._layered
+                reason = (f"room {self.room}: send() of chunk {self._chunks} before {self._missing(lc)} of chunk "
+                          f"{lc.chunk} (sent layerwise) were announced with layer_ready()")
+                m.fail_sender(self, reason, "bad_request")
+                raise RuntimeError(reason)
             if self._last_sent:
                 raise RuntimeError(f"room {self.room}: send() after the last chunk")
-            jobs = []
+            jobs: list[_Job] = []
             try:
                 pages = m.source_indices(KV_PAGE_SPACE, page_indices)
                 state = {space: m.source_indices(space, idx) for space, idx in (state_indices or {}).items()}
@@ -139,7 +189,7 @@ class Sender(Room):
                         raise PlanError(f"decode peer {peer_id!r} is gone")
                     totals: Totals = {}
                     plan, meta_plan = self._plan_chunk(peer.route, req, pages, state, last, totals)
-                    jobs.append((peer, plan, meta_plan, totals))
+                    jobs.append(_Job(peer, plan, meta_plan, totals, m.layer_index.split(plan) if layerwise else None))
             except PlanError as exc:
                 m.fail_sender(self, f"room {self.room} chunk {self._chunks}: {exc}", "bad_request")
                 return
@@ -150,8 +200,75 @@ class Sender(Room):
             if last:
                 self._unfinished = len(jobs)
             self.advance(Poll.TRANSFERRING)
-        for peer, plan, meta_plan, totals in jobs:
-            peer.worker.submit(functools.partial(self._write_chunk, peer, plan, meta_plan, totals, chunk, last))
+            if layerwise and m.layer_index.keys:  # a rank without layers has nothing to wait for
+                self._layered = _LayeredChunk(chunk, last, jobs)
+                return
+        for job in jobs:
+            job.peer.worker.submit(functools.partial(self._write_chunk, job, chunk, last))
+
+    @property
+    def layers(self) -> tuple[tuple[int, bool], ...]:
+        """This rank's layers as ``(layer id, draft)``: what :meth:`layer_ready` must announce per layer-wise chunk."""
+        return self.manager.layer_index.keys
+
+    def layer_ready(self, layers: int | Iterable[int], draft: bool = False, ready: Any = None) -> None:
+        """Post ``layers`` (one id, a range or several ids; draft-model layers with ``draft=True``) of the
+        chunk sent with ``layerwise=True``: their KV and state move while the host computes on.
+
+        Call it once the layers' source bytes are final. On GPU, instead of
+        synchronising first, pass ``ready``: anything with a ``synchronize()``
+        method (a ``torch.cuda.Event`` recorded after the layers' kernels),
+        which each transfer thread waits on before writing. After the chunk's
+        last layer the metadata row (with the last chunk) and the chunk's
+        completion follow. Returns at once. Raises ``ValueError`` for a layer
+        this rank does not hold or one already announced for this chunk
+        (nothing is posted then), ``RuntimeError`` without a layer-wise chunk.
+        """
+        m = self.manager
+        index = m.layer_index
+        ids = layer_list(layers)
+        with m.lock:
+            if self.poll() == Poll.FAILED:
+                return
+            lc = self._layered
+            if lc is None:
+                raise RuntimeError(f"room {self.room}: layer_ready() without a chunk sent with send(..., layerwise=True)"
+                                   + (" (the last chunk's layers were all announced)" if self._last_sent else ""))
+            kind = "draft layer" if draft else "layer"
+            groups: list[int] = []
+            for layer in ids:
+                g = index.group_of(layer, draft)
+                if g is None:
+                    raise ValueError(f"room {self.room}: {kind} {layer} is not a layer of this rank (it holds "
+                                     f"{index.describe(draft)}; draft-model layers need draft=True)")
+                if g in lc.announced or g in groups:
+                    raise ValueError(f"room {self.room}: {kind} {layer} of chunk {lc.chunk} was already announced")
+                groups.append(g)
+            lc.announced.update(groups)
+            lc.touched = time.monotonic()
+            complete = len(lc.announced) == len(index.keys)
+            if complete:
+                self._layered = None
+            # Queued under the lock: a peer's jobs keep the order the layers were announced in.
+            for job in lc.jobs:
+                job.announced.append((groups, ready))
+                job.peer.worker.submit(functools.partial(self._write_layers, job, lc.chunk))
+                if complete:
+                    job.peer.worker.submit(functools.partial(self._write_chunk, job, lc.chunk, lc.last, True))
+
+    def _missing(self, lc: _LayeredChunk) -> str:
+        return self._names([g for g in range(len(self.manager.layer_index.keys)) if g not in lc.announced])
+
+    def _names(self, groups: Sequence[int]) -> str:
+        """Layer groups for messages: ``layers 0, 1; draft layer 100``."""
+        keys = self.manager.layer_index.keys
+        out = []
+        for draft in (False, True):
+            ids = sorted(keys[g][0] for g in groups if keys[g][1] == draft)
+            if ids:
+                shown = ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
+                out.append(f"{'draft ' if draft else ''}layer{'s' if len(ids) > 1 else ''} {shown}")
+        return "; ".join(out)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         """Give up on this room; decode is told. Bytes already in flight may still land."""
@@ -213,36 +330,64 @@ class Sender(Room):
         return src[:n], dst[:n]  # views: the request's own lists stay as they are
 
     # -- on the peer's worker thread -------------------------------------------------------
-    def _write_chunk(
-        self,
-        peer: DecodePeer,
-        plan: TransferPlan,
-        meta_plan: TransferPlan | None,
-        totals: Mapping[str, tuple[int, int]],
-        chunk: int,
-        last: bool,
-    ) -> None:
-        """Write the chunk, then (last) the metadata row; then tell the decode rank."""
+    def _write(self, job: _Job, plans: Sequence[TransferPlan | None], what: str) -> bool:
+        """Write ``plans`` in order into the job's peer; False if the room failed (now or before)."""
         m = self.manager
+        peer = job.peer
         if self.poll() == Poll.FAILED:
-            return
+            return False
         start = time.monotonic()
         deadline = start + m.config.transfer_timeout
         self._busy[peer.peer_id] = start
         try:
-            for p in (plan, meta_plan):
+            for p in plans:
                 if p is not None and len(p):
                     m.transport.write(peer.peer_id, p, deadline)
                 if self.poll() == Poll.FAILED:  # aborted or timed out meanwhile
-                    return
+                    return False
         except Exception as exc:
             kind = "timeout" if isinstance(exc, TransferTimeout) else "transfer_error"
-            m.fail_sender(self, f"transfer of chunk {chunk} to {peer.peer_id!r} failed: {exc}", kind)
-            return
+            m.fail_sender(self, f"transfer of {what} to {peer.peer_id!r} failed: {exc}", kind)
+            return False
         finally:
             self._busy.pop(peer.peer_id, None)
-        if totals:  # something was written
-            metrics().transfer(m.backend_name, totals, time.monotonic() - start)
+            job.seconds += time.monotonic() - start
+        return True
+
+    def _write_layers(self, job: _Job, chunk: int) -> None:
+        """Every layer announced for this peer and not yet written, in one write once their source is final.
+
+        When layers are announced faster than they transfer (bandwidth-bound),
+        the ones that piled up meanwhile go together: as few writes as a
+        per-chunk send, instead of one per layer.
+        """
+        with self.manager.lock:
+            taken, job.announced = job.announced, []
+        if not taken or self.poll() == Poll.FAILED:
+            return
+        assert job.layered is not None
+        groups = [g for gs, _ in taken for g in gs]
+        what = self._names(groups)
+        for _, ready in taken:
+            if ready is not None:
+                try:
+                    ready.synchronize()
+                except Exception as exc:
+                    self.manager.fail_sender(self, f"room {self.room} chunk {chunk} {what}: waiting for the layers' "
+                                                   f"source (ready.synchronize()) failed: {exc}", "transfer_error")
+                    return
+        part = job.layered.groups(groups)
+        self._write(job, [part], f"chunk {chunk} ({what})")
+
+    def _write_chunk(self, job: _Job, chunk: int, last: bool, layered: bool = False) -> None:
+        """Write the chunk (layer-wise: what had no layer), then (last) the metadata row; then tell the decode rank."""
+        m = self.manager
+        peer = job.peer
+        body = job.layered.group(m.layer_index.tail) if layered and job.layered is not None else job.plan
+        if not self._write(job, [body, job.meta_plan], f"chunk {chunk}"):
+            return
+        if job.totals:  # something was written
+            metrics().transfer(m.backend_name, job.totals, job.seconds)
         m.notify(peer, P.ChunkDone(room=self.room, chunk=chunk, last=last))
         if last:
             m.notify(peer, P.Done(room=self.room))

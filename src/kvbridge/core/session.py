@@ -9,6 +9,12 @@ Prefill side::
     sender.send(last_pages, state_indices={"slot": [s]}, last=True)
     # poll() until SUCCESS or FAILED
 
+    # or layer-wise, the transfer behind the compute: announce the chunk, then its layers
+    sender.send(chunk_pages, layerwise=True)
+    for layer in range(num_layers):
+        ...                                     # compute the layer
+        sender.layer_ready(layer)               # its KV and state move now
+
 Decode side::
 
     mgr = DecodeManager(kvargs, "mooncake")

@@ -69,8 +69,8 @@ from kvbridge.testing.requirements import requires
 __all__ = ["BackendConformance", "requires"]
 
 #: How a prefill sender may fail when its decode dies or freezes mid-transfer.
-DEAD_PEER_REASON = (r"transfer of chunk \d+ to '.+' failed: |transfer did not complete within transfer_timeout="
-                    r"|decode peer '.+' sent no heartbeat")
+DEAD_PEER_REASON = (r"transfer of chunk \d+( \([^)]*\))? to '.+' failed: |transfer did not complete within "
+                    r"transfer_timeout=|decode peer '.+' sent no heartbeat")
 PAGE, PAGES, BYTES = 256, 64, 4096  # in-process engine pair: a page region and a byte region per side
 ENGINE_TIMEOUT = 5.0  # BackendConfig.transfer_timeout of in-process engines, as in the e2e scenarios
 
@@ -371,7 +371,73 @@ class BackendConformance(BackendHarness):
         spec = self.hybrid_spec(prefill_tp=2, decode_tp=4, layout="nhd", draft=True)
         all_succeeded(*self.run_hybrid(children, spec)[:2])
 
-    # -- 4. dead and frozen peers --------------------------------------------------------------------
+    # -- 4. layer-wise sending: each layer posted as the host finishes it -----------------------------
+    def test_layerwise_every_state_handler_arrives_byte_exact_from_prefill_tp2_to_decode_tp4(
+        self, children: Callable[..., Child]
+    ) -> None:
+        # The hybrid model of section 3, each chunk sent with layerwise=True: layer by layer
+        # (first chunk), then every target layer in one call and the draft layer in another.
+        spec = self.hybrid_spec(prefill_tp=2, decode_tp=4, layout="nhd", draft=True, layerwise=True)
+        all_succeeded(*self.run_hybrid(children, spec)[:2])
+
+    def test_layerwise_requests_in_chunks_arrive_byte_exact_with_8_in_flight(self, children: Callable[..., Child]) -> None:
+        sc = self.scenario(requests=24, max_pages=256, concurrency=8, max_chunks=4, decode_pages=8 * 256, layerwise=True)
+        prefill = children("prefill", sc)
+        decode = children("decode", sc, bootstrap=prefill.bootstrap)
+        rc_d, d = decode.finish(sc.deadline + 10)
+        rc_p, p = prefill.finish()
+        assert rc_d == 0 and d is not None, decode.stderr()[-3000:]
+        assert d["requests"] == sc.requests and d["failed"] == [] and d["mismatched_regions"] == 0
+        assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
+
+    def _layerwise_room(self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+                        ) -> tuple[LocalPrefill, Child, Sender, Any]:
+        sc = self.scenario(requests=1, max_pages=512, max_chunks=1, concurrency=1)
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc)
+        decode = children("decode", sc, bootstrap=prefill.address)
+        prefill.pools.meta[0] = meta_row_for(req.room)
+        sender = Sender(prefill.mgr, req.room, metadata_row=0)
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        assert sender.layers == ((0, False), (1, False))
+        sender.send(req.src_pages, last=True, layerwise=True)
+        return prefill, decode, sender, req
+
+    def test_layerwise_room_succeeds_only_once_every_layer_was_announced(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        prefill, decode, sender, _ = self._layerwise_room(local_prefill, children)
+        sender.layer_ready(0)
+        time.sleep(0.3)  # a sender that completed without layer 1 would have by now
+        assert sender.poll() == Poll.TRANSFERRING, "the room completed before its last layer was announced"
+        sender.layer_ready(1)
+        wait_until(finished(sender), self.scaled(10.0), "sender after the last layer")
+        assert sender.poll() == Poll.SUCCESS, sender.failure()
+        rc, d = decode.finish()
+        assert rc == 0 and d is not None and d["requests"] == 1 and d["failed"] == [], decode.stderr()[-3000:]
+        assert d["mismatched_regions"] == 0
+
+    def test_layerwise_fault_mid_way_fails_the_room_on_both_sides_with_a_reason(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # Layer 0 goes out; then the engine loses the peer (as when core drops it), so
+        # layer 1's write raises: nothing may report SUCCESS, both sides say why.
+        prefill, decode, sender, req = self._layerwise_room(local_prefill, children)
+        sender.layer_ready(0)
+        (peer_id,) = sender.peer_ids()
+        prefill.mgr.transport.remove_peer(peer_id)
+        sender.layer_ready(1)
+        wait_until(finished(sender), self.scaled(10.0), "sender after the fault")
+        assert sender.poll() == Poll.FAILED
+        reason = sender.failure() or ""
+        assert re.match(r"transfer of chunk 0 \(layers? [01](, 1)?\) to '.+' failed: ", reason), reason
+        rc, d = decode.finish()
+        assert d is not None, decode.stderr()[-3000:]
+        assert rc == 1 and d["requests"] == 0, "decode reported SUCCESS for a room whose layer never landed"
+        assert [f["room"] for f in d["failed"]] == [req.room] and d["failed"][0]["reason"].endswith(f": {reason}"), (
+            d["failed"], reason)
+
+    # -- 5. dead and frozen peers --------------------------------------------------------------------
     def _big_request(self) -> Any:
         # One request of at least 10,000 pages; prefill sends every other source page, so
         # nothing coalesces: one descriptor per page and region, seconds of work on slow engines.
@@ -428,7 +494,7 @@ class BackendConformance(BackendHarness):
         finally:
             frozen.kill()  # SIGCONT, then SIGKILL
 
-    # -- 7. closing with rooms in flight -------------------------------------------------------------
+    # -- 6. closing with rooms in flight -------------------------------------------------------------
     def _closed_cleanly(self, closer: Child, role: str, transfer_timeout: float) -> dict[str, Any]:
         rc, result = closer.finish()
         assert rc == 0, f"{role} exited with {rc}:\n{closer.stderr()[-3000:]}"

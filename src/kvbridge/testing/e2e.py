@@ -67,6 +67,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     heartbeat_timeout: float = 2.0
     deadline: float = 300.0  # whole run, seconds
     backend_options: dict[str, str] = {}  # SessionConfig.backend_options
+    layerwise: bool = False  # prefill sends every chunk layer-wise, one layer_ready() per layer
 
     def session_config(self) -> SessionConfig:
         return SessionConfig.from_fields(self)
@@ -181,7 +182,10 @@ def serve(mgr: PrefillManager, pools: Pools, sc: Scenario) -> int:
                     pages = np.asarray(req.src_pages)
                     bounds = np.cumsum([0, *req.chunks])
                     for c in range(len(req.chunks)):
-                        sender.send(pages[bounds[c]:bounds[c + 1]], last=c == len(req.chunks) - 1)
+                        sender.send(pages[bounds[c]:bounds[c + 1]], last=c == len(req.chunks) - 1, layerwise=sc.layerwise)
+                        if sc.layerwise:
+                            for layer, draft in sender.layers:
+                                sender.layer_ready(layer, draft=draft)
                 elif st == Poll.BOOTSTRAPPING:
                     still.append((sender, req))
             pending = still

@@ -62,6 +62,9 @@ class Spec(msgspec.Struct, kw_only=True):
     # DeepSeek-V4 C4 host rows, which stay in host memory as in HiSparse.
     device: str = "cpu"
     gpu_fast_path: bool = True  # SessionConfig.gpu_fast_path
+    # Prefill sends each chunk layer-wise: layer by layer in the first chunk, then all target
+    # layers in one call and the draft layers in another.
+    layerwise: bool = False
 
 
 PAGE, RATIO = 8, 4
@@ -263,8 +266,17 @@ def run_prefill(spec: Spec) -> int:
                 if any(x.name == C4_SPACE for x in m.kvargs.index_spaces):
                     state[C4_SPACE] = c4
                     state[C128_SPACE] = req.src_slot
-                s.send(req.src_pages[:half])
-                s.send(req.src_pages[half:], state_indices=state, last=True)
+                if spec.layerwise:
+                    s.send(req.src_pages[:half], layerwise=True)
+                    for layer, draft in s.layers:
+                        s.layer_ready(layer, draft=draft)
+                    s.send(req.src_pages[half:], state_indices=state, last=True, layerwise=True)
+                    for draft in (False, True):
+                        if ids := [layer for layer, d in s.layers if d == draft]:
+                            s.layer_ready(ids, draft=draft)
+                else:
+                    s.send(req.src_pages[:half])
+                    s.send(req.src_pages[half:], state_indices=state, last=True)
             _wait(senders, deadline)
             states[str(req.room)] = [[s.poll().name, s.failure()] for s in senders]
         time.sleep(0.3)

@@ -1,0 +1,236 @@
+"""Layer-wise sending: core's slicing of a plan by layer, and its policy, over the ``memory`` backend.
+
+What every backend must do with layer-wise chunks (bytes land, SUCCESS waits
+for the last layer, a fault mid-way fails both sides) is in the conformance
+suite; here is what core decides alone: how a plan is cut into layers (also
+the GPU fast path's input), pipeline stages and replicated caches, and the
+errors a host gets for announcing layers wrongly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvbridge.core import gpu
+from kvbridge.core.describe import describe
+from kvbridge.core.layers import LayerIndex, layer_list
+from kvbridge.core.layout import KV_PAGE_SPACE, KVArgs
+from kvbridge.core.pairing import pair_layouts
+from kvbridge.core.plan import TransferPlan
+from kvbridge.core.session import Poll, Sender
+from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, c4_token_indices
+from kvbridge.state_handlers.mamba import SLOT_SPACE
+from kvbridge.state_handlers.swa import SWA_PAGE_SPACE
+from kvbridge.testing import hybrid
+from kvbridge.testing.e2e import meta_row_for, schedule
+from kvbridge.testing.harness import START_WAIT, BackendHarness, Child, LocalPrefill, all_succeeded, finished, wait_until
+
+
+# -- slicing a plan by layer (no processes) ------------------------------------------------------------
+def _rank(spec: hybrid.Spec, rank: int, tp: int, side: str) -> tuple[hybrid.Buffers, KVArgs]:
+    b = hybrid.Buffers(spec, rank, tp, None, side, zero=side == "decode")
+    return b, describe(b.pools, draft_pools=b.draft_pools, dtype="bf16", page_size=hybrid.PAGE, tp_rank=rank, tp_size=tp)
+
+
+def _plan(src: KVArgs, dst: KVArgs, req: hybrid.Request, spec: hybrid.Spec) -> TransferPlan:
+    """One request's KV and state (not the metadata row) from one prefill rank to one decode rank."""
+    c4_src = c4_token_indices(req.src_pages, hybrid.PAGE // hybrid.RATIO, req.tokens, hybrid.RATIO)
+    c4_dst = c4_token_indices(req.dst_c4_rows, spec.c4_row_tokens, req.tokens, hybrid.RATIO)
+    route = pair_layouts(src, dst)
+    return route.plan(
+        {KV_PAGE_SPACE: req.src_pages, SWA_PAGE_SPACE: req.src_swa, SLOT_SPACE: req.src_slot, C4_SPACE: c4_src,
+         C128_SPACE: req.src_slot},
+        {KV_PAGE_SPACE: req.dst_pages, SWA_PAGE_SPACE: req.dst_swa, SLOT_SPACE: req.dst_slot, C4_SPACE: c4_dst,
+         C128_SPACE: req.dst_slot[:1]},
+    )
+
+
+def test_layer_index_lists_target_layers_then_draft_layers_and_never_the_metadata_row() -> None:
+    _, args = _rank(hybrid.Spec(backend="memory", draft=True), 0, 1, "prefill")
+    assert LayerIndex(args).keys == ((0, False), (1, False), (2, False), (3, False), (4, False), (100, True))
+
+
+def test_a_plan_split_by_layer_is_the_same_descriptors_each_in_a_region_of_its_layer() -> None:
+    spec = hybrid.Spec(backend="memory", prefill_tp=2, decode_tp=4, layout="nhd", draft=True)
+    req = hybrid.requests(spec)[0]
+    _, src = _rank(spec, 1, 2, "prefill")
+    _, dst = _rank(spec, 3, 4, "decode")
+    plan = _plan(src, dst, req, spec)
+    index = LayerIndex(src)
+    layered = index.split(plan)
+    assert layered.offsets[-1] == len(plan) and (np.diff(layered.offsets) >= 0).all()
+    # Slow oracle: each descriptor's source region found by a scan, in the plan's own order.
+    def layer_of(addr: int) -> tuple[int, bool]:
+        (r,) = [r for r in src.regions if r.addr <= addr < r.end]
+        return (r.layer, r.draft)
+
+    for g, key in enumerate(index.keys):
+        part = layered.group(g)
+        want = [i for i in range(len(plan)) if layer_of(int(plan.src_addr[i])) == key]
+        assert len(want) > 0, f"layer {key} sends nothing in this request: the test would prove nothing"
+        for a, b in ((part.src_addr, plan.src_addr), (part.dst_addr, plan.dst_addr), (part.nbytes, plan.nbytes)):
+            np.testing.assert_array_equal(a, b[want])  # same descriptors, order kept (coalescing intact)
+    assert len(layered.group(index.tail)) == 0  # every hybrid region has a layer
+    # Several groups at once: consecutive groups are one view, others a concatenation.
+    both = layered.groups([0, 1])
+    assert len(both) == len(layered.group(0)) + len(layered.group(1))
+    assert np.shares_memory(both.src_addr, layered.plan.src_addr)
+    apart = layered.groups([len(index.keys) - 1, 0])
+    np.testing.assert_array_equal(apart.nbytes, np.concatenate([layered.group(0).nbytes, layered.group(len(index.keys) - 1).nbytes]))
+
+
+def _region_bytes(r: Any) -> np.ndarray:
+    return np.frombuffer((ctypes.c_char * r.nbytes).from_address(r.addr), np.uint8)
+
+
+def test_layer_slices_run_by_the_gpu_copy_work_split_land_layer_by_layer_byte_exact() -> None:
+    # The GPU fast path copies whatever descriptors a write carries with one kernel; here its
+    # work split runs on the host (gpu.execute_on_host), one layer slice after another, from
+    # both prefill TP ranks into decode TP rank 1 of 4: after each layer only that layer's
+    # destination regions have changed, and in the end every buffer equals the numpy oracle.
+    spec = hybrid.Spec(backend="memory", prefill_tp=2, decode_tp=4, layout="nhd", draft=True)
+    req = hybrid.requests(spec)[0]
+    decode, dst = _rank(spec, 1, 4, "decode")
+    sources = [_rank(spec, r, 2, "prefill") for r in range(2)]  # keep the source buffers alive
+    splits = [(LayerIndex(src), LayerIndex(src).split(_plan(src, dst, req, spec))) for _, src in sources]
+    keys = splits[0][0].keys
+    done: set[tuple[int, bool]] = set()
+    for g, key in enumerate(keys):
+        for index, layered in splits:
+            part = layered.group(index.keys.index(key))
+            gpu.execute_on_host(part.src_addr, part.dst_addr, part.nbytes)
+        done.add(key)
+        for r in dst.regions:
+            if r.role != "metadata" and (r.layer, r.draft) not in done:
+                assert not _region_bytes(r).any(), f"region {r.name!r} changed before its layer {r.layer} was sent"
+    for name, got in decode.arrays.items():
+        if name != "meta":
+            np.testing.assert_array_equal(got, hybrid.expected(spec, name, decode.cuts[name], [req]), err_msg=name)
+
+
+def test_layer_list_takes_an_id_a_range_or_ids_and_rejects_the_rest() -> None:
+    assert layer_list(3) == [3] and layer_list(range(2, 5)) == [2, 3, 4] and layer_list(np.arange(2)) == [0, 1]
+    for bad in ("0", [1.0], True, None):
+        with pytest.raises(ValueError, match="layer"):
+            layer_list(bad)  # type: ignore[arg-type]
+
+
+# -- the policy, with real processes over the memory backend ------------------------------------------
+class TestLayerwisePolicy(BackendHarness):
+    backend = "memory"
+
+    def test_prefill_pp2_stages_each_announce_their_own_layers(self, children: Callable[..., Child]) -> None:
+        spec = self.hybrid_spec(prefill_pp=2, prefill_tp=2, decode_tp=1, draft=True, layerwise=True)
+        all_succeeded(*self.run_hybrid(children, spec)[:2])
+
+    def test_replicated_mla_pages_go_layer_by_layer_from_one_prefill_rank(self, children: Callable[..., Child]) -> None:
+        spec = self.hybrid_spec(prefill_tp=2, decode_tp=4, mla=True, draft=True, layerwise=True)
+        all_succeeded(*self.run_hybrid(children, spec)[:2])
+
+    def _room(self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child], **changes: Any
+              ) -> tuple[Child, Sender, Any]:
+        sc = self.scenario(**{"requests": 1, "max_pages": 64, "max_chunks": 1, "concurrency": 1, **changes})
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc)
+        decode = children("decode", sc, bootstrap=prefill.address)
+        prefill.pools.meta[0] = meta_row_for(req.room)
+        sender = Sender(prefill.mgr, req.room, metadata_row=0)
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        return decode, sender, req
+
+    def _succeeds(self, decode: Child, sender: Sender) -> None:
+        wait_until(finished(sender), self.scaled(10.0), "sender")
+        assert sender.poll() == Poll.SUCCESS, sender.failure()
+        rc, d = decode.finish()
+        assert rc == 0 and d is not None and d["requests"] == 1 and d["mismatched_regions"] == 0, decode.stderr()[-3000:]
+
+    def _fails_on_both_sides(self, decode: Child, sender: Sender, reason: str) -> None:
+        wait_until(finished(sender), self.scaled(10.0), "sender")
+        assert sender.poll() == Poll.FAILED and re.search(reason, sender.failure() or ""), sender.failure()
+        rc, d = decode.finish()
+        assert rc == 1 and d is not None and d["requests"] == 0, decode.stderr()[-3000:]
+        assert d["failed"][0]["reason"].endswith(sender.failure()), d["failed"]
+
+    def test_a_layer_announced_twice_unknown_or_of_the_wrong_model_is_refused_and_posts_nothing(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        decode, sender, req = self._room(local_prefill, children)
+        with pytest.raises(RuntimeError, match="without a chunk sent with send\\(..., layerwise=True\\)"):
+            sender.layer_ready(0)
+        sender.send(req.src_pages, last=True, layerwise=True)
+        sender.layer_ready(0)
+        with pytest.raises(ValueError, match=r"layer 0 of chunk 0 was already announced"):
+            sender.layer_ready(0)
+        with pytest.raises(ValueError, match=r"layer 1 of chunk 0 was already announced"):
+            sender.layer_ready([1, 1])
+        with pytest.raises(ValueError, match=r"layer 2 is not a layer of this rank \(it holds layers 0-1"):
+            sender.layer_ready(range(1, 8))
+        with pytest.raises(ValueError, match=r"draft layer 1 is not a layer of this rank \(it holds no draft layers"):
+            sender.layer_ready(1, draft=True)
+        assert sender.poll() == Poll.TRANSFERRING
+        sender.layer_ready(1)
+        self._succeeds(decode, sender)
+        with pytest.raises(RuntimeError, match="the last chunk's layers were all announced"):
+            sender.layer_ready(1)
+
+    def test_the_next_chunk_before_every_layer_was_announced_fails_the_room_on_both_sides(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        decode, sender, req = self._room(local_prefill, children)
+        half = len(req.src_pages) // 2
+        sender.send(req.src_pages[:half], layerwise=True)
+        sender.layer_ready(0)
+        with pytest.raises(RuntimeError, match=r"send\(\) of chunk 1 before layer 1 of chunk 0 \(sent layerwise\)"):
+            sender.send(req.src_pages[half:], last=True)
+        self._fails_on_both_sides(decode, sender, r"before layer 1 of chunk 0 \(sent layerwise\) were announced")
+
+    def test_layers_never_announced_fail_the_room_on_both_sides_after_transfer_timeout(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        decode, sender, req = self._room(local_prefill, children, transfer_timeout=1.0)
+        sender.send(req.src_pages, last=True, layerwise=True)
+        sender.layer_ready(1)
+        self._fails_on_both_sides(
+            decode, sender, r"layer 0 of chunk 0 \(sent layerwise\) were not announced with layer_ready\(\) within transfer_timeout=1.0s")
+
+    def test_the_transfer_threads_wait_for_the_ready_handle_before_writing(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # A GPU host passes a CUDA event recorded after the layer; anything with synchronize() works.
+        class Ready:
+            def __init__(self) -> None:
+                self.released = threading.Event()
+
+            def synchronize(self) -> None:
+                assert self.released.wait(30), "never released"
+
+        decode, sender, req = self._room(local_prefill, children)
+        ready = Ready()
+        sender.send(req.src_pages, last=True, layerwise=True)
+        sender.layer_ready([0, 1], ready=ready)
+        time.sleep(0.3)  # a sender that did not wait would have finished by now
+        assert sender.poll() == Poll.TRANSFERRING
+        ready.released.set()
+        self._succeeds(decode, sender)
+
+    def test_a_ready_handle_that_raises_fails_the_room_on_both_sides(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        class Broken:
+            def synchronize(self) -> None:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        decode, sender, req = self._room(local_prefill, children)
+        sender.send(req.src_pages, last=True, layerwise=True)
+        sender.layer_ready(0, ready=Broken())
+        sender.layer_ready(1)
+        self._fails_on_both_sides(decode, sender, r"chunk 0 layers? 0(, 1)?: waiting for the layers' source \(ready.synchronize\(\)\) "
+                                                  r"failed: CUDA error")
