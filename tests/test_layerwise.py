@@ -102,11 +102,12 @@ def test_layer_slices_run_by_the_gpu_copy_work_split_land_layer_by_layer_byte_ex
     sources = [_rank(spec, r, 2, "prefill") for r in range(2)]  # keep the source buffers alive
     splits = [(LayerIndex(src), LayerIndex(src).split(_plan(src, dst, req, spec))) for _, src in sources]
     keys = splits[0][0].keys
+    mapped = gpu.GpuPeer(np.zeros(1, np.int64), np.full(1, 1 << 62, np.int64), np.zeros(1, np.int64))  # same process
     done: set[tuple[int, bool]] = set()
     for g, key in enumerate(keys):
         for index, layered in splits:
             part = layered.group(index.keys.index(key))
-            gpu.execute_on_host(part.src_addr, part.dst_addr, part.nbytes)
+            gpu.execute_on_host(part.src_addr, part.dst_addr, part.nbytes, mapped)
         done.add(key)
         for r in dst.regions:
             if r.role != "metadata" and (r.layer, r.draft) not in done:
