@@ -20,7 +20,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import sys, torch, triton, kvbridge; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'kvbridge', kvbridge.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
 python3 -m kvbridge.cli plugins | tee -a "$OUT/machine.txt"
 rc=0
-python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py "tests/test_conformance.py::TestNixl::test_gpu_memory_pages_arrive_byte_exact" \
+python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+  "tests/test_conformance.py::TestNixl" -k "gpu or layerwise" \
   2>&1 | tee "$OUT/gpu-tests.log" || rc=1
 python3 benchmarks/gpu_kernel_bench.py --json ${KERNEL_TUNE:+--tune} > "$OUT/kernel.json" 2> "$OUT/kernel.txt" || rc=1
 tail -20 "$OUT/kernel.txt"
