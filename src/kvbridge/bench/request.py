@@ -147,8 +147,8 @@ def run_decode(backend: str, bootstrap: str, cell_list: list[Cell]) -> int:
     port = echo.bind_to_random_port("tcp://127.0.0.1")
     stop = threading.Event()
     threading.Thread(target=_echo, args=(ctx, echo, stop), daemon=True).start()
-    print(json.dumps({"echo": f"tcp://127.0.0.1:{port}"}), flush=True)
     mgr = DecodeManager(args, backend, config=CONFIG)
+    print(json.dumps({"echo": f"tcp://127.0.0.1:{port}"}), flush=True)  # up: engine started, memory registered
     src_kv, src_meta, _ = pools(fill=True)
     ok = True
     try:

@@ -4,8 +4,9 @@
 both hosts woken by room changes) runs one long cell: 10,000 requests of
 16 pages of 4 KiB with 64 in flight, per backend. Both processes' resident
 memory, open file descriptors and threads (native ones included, from
-``/proc``) are read once connected, before the first request, and after
-the last: what a long-running server would leak per request shows as the
+``/proc``) are read once both managers are up (engines started, memory
+registered; the handshake comes with the first request) and after the
+last request: what a long-running server leaks per request shows as the
 difference.
 
     kvbridge bench scale [--backends nixl] [--requests 10000] [--json] [--plot FILE.png]
