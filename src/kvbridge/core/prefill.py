@@ -99,7 +99,12 @@ class PrefillManager(TransferManager[Sender]):
     def notify(self, peer: DecodePeer, *msgs: P.Message) -> None:
         """Send ``msgs`` to decode ``peer``, in order, with one hand-off to the I/O thread (any thread)."""
         frames = [[peer.ident, P.encode(m)] for m in msgs]
-        self.loop.call(lambda: [_send(self._router, f) for f in frames] and None)
+
+        def send_all() -> None:
+            for f in frames:
+                _send(self._router, f)
+
+        self.loop.call(send_all)
 
     def fail_sender(self, sender: Sender, reason: str, kind: str) -> None:
         """Fail ``sender`` and tell every decode rank that asked for it (``kind``: the metrics reason)."""
