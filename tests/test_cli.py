@@ -89,7 +89,7 @@ def test_bench_plan_reports_every_case_with_units_in_its_keys(monkeypatch):
     small = (plan.Case(3, 64, 128, True), plan.Case(3, 64, 128, False))
     results = plan.run(reps=5, cases=small)
     assert [r["descriptors"] for r in results][1] == 3  # contiguous: one per entry
-    assert all(r["kvbridge_ms"] > 0 and r["python_loop_ms"] > 0 for r in results)
+    assert all(r["kvbridge_ms"] > 0 and r["sglang_ms"] > 0 and r["identical"] for r in results)
     text = io.StringIO()
     ui.print_table(plan.format_table(results), text)
     assert "speedup" in text.getvalue() and "3 x 64 pages x 128 B, contiguous" in text.getvalue()
@@ -105,7 +105,7 @@ def test_bench_plan_shows_progress_on_stderr_while_it_runs(monkeypatch, capsys):
     assert len(json.loads(out.out)) == 2  # stdout: the JSON document only
     lines = out.err.splitlines()  # a line a quarter, counting the Python loop's descriptors (what takes the time)
     assert len(lines) == 4 and all(line.startswith("bench plan: ") for line in lines)
-    done, total = re.match(r"bench plan: ([\d,]+)/([\d,]+) descriptors \(Python loop\)", lines[-1]).groups()
+    done, total = re.match(r"bench plan: ([\d,]+)/([\d,]+) descriptors \(SGLang loop\)", lines[-1]).groups()
     assert done == total and "ETA" in lines[0]
 
 

@@ -212,3 +212,43 @@ def test_explain_lists_counts_and_first_descriptors():
     text = plan.explain()
     assert "2 descriptors" in text and "192 bytes" in text
     assert "0x1000 -> 0x8000  64 B" in text
+
+
+@given(
+    paired_indices(),
+    st.integers(1, 4),
+    st.one_of(st.none(), st.integers(1, 20)),
+    st.one_of(st.none(), st.integers(1, 3000)),
+)
+@settings(max_examples=200, deadline=None)
+def test_unexpanded_plans_batch_exactly_like_their_expanded_arrays(pair, entries, max_desc, max_bytes):
+    # plan_pages keeps (region pairs x runs) unexpanded; a concatenation of two such
+    # plans and a plain one must batch as the expanded arrays would, across part edges.
+    src, dst = pair
+    lazy = TransferPlan.concat([
+        plan_pages(np.arange(entries) * 10**6 + 10**9, np.arange(entries) * 10**6 + 2 * 10**9, [48] * entries, src, dst),
+        TransferPlan(np.array([5, 6]), np.array([7, 8]), np.array([100, 1])),
+        plan_pages([3 * 10**9], [4 * 10**9], [16], src, dst),
+    ])
+    want = oracle_descriptors(np.arange(entries) * 10**6 + 10**9, np.arange(entries) * 10**6 + 2 * 10**9,
+                              [48] * entries, src, dst) + [(5, 7, 100), (6, 8, 1)] \
+        + oracle_descriptors([3 * 10**9], [4 * 10**9], [16], src, dst)
+    assert len(lazy) == len(want) and lazy.total_bytes == sum(n for _, _, n in want)
+    expanded = TransferPlan(*(np.array([w[i] for w in want], np.int64) for i in range(3)))
+    got = [list(zip(b.src_addr.tolist(), b.dst_addr.tolist(), b.nbytes.tolist())) for b in lazy.batches(max_desc, max_bytes)]
+    ref = [list(zip(b.src_addr.tolist(), b.dst_addr.tolist(), b.nbytes.tolist()))
+           for b in expanded.batches(max_desc, max_bytes)]
+    assert got == ref
+    assert list(zip(lazy.src_addr.tolist(), lazy.dst_addr.tolist(), lazy.nbytes.tolist())) == want
+
+
+@pytest.mark.parametrize("fragmented", [True, False])
+@pytest.mark.parametrize("entries,pages,page_nbytes", [(3, 64, 128), (61, 300, 1152), (160, 40, 65536)])
+def test_plan_gives_the_descriptors_of_sglangs_plan_path_in_its_order(entries, pages, page_nbytes, fragmented):
+    # The reference in kvbridge.bench.plan reimplements SGLang's group_concurrent_contiguous
+    # and its per-layer set_transfer_blocks loop; `kvbridge bench plan` times it against Route.plan.
+    from kvbridge.bench.plan import Case, make_inputs, same_descriptors
+
+    for seed in range(3):
+        route, src, dst = make_inputs(Case(entries, pages, page_nbytes, fragmented), seed)
+        assert same_descriptors(route, src, dst)

@@ -128,40 +128,49 @@ def build_parser() -> argparse.ArgumentParser:
     command(sub, "new-backend", "create a backend plugin project: hook, Backend skeleton, conformance test",
             _lazy("kvbridge.scaffold"), add_scaffold_arguments)
 
-    bench = sub.add_parser("bench", help="run a benchmark", formatter_class=ui.HelpFormatter)
-    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    from kvbridge.bench.layerwise import add_arguments as add_layerwise_arguments
-    from kvbridge.bench.plan import add_arguments as add_plan_arguments
-    from kvbridge.bench.tp import add_arguments as add_tp_arguments
+    bench = sub.add_parser("bench", help="benchmarks: plan, transfer, tp, request, scale, layerwise (each with --json)",
+                           description="Benchmarks. Each part prints a table (or --json); plan, transfer, tp, request "
+                                       "and scale can draw --plot FILE.png (needs kvbridge[plot]).",
+                           formatter_class=ui.HelpFormatter)
+    bench_sub = bench.add_subparsers(dest="bench", metavar="PART", required=True)
+    from kvbridge.bench import layerwise, plan, request, scale, tp, transfer
 
-    command(bench_sub, "plan", "plan building vs a per-layer Python loop", _lazy("kvbridge.bench.plan"), add_plan_arguments)
+    command(bench_sub, "plan", "plan building vs SGLang's plan path, same descriptors", _lazy("kvbridge.bench.plan"),
+            plan.add_arguments)
+    command(bench_sub, "transfer", "bytes between two processes: kvbridge vs raw engine vs memcpy "
+            "(`--device cuda`: VRAM to VRAM, its own options: `kvbridge bench transfer --device cuda --help`)",
+            _lazy("kvbridge.bench.transfer"), transfer.add_arguments)
     command(bench_sub, "tp", "heterogeneous-TP plans: descriptors and time, NHD vs HND", _lazy("kvbridge.bench.tp"),
-            add_tp_arguments)
+            tp.add_arguments)
+    command(bench_sub, "request", "per-request latency and rate of small requests through the whole control plane",
+            _lazy("kvbridge.bench.request"), request.add_arguments)
+    command(bench_sub, "scale", "many requests in flight: throughput, memory, fds and threads at start and end",
+            _lazy("kvbridge.bench.scale"), scale.add_arguments)
     command(bench_sub, "layerwise", "layer-wise vs per-chunk sending: TTFT and the transfer left exposed after compute",
-            _lazy("kvbridge.bench.layerwise"), add_layerwise_arguments)
-    # Parsed by _bench_transfer (its options depend on --device); listed here for help.
-    bench_sub.add_parser("transfer", help="bytes between two processes: kvbridge vs raw engine vs memcpy or D2D "
-                         "(--device cpu|cuda; `kvbridge bench transfer --device cuda --help`)")
+            _lazy("kvbridge.bench.layerwise"), layerwise.add_arguments)
     return parser
 
 
-def _bench_transfer(argv: list[str]) -> int:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    known, rest = pre.parse_known_args(argv)
-    if known.device == "cuda":
-        from kvbridge.bench import gpu
-
-        return gpu.main(rest)
-    from kvbridge.bench import transfer
-
-    return transfer.main(rest)
+def _cuda_transfer(argv: list[str]) -> list[str] | None:
+    """The arguments of ``bench transfer --device cuda`` without the device, or None for any other command."""
+    if argv[:2] != ["bench", "transfer"]:
+        return None
+    rest = argv[2:]
+    for i, arg in enumerate(rest):
+        if arg == "--device=cuda":
+            return rest[:i] + rest[i + 1:]
+        if arg == "--device" and rest[i + 1:i + 2] == ["cuda"]:
+            return rest[:i] + rest[i + 2:]
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "transfer"]:
-        return _bench_transfer(argv[2:])
+    cuda = _cuda_transfer(argv)
+    if cuda is not None:
+        from kvbridge.bench import gpu  # VRAM -> VRAM takes its own options (page sizes, GPUs)
+
+        return gpu.main(cuda)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge import ui
+from kvbridge.bench import common
 from kvbridge.config import TransferConfig, add_transfer_args
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
@@ -232,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-mib", type=_mib, default=2.0, metavar="MIB",
                         help="KV bytes per layer and request, in MiB of 64 KiB pages (default: 2)")
     parser.add_argument("--reps", type=ui.int_at_least(1), default=5, metavar="N", help="timed requests per mode (median)")
-    parser.add_argument("--json", action="store_true", help="print results as JSON (times in milliseconds: *_ms)")
+    common.add_output_arguments(parser, "times in milliseconds: *_ms")
     parser.add_argument("--decode", metavar="BOOTSTRAP", help=argparse.SUPPRESS)
     parser.add_argument("--rooms", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -245,17 +246,26 @@ def run_from_args(args: argparse.Namespace) -> int:
     shape = Shape(args.layers, int(args.layer_mib * 2**20) // PAGE)
     if args.decode:
         return run_decode(cfg.backend, config, args.decode, shape, args.rooms)
+    prog = "kvbridge bench layerwise"
+    common.check_plot(args, prog)
     with ui.progress(len(args.compute_ms), "rows", description=f"bench layerwise ({cfg.backend})") as tracker:
         rows = run(cfg.backend, config, shape, args.compute_ms, args.reps, tracker)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        table = format_table(rows)
-        table.title = (f"{shape.layers} layers x {shape.pages * PAGE / 2**20:g} MiB of scattered 64 KiB pages, prefill -> "
-                       f"decode over 127.0.0.1 ({cfg.backend}), median of {args.reps}; ms; lw = layer-wise; "
-                       "ratios lw / chunk (exposed: <= 0.20 compute-bound; throughput: >= 0.95 bandwidth-bound)")
-        ui.print_table(table)
-    return ui.EXIT_OK if all(r["verified"] for r in rows) else ui.EXIT_FAILED
+
+    def table() -> Any:
+        t = format_table(rows)
+        t.title = (f"{shape.layers} layers x {shape.pages * PAGE / 2**20:g} MiB of scattered 64 KiB pages, prefill -> "
+                   f"decode over 127.0.0.1 ({cfg.backend}), median of {args.reps}; ms; lw = layer-wise; "
+                   "ratios lw / chunk (exposed: <= 0.20 compute-bound; throughput: >= 0.95 bandwidth-bound)")
+        return t
+
+    return common.finish(args, prog, rows, table, plot, ok=all(r["verified"] for r in rows))
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    common.bars(path, "Layer-wise vs per-chunk send: transfer exposed after the last layer (ms)",
+                [f"{r['compute_ms']:g} ms/layer compute" for r in rows],
+                {"per chunk": [r["exposed_chunk_ms"] for r in rows], "layer-wise": [r["exposed_layerwise_ms"] for r in rows]},
+                "ms")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,13 +9,12 @@ over the pairs, per layout. With HND a head slice is contiguous inside a
 page, so a partial head range costs one descriptor per page; with NHD it is
 one per token row of the page.
 
-    kvbridge bench tp [--json]      (also benchmarks/tp_bench.py)
+    kvbridge bench tp [--json] [--plot FILE.png]      (also benchmarks/tp_bench.py)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge import ui
+from kvbridge.bench import common
 from kvbridge.core.layout import IndexSpace, KVArgs, Region, Shard
 from kvbridge.core.pairing import pair_layouts
 
@@ -69,6 +69,7 @@ def run(reps: int = 5, tracker: ui.Tracker | None = None) -> list[dict[str, Any]
             row[f"{layout}_descriptors"] = sum(len(p) for p in plans)
             row[f"{layout}_max_per_pair"] = max(len(p) for p in plans)
             row[f"{layout}_ms"] = statistics.median(times) * 1e3
+            row[f"{layout}_min_ms"], row[f"{layout}_max_ms"] = min(times) * 1e3, max(times) * 1e3
             row["bytes"] = sum(p.total_bytes for p in plans)
         rows.append(row)
         if tracker is not None:
@@ -90,18 +91,24 @@ def format_table(rows: list[dict[str, Any]]) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print results as JSON (times in milliseconds: *_ms)")
-    parser.add_argument("--reps", type=ui.int_at_least(1), default=5, metavar="N", help="timed repetitions (median)")
+    common.add_output_arguments(parser, "times in milliseconds: *_ms")
+    parser.add_argument("--reps", type=ui.int_at_least(5), default=5, metavar="N",
+                        help="timed repetitions, at least 5 (median, min-max)")
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    common.bars(path, f"Heterogeneous TP: descriptors per {TOKENS}-token request (log scale)",
+                [f"TP {r['prefill_tp']}->{r['decode_tp']}" for r in rows],
+                {"NHD": [r["nhd_descriptors"] for r in rows], "HND": [r["hnd_descriptors"] for r in rows]},
+                "descriptors", log=True)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    prog = "kvbridge bench tp"
+    common.check_plot(args, prog)
     with ui.progress(len(PAIRS), "TP pairs", description="bench tp") as tracker:
         rows = run(args.reps, tracker)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        ui.print_table(format_table(rows))
-    return ui.EXIT_OK
+    return common.finish(args, prog, rows, lambda: format_table(rows), plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,8 @@ Cases, over ``--total-mib`` split across ``--regions`` buffers of 64 KiB pages:
 scattered pages (no two neighbours coalesce), 1 MiB runs (16 pages moved
 together, runs scattered), one block per region.
 
-    python benchmarks/transfer_bench.py [--transfer-backend NAME] [--transfer-option K=V] [--total-mib 256]
-                                        [--regions 1] [--reps 3] [--json]
+    kvbridge bench transfer [--transfer-backend NAME] [--transfer-option K=V] [--total-mib 256]
+                            [--regions 1] [--reps 5] [--json] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge import ui
+from kvbridge.bench import common
 from kvbridge.config import TransferConfig, add_transfer_args
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
@@ -208,6 +209,8 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
                 "bytes": regions * pages * PAGE,
                 "descriptors": len(plan) if plan is not None else 0,
                 "kvbridge_GBps": gb / statistics.median(kv_times),
+                "kvbridge_min_GBps": gb / max(kv_times),
+                "kvbridge_max_GBps": gb / min(kv_times),
                 "raw_engine_GBps": gb / statistics.median(raw_times) if raw_times else None,
                 "memcpy_GBps": gb / statistics.median(mem_times),
                 "verified": verified,
@@ -255,18 +258,29 @@ def format_table(results: list[dict[str, Any]]) -> Any:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ui.HelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_transfer_args(parser)
-    parser.add_argument("--reps", type=ui.int_at_least(1), default=3, metavar="N", help="timed repetitions per case")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: host memory (these options); cuda: VRAM to VRAM, with its own options")
+    parser.add_argument("--reps", type=ui.int_at_least(5), default=5, metavar="N",
+                        help="timed repetitions per case, at least 5 (median, min-max)")
     parser.add_argument("--total-mib", type=ui.int_at_least(1), default=256, metavar="MIB",
                         help="bytes moved per transfer, in MiB")
     parser.add_argument("--regions", type=ui.int_at_least(1), default=1, metavar="N",
                         help="buffers the bytes are split across")
-    parser.add_argument("--json", action="store_true",
-                        help="print results as JSON (rates in gigabytes per second: *_GBps)")
+    common.add_output_arguments(parser, "rates in gigabytes per second: *_GBps")
     parser.add_argument("--decode", metavar="BOOTSTRAP", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    common.bars(path, f"Transfer throughput ({results[0]['backend']}; GB/s, higher is better)",
+                [r["case"] for r in results],
+                {"kvbridge": [r["kvbridge_GBps"] for r in results], "raw engine": [r["raw_engine_GBps"] for r in results],
+                 "memcpy": [r["memcpy_GBps"] for r in results]}, "GB/s")
+
+
+def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    parser = parser or args.command_parser
     for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "WARNING"}.items():
         os.environ.setdefault(key, value)
     pages = (args.total_mib << 20) // (args.regions * PAGE)
@@ -276,16 +290,24 @@ def main(argv: list[str] | None = None) -> int:
     config = dataclasses.replace(CONFIG, backend_options=dict(cfg.backend_options))
     if args.decode:
         return run_decode(cfg.backend, config, args.decode, args.reps, args.regions, pages)
+    prog = "kvbridge bench transfer"
+    common.check_plot(args, prog)
     with ui.progress(len(cases(pages)), "cases", description=f"bench transfer ({cfg.backend})") as tracker:
         results = run(cfg.backend, config, args.reps, args.regions, args.total_mib, tracker)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        table = format_table(results)
-        table.title = (f"{args.total_mib} MiB in {args.regions} region(s), prefill -> decode over 127.0.0.1, "
-                       f"median of {args.reps}")
-        ui.print_table(table)
-    return ui.EXIT_OK if all(r["verified"] for r in results) else ui.EXIT_FAILED
+
+    def table() -> Any:
+        t = format_table(results)
+        t.title = (f"{args.total_mib} MiB in {args.regions} region(s), prefill -> decode over 127.0.0.1, "
+                   f"median of {args.reps} (min-max in --json)")
+        return t
+
+    return common.finish(args, prog, results, table, plot, all(r["verified"] for r in results))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvbridge bench transfer", description=__doc__, formatter_class=ui.HelpFormatter)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
@@ -89,6 +89,8 @@ class TransferManager(Generic[R]):
             raise
         #: Guards every room and peer table; rooms and workers take it too.
         self.lock = threading.RLock()
+        #: Notified whenever one of this manager's rooms changes state (``Room.wait``, ``wait_any``).
+        self.changed = threading.Condition(self.lock)
         self.rooms: dict[int, R] = {}
         self.closed = False
         self.loop = IOLoop(
@@ -108,8 +110,22 @@ class TransferManager(Generic[R]):
         payload = P.encode(msg)
         self.loop.send(sock, [ident, payload] if ident is not None else [payload])
 
+    def wait_any(self, rooms: Iterable[Room], timeout: float) -> None:
+        """Block until one of ``rooms`` changes state (or is final already) or ``timeout`` seconds pass.
+
+        For a host serving many rooms from one thread: wake on the change, then poll them.
+        """
+        rooms = list(rooms)
+        seen = {id(r): r.poll() for r in rooms}
+        pending = [r for r in rooms if not r.final]
+        if len(pending) < len(seen):
+            return
+        with self.changed:
+            self.changed.wait_for(lambda: any(r.poll() != seen[id(r)] for r in pending), timeout)
+
     def add_room(self, room: R) -> None:
         """Register a new room (a Sender or Receiver being created)."""
+        room.changed = self.changed
         with self.lock:
             if self.closed:
                 raise RuntimeError(f"the {self.role} manager is closed")

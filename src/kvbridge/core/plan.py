@@ -10,7 +10,7 @@ and moves exactly those bytes, split to its own limits with
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 import numpy.typing as npt
@@ -57,45 +57,192 @@ def _runs(src: IntArray, dst: IntArray) -> tuple[IntArray, IntArray, IntArray]:
     return src[starts], dst[starts], run_len
 
 
-@dataclass(frozen=True, eq=False)
+class _Outer:
+    """Descriptors as an outer product, expanded only when read: row ``r``, column ``c`` moves
+    ``nbytes[c]`` bytes from ``src_rows[r] + src_cols[c]`` to ``dst_rows[r] + dst_cols[c]``.
+
+    Rows are region pairs, columns are coalesced runs; a 1M-token page-1 request over 61
+    layers is ~57M descriptors (1.4 GB as arrays) but a few MB in this form.
+    """
+
+    __slots__ = ("src_rows", "dst_rows", "src_cols", "dst_cols", "col_nbytes", "_cum")
+
+    def __init__(self, src_rows: IntArray, dst_rows: IntArray, src_cols: IntArray, dst_cols: IntArray,
+                 col_nbytes: IntArray) -> None:
+        self.src_rows, self.dst_rows = src_rows, dst_rows
+        self.src_cols, self.dst_cols, self.col_nbytes = src_cols, dst_cols, col_nbytes
+        self._cum: IntArray | None = None
+
+    def __len__(self) -> int:
+        return int(self.src_rows.shape[0] * self.col_nbytes.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.src_rows.shape[0]) * int(self.col_nbytes.sum())
+
+    def max_nbytes(self) -> int:
+        return int(self.col_nbytes.max())
+
+    def cum_bytes(self, k: int) -> int:
+        """Bytes of the first ``k`` descriptors."""
+        if self._cum is None:
+            self._cum = np.concatenate(([0], np.cumsum(self.col_nbytes)))
+        cols = self.col_nbytes.shape[0]
+        r, c = divmod(k, cols)
+        return r * int(self._cum[-1]) + int(self._cum[c])
+
+    def first_over(self, limit: int) -> int:
+        """The least ``k`` with ``cum_bytes(k) > limit`` (``len`` + 1 if none)."""
+        self.cum_bytes(0)
+        assert self._cum is not None
+        row = int(self._cum[-1])
+        r = limit // row
+        if r >= self.src_rows.shape[0]:
+            return len(self) + 1
+        return r * self.col_nbytes.shape[0] + int(np.searchsorted(self._cum, limit - r * row, side="right"))
+
+    def arrays(self, lo: int, hi: int) -> tuple[IntArray, IntArray, IntArray]:
+        """Descriptors ``lo .. hi-1`` (row-major order) as three new int64 arrays."""
+        cols = self.col_nbytes.shape[0]
+        r0, c0 = divmod(lo, cols)
+        r1, c1 = divmod(hi, cols)
+        pieces = []
+        if r0 == r1:
+            pieces.append(self._block(r0, r0 + 1, c0, c1))
+        else:
+            if c0:
+                pieces.append(self._block(r0, r0 + 1, c0, cols))
+                r0 += 1
+            if r1 > r0:
+                pieces.append(self._block(r0, r1, 0, cols))
+            if c1:
+                pieces.append(self._block(r1, r1 + 1, 0, c1))
+        if len(pieces) == 1:
+            return pieces[0]
+        return tuple(np.concatenate(p) for p in zip(*pieces))  # type: ignore[return-value]
+
+    def _block(self, r0: int, r1: int, c0: int, c1: int) -> tuple[IntArray, IntArray, IntArray]:
+        # One pass per output array: each is written once, no temporaries of its size.
+        shape = (r1 - r0, c1 - c0)
+        src, dst, nbytes = np.empty(shape, np.int64), np.empty(shape, np.int64), np.empty(shape, np.int64)
+        np.add(self.src_rows[r0:r1, None], self.src_cols[None, c0:c1], out=src)
+        np.add(self.dst_rows[r0:r1, None], self.dst_cols[None, c0:c1], out=dst)
+        nbytes[...] = self.col_nbytes[None, c0:c1]
+        return src.ravel(), dst.ravel(), nbytes.ravel()
+
+
+class _Arrays:
+    """Descriptors given as three int64 arrays."""
+
+    __slots__ = ("src", "dst", "nbytes", "_cum")
+
+    def __init__(self, src: IntArray, dst: IntArray, nbytes: IntArray) -> None:
+        self.src, self.dst, self.nbytes = src, dst, nbytes
+        self._cum: IntArray | None = None
+
+    def __len__(self) -> int:
+        return int(self.nbytes.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def max_nbytes(self) -> int:
+        return int(self.nbytes.max())
+
+    def cum_bytes(self, k: int) -> int:
+        if self._cum is None:
+            self._cum = np.concatenate(([0], np.cumsum(self.nbytes)))
+        return int(self._cum[k])
+
+    def first_over(self, limit: int) -> int:
+        self.cum_bytes(0)
+        assert self._cum is not None
+        return int(np.searchsorted(self._cum, limit, side="right"))
+
+    def arrays(self, lo: int, hi: int) -> tuple[IntArray, IntArray, IntArray]:
+        return self.src[lo:hi], self.dst[lo:hi], self.nbytes[lo:hi]
+
+
+_Part = Union[_Arrays, _Outer]
+
+
 class TransferPlan:
     """Descriptors to move: ``nbytes[i]`` bytes from ``src_addr[i]`` to ``dst_addr[i]``.
 
-    The three arrays are int64 and of equal length; a plan never copies them
-    when sliced into batches.
+    The three arrays are int64 and of equal length. A plan the planner builds
+    by coalesced runs is kept as an outer product (region pairs x runs) and
+    expanded only where it is read: :meth:`batches` expands one batch at a
+    time, and reading ``src_addr``, ``dst_addr`` or ``nbytes`` expands the
+    whole plan once. Batches of a plan given as arrays are views, not copies.
     """
 
-    src_addr: IntArray
-    dst_addr: IntArray
-    nbytes: IntArray
-
-    def __post_init__(self) -> None:
-        n = self.src_addr.shape
-        if self.dst_addr.shape != n or self.nbytes.shape != n or len(n) != 1:
+    def __init__(self, src_addr: IntArray, dst_addr: IntArray, nbytes: IntArray) -> None:
+        n = src_addr.shape
+        if dst_addr.shape != n or nbytes.shape != n or len(n) != 1:
             raise PlanError(
-                f"plan arrays differ in shape: src {self.src_addr.shape}, "
-                f"dst {self.dst_addr.shape}, nbytes {self.nbytes.shape}"
+                f"plan arrays differ in shape: src {src_addr.shape}, "
+                f"dst {dst_addr.shape}, nbytes {nbytes.shape}"
             )
+        self._parts: tuple[_Part, ...] = (_Arrays(src_addr, dst_addr, nbytes),) if n[0] else ()
+        self._expanded: tuple[IntArray, IntArray, IntArray] | None = (src_addr, dst_addr, nbytes)
+
+    @classmethod
+    def _of(cls, parts: Sequence[_Part]) -> TransferPlan:
+        plan = cls.__new__(cls)
+        plan._parts = tuple(p for p in parts if len(p))
+        plan._expanded = None
+        return plan
+
+    @classmethod
+    def outer(cls, src_rows: IntArray, dst_rows: IntArray, src_cols: IntArray, dst_cols: IntArray,
+              col_nbytes: IntArray) -> TransferPlan:
+        """Every (row, column): ``col_nbytes[c]`` bytes from ``src_rows[r] + src_cols[c]`` to
+        ``dst_rows[r] + dst_cols[c]``, row by row; nothing is expanded yet."""
+        return cls._of([_Outer(src_rows, dst_rows, src_cols, dst_cols, col_nbytes)])
 
     @classmethod
     def empty(cls) -> TransferPlan:
-        return cls(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+        return cls._of(())
 
     @classmethod
     def concat(cls, plans: Iterable[TransferPlan]) -> TransferPlan:
         plans = [p for p in plans if len(p)]
-        if not plans:
-            return cls.empty()
         if len(plans) == 1:
             return plans[0]
-        return cls(
-            np.concatenate([p.src_addr for p in plans]),
-            np.concatenate([p.dst_addr for p in plans]),
-            np.concatenate([p.nbytes for p in plans]),
-        )
+        return cls._of([part for p in plans for part in p._parts])
+
+    def _arrays(self) -> tuple[IntArray, IntArray, IntArray]:
+        if self._expanded is None:
+            if len(self._parts) == 1 and isinstance(self._parts[0], _Arrays):
+                a = self._parts[0]
+                self._expanded = (a.src, a.dst, a.nbytes)
+            elif not self._parts:
+                empty = np.empty(0, np.int64)
+                self._expanded = (empty, empty.copy(), empty.copy())
+            else:
+                pieces = [p.arrays(0, len(p)) for p in self._parts]
+                src, dst, nbytes = (pieces[0][i] if len(pieces) == 1 else np.concatenate([p[i] for p in pieces])
+                                    for i in range(3))
+                self._expanded = (src, dst, nbytes)
+            # Batches of an expanded plan are views of it.
+            self._parts = (_Arrays(*self._expanded),) if self._parts else ()
+        return self._expanded
+
+    @property
+    def src_addr(self) -> IntArray:
+        return self._arrays()[0]
+
+    @property
+    def dst_addr(self) -> IntArray:
+        return self._arrays()[1]
+
+    @property
+    def nbytes(self) -> IntArray:
+        return self._arrays()[2]
 
     def __len__(self) -> int:
-        return int(self.nbytes.shape[0])
+        return sum(len(p) for p in self._parts)
 
     @property
     def num_descriptors(self) -> int:
@@ -103,7 +250,13 @@ class TransferPlan:
 
     @property
     def total_bytes(self) -> int:
-        return int(self.nbytes.sum())
+        return sum(p.total_bytes for p in self._parts)
+
+    @property
+    def max_nbytes(self) -> int:
+        """The largest descriptor's size (0 for an empty plan), without expanding the plan."""
+        return max((p.max_nbytes() for p in self._parts), default=0)
+
 
     def explain(self, limit: int = 8) -> str:
         """A short human-readable summary, with the first ``limit`` descriptors."""
@@ -154,7 +307,7 @@ class TransferPlan:
         """This plan with every descriptor longer than ``max_bytes`` cut into pieces of at most that size."""
         if max_bytes <= 0:
             raise PlanError(f"max_bytes must be > 0, got {max_bytes}")
-        if len(self) == 0 or int(self.nbytes.max()) <= max_bytes:
+        if len(self) == 0 or self.max_nbytes <= max_bytes:
             return self
         pieces = -(-self.nbytes // max_bytes)
         ends = np.cumsum(pieces)
@@ -164,7 +317,7 @@ class TransferPlan:
         return TransferPlan(np.repeat(self.src_addr, pieces) + offset, np.repeat(self.dst_addr, pieces) + offset, nbytes)
 
     def batches(self, max_descriptors: int | None = None, max_bytes: int | None = None) -> Iterator[TransferPlan]:
-        """Yield consecutive sub-plans within an engine's limits (views, no copies).
+        """Yield consecutive sub-plans within an engine's limits, each expanded as it is reached.
 
         Each batch has at most ``max_descriptors`` descriptors and at most
         ``max_bytes`` bytes, except that a single descriptor larger than
@@ -178,27 +331,46 @@ class TransferPlan:
         if max_bytes is not None and max_bytes <= 0:
             raise PlanError(f"max_bytes must be > 0, got {max_bytes}")
         step = n if max_descriptors is None else max_descriptors
-        if max_bytes is None:
-            bounds = list(range(0, n, step)) + [n]
-        else:
-            bounds = _byte_bounds(self.nbytes, step, max_bytes)
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            yield TransferPlan(self.src_addr[lo:hi], self.dst_addr[lo:hi], self.nbytes[lo:hi])
+        lo = 0
+        while lo < n:
+            hi = min(lo + step, n)
+            if max_bytes is not None:
+                hi = min(max(self._first_over(self._cum_bytes(lo) + max_bytes) - 1, lo + 1), hi)
+            yield self._slice(lo, hi)
+            lo = hi
 
+    # -- positions across parts (a batch may span two parts) --------------------------------
+    def _cum_bytes(self, k: int) -> int:
+        total = 0
+        for p in self._parts:
+            if k <= len(p):
+                return total + p.cum_bytes(k)
+            k -= len(p)
+            total += p.total_bytes
+        return total
 
-def _byte_bounds(nbytes: IntArray, step: int, max_bytes: int) -> list[int]:
-    # One searchsorted per batch (not per descriptor) on the prefix sums.
-    cum = np.cumsum(nbytes)
-    n = nbytes.shape[0]
-    bounds = [0]
-    lo = 0
-    while lo < n:
-        base = int(cum[lo - 1]) if lo else 0
-        hi = int(np.searchsorted(cum, base + max_bytes, side="right"))
-        hi = min(max(hi, lo + 1), lo + step, n)
-        bounds.append(hi)
-        lo = hi
-    return bounds
+    def _first_over(self, limit: int) -> int:
+        """The least ``k`` whose first ``k`` descriptors hold more than ``limit`` bytes (len + 1: none)."""
+        before = 0
+        for p in self._parts:
+            total = p.total_bytes
+            if limit < total:
+                return before + p.first_over(limit)
+            limit -= total
+            before += len(p)
+        return before + 1
+
+    def _slice(self, lo: int, hi: int) -> TransferPlan:
+        pieces = []
+        for p in self._parts:
+            n = len(p)
+            if lo < n and hi > 0:
+                pieces.append(p.arrays(max(lo, 0), min(hi, n)))
+            lo -= n
+            hi -= n
+        if len(pieces) == 1:
+            return TransferPlan(*pieces[0])
+        return TransferPlan(*(np.concatenate([q[i] for q in pieces]) for i in range(3)))
 
 
 class RegionTable:
@@ -275,8 +447,13 @@ def _plan_pages(src_b: IntArray, dst_b: IntArray, item: IntArray, src_idx: IntAr
     src_start, dst_start, run_len = _runs(src_idx, dst_idx)
     if src_start.size == 0 or item.size == 0:
         return TransferPlan.empty()
-    # Outer products: rows are region pairs, columns are runs. Written in place:
-    # at millions of descriptors the temporaries would cost as much as the result.
+    if (item == item[0]).all():
+        # Rows are region pairs, columns are runs: kept as an outer sum and
+        # expanded batch by batch where it is written (TransferPlan.batches).
+        it = item[0]
+        return TransferPlan.outer(src_b, dst_b, src_start * it, dst_start * it, run_len * it)
+    # Items of different sizes per region pair: expanded now, written in place
+    # (at millions of descriptors the temporaries would cost as much as the result).
     shape = (item.size, src_start.size)
     src, dst, nbytes = np.empty(shape, np.int64), np.empty(shape, np.int64), np.empty(shape, np.int64)
     np.multiply(item[:, None], src_start[None, :], out=src)

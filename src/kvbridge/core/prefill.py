@@ -11,7 +11,7 @@ import zmq
 
 from . import protocol as P
 from .bootstrap import register_rank
-from .channel import routed_message
+from .channel import _send, routed_message
 from .layers import LayerIndex
 from .layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
@@ -98,9 +98,15 @@ class PrefillManager(TransferManager[Sender]):
         """The host's source list for ``space``, checked against this rank's own index space."""
         return Indices.check(f"source {space} index", values, self._space_counts.get(space))
 
-    def notify(self, peer: DecodePeer, msg: P.Message) -> None:
-        """Send ``msg`` to decode ``peer`` (any thread)."""
-        self.send(lambda: self._router, msg, peer.ident)
+    def notify(self, peer: DecodePeer, *msgs: P.Message) -> None:
+        """Send ``msgs`` to decode ``peer``, in order, with one hand-off to the I/O thread (any thread)."""
+        frames = [[peer.ident, P.encode(m)] for m in msgs]
+
+        def send_all() -> None:
+            for f in frames:
+                _send(self._router, f)
+
+        self.loop.call(send_all)
 
     def fail_sender(self, sender: Sender, reason: str, kind: str) -> None:
         """Fail ``sender`` and tell every decode rank that asked for it (``kind``: the metrics reason)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 
 import numpy as np
@@ -45,9 +46,27 @@ class Room:
         self.ended: float | None = None
         self._state = Poll.BOOTSTRAPPING
         self._reason: str | None = None
+        #: Notified on every change of state; its lock is the manager's (set by Sender and Receiver).
+        self.changed: threading.Condition | None = None
 
     def poll(self) -> Poll:
         """The current state; never blocks."""
+        return self._state
+
+    def wait(self, state: Poll, timeout: float) -> Poll:
+        """Block until the room reaches ``state`` (or a final state) or ``timeout`` seconds pass; the state then.
+
+        Woken by the change itself, not by polling, so a host that waits here
+        sees SUCCESS microseconds after it happens.
+        """
+        def reached() -> bool:
+            return self._state >= state or self.final
+
+        cond = self.changed
+        if cond is None:
+            raise RuntimeError("this room belongs to no manager; poll() it instead")
+        with cond:
+            cond.wait_for(reached, timeout)
         return self._state
 
     def failure(self) -> str | None:
@@ -65,10 +84,13 @@ class Room:
         if state == Poll.FAILED:
             self._state, self._reason, self.ended = Poll.FAILED, reason or "failed", time.monotonic()
             log.warning("room %d failed: %s", self.room, self._reason)
-            return True
-        if state > self._state:
+        elif state > self._state:
             self._state = state
             if state == Poll.SUCCESS:
                 self.ended = time.monotonic()
-            return True
-        return False
+        else:
+            return False
+        if self.changed is not None:
+            with self.changed:
+                self.changed.notify_all()
+        return True

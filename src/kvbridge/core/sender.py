@@ -388,9 +388,12 @@ class Sender(Room):
             return
         if job.totals:  # something was written
             metrics().transfer(m.backend_name, job.totals, job.seconds)
-        m.notify(peer, P.ChunkDone(room=self.room, chunk=chunk, last=last))
-        if last:
-            m.notify(peer, P.Done(room=self.room))
+        done = P.ChunkDone(room=self.room, chunk=chunk, last=last)
+        if not last:
+            m.notify(peer, done)
+        else:
+            # One hand-off to the I/O thread for both messages (profiled: each hand-off costs ~50 us).
+            m.notify(peer, done, P.Done(room=self.room))
             with m.lock:
                 self._unfinished -= 1
                 if self._unfinished == 0:

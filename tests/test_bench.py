@@ -1,0 +1,72 @@
+"""`kvbridge bench`: one command group, every part with --json and --plot; the request benchmark end to end."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvbridge.cli import build_parser, main
+
+PARTS = ("plan", "transfer", "tp", "request", "scale", "layerwise")
+
+
+def bench_parts():
+    parser = build_parser()
+    bench = parser._subparsers._group_actions[0].choices["bench"]
+    return bench._subparsers._group_actions[0].choices
+
+
+def test_bench_has_exactly_the_documented_parts_each_with_json_and_plot():
+    parts = bench_parts()
+    assert tuple(parts) == PARTS
+    for name, sub in parts.items():
+        flags = {f for a in sub._actions for f in a.option_strings}
+        assert {"--json", "--plot"} <= flags, name
+
+
+def test_docs_cli_lists_every_bench_part():
+    text = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    for name in bench_parts():
+        assert f"`kvbridge bench {name}" in text, name
+
+
+def test_plot_without_matplotlib_still_prints_results_and_says_why(monkeypatch, capsys, tmp_path):
+    from kvbridge.bench import common, tp
+
+    monkeypatch.setattr(common, "can_plot", lambda: False)
+    monkeypatch.setattr(tp, "PAIRS", [(1, 2)])
+    out_png = tmp_path / "tp.png"
+    assert main(["bench", "tp", "--json", "--plot", str(out_png)]) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)[0]["decode_tp"] == 2  # the results came anyway
+    assert "--plot" in out.err and "kvbridge[plot]" in out.err and not out_png.exists()
+
+
+@pytest.mark.skipif(not __import__("kvbridge.bench.common", fromlist=["x"]).can_plot(), reason="needs kvbridge[plot]")
+def test_plot_writes_a_png(tmp_path, monkeypatch, capsys):
+    from kvbridge.bench import tp
+
+    monkeypatch.setattr(tp, "PAIRS", [(1, 2)])
+    assert main(["bench", "tp", "--plot", str(tmp_path / "tp.png")]) == 0
+    assert (tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_request_bench_moves_checked_requests_and_reports_latency_and_references():
+    # Real processes over the memory backend: decode checks every sequential request's
+    # bytes and every slot of the concurrent cell; the zmq round trip is measured alongside.
+    from kvbridge.bench import request
+
+    res = request.run_backend("memory", [request.Cell(1, 1, 10), request.Cell(4, 8, 40)])
+    assert res["result"] == "PASS", res["problems"]
+    assert [c["requests"] for c in res["cells"]] == [10, 40]
+    for c in res["cells"]:
+        assert 0 < c["p50_us"] <= c["p99_us"] and c["requests_per_s"] > 0
+    assert res["zmq_rtt_p50_us"] > 0 and res["raw_write_p50_us"] is None  # memory has no raw engine
+
+
+def test_request_bench_rejects_an_unknown_backend_naming_the_installed_ones(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "request", "--backends", "nope"])
+    assert exc.value.code == 2
+    assert re.search(r"argument --backends: unknown backend\(s\) nope; installed: .*memory", capsys.readouterr().err)
