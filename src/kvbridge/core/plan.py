@@ -257,6 +257,14 @@ class TransferPlan:
         """The largest descriptor's size (0 for an empty plan), without expanding the plan."""
         return max((p.max_nbytes() for p in self._parts), default=0)
 
+    def factors(self) -> list[tuple[IntArray, IntArray, IntArray, IntArray, IntArray]]:
+        """The plan as outer sums, in order, without expanding it: ``(src_rows, dst_rows, src_cols,
+        dst_cols, nbytes)`` each, row ``r`` and column ``c`` moving ``nbytes[c]`` bytes (``nbytes[r]``
+        where there is one column per row: a part given as arrays has columns ``[0]``, sizes per row)."""
+        zero = np.zeros(1, np.int64)
+        return [(p.src_rows, p.dst_rows, p.src_cols, p.dst_cols, p.col_nbytes) if isinstance(p, _Outer)
+                else (p.src, p.dst, zero, zero, p.nbytes) for p in self._parts]
+
 
     def explain(self, limit: int = 8) -> str:
         """A short human-readable summary, with the first ``limit`` descriptors."""
@@ -520,6 +528,16 @@ def _plan_segments(
     """:func:`plan_segments` of checked arrays."""
     if sb.size == 0 or s_idx.size == 0 or seg.shape[0] == 0:
         return TransferPlan.empty()
+    # Rows (region, index), columns segments: kept as an outer sum unless two neighbours continue
+    # each other on both sides (then merged below): inside an item, or across rows.
+    rows_src = (sb[:, None] + s_idx[None, :] * ss[:, None]).ravel()
+    rows_dst = (db[:, None] + d_idx[None, :] * ds[:, None]).ravel()
+    first, last = seg[0], seg[-1]
+    inner = (seg[:-1, 0] + seg[:-1, 2] == seg[1:, 0]) & (seg[:-1, 1] + seg[:-1, 2] == seg[1:, 1])
+    across = ((rows_src[:-1] + (last[0] + last[2] - first[0]) == rows_src[1:])
+              & (rows_dst[:-1] + (last[1] + last[2] - first[1]) == rows_dst[1:]))
+    if not inner.any() and not across.any():
+        return TransferPlan.outer(rows_src, rows_dst, seg[:, 0].copy(), seg[:, 1].copy(), seg[:, 2].copy())
     # Shape (regions, indices, segments), flattened in that order so that
     # neighbours in memory are neighbours in the arrays and can merge.
     src = sb[:, None, None] + s_idx[None, :, None] * ss[:, None, None] + seg[None, None, :, 0]
