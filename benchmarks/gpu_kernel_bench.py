@@ -63,22 +63,23 @@ def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
         s_addr = src.data_ptr() + s_idx.astype(np.int64) * page
         d_addr = dst.data_ptr() + d_idx.astype(np.int64) * page
         nb = np.full(n, page, np.int64)
+        parts = [gpu.arrays_part(s_addr, d_addr, nb)]
         row = {"page_kib": kib, "descriptors": n, "d2d_GBps": d2d}
         for tile, warps in tunings:
             gpu.TILE, gpu.NUM_WARPS = tile, warps
             dst.zero_()
-            secs = timed(lambda: gpu.copy(0, s_addr, d_addr, nb, peer), reps)
+            secs = timed(lambda: gpu.copy(0, parts, peer), reps)
             w = page // 8
             got = dst.view(-1, w)[torch.as_tensor(d_idx, device="cuda")]
             want = src.view(-1, w)[torch.as_tensor(s_idx, device="cuda")]
             row[f"GBps_t{tile}_w{warps}"] = GiB / secs / 1e9
             row[f"ok_t{tile}_w{warps}"] = bool(torch.equal(got, want))
         gpu.TILE, gpu.NUM_WARPS = tunings[0]
-        row["GBps_8_allocations"] = GiB / timed(lambda: gpu.copy(0, s_addr, d_addr, nb, identity_peer(dst, 8)), reps) / 1e9
+        row["GBps_8_allocations"] = GiB / timed(lambda: gpu.copy(0, parts, identity_peer(dst, 8)), reps) / 1e9
         # where the time goes: the host-side part alone (shape + packing)
         t0 = time.perf_counter()
         for _ in range(reps):
-            gpu.shape(s_addr, d_addr, nb)
+            gpu.shape(parts[0])
             np.concatenate([s_addr, d_addr, nb])
         row["host_ms"] = (time.perf_counter() - t0) / reps * 1e3
         idx_s, idx_d = torch.as_tensor(s_idx, device="cuda"), torch.as_tensor(d_idx, device="cuda")
@@ -127,7 +128,7 @@ def hetero(reps: int) -> list[dict]:
             plan_ms = (time.perf_counter() - t0) * 1e3
 
             def go():  # each rank on its own long-lived thread, as each prefill rank's worker is
-                for f in [workers.submit(gpu.copy, 0, p.src_addr, p.dst_addr, p.nbytes, peer) for p in plans]:
+                for f in [workers.submit(gpu.copy, 0, p.factors(), peer) for p in plans]:
                     f.result()
 
             dst.zero_()
@@ -140,6 +141,7 @@ def hetero(reps: int) -> list[dict]:
             ok = torch.equal(dst.view(dshape)[:, torch.as_tensor(d_idx, device="cuda")],
                              full[:, torch.as_tensor(s_idx, device="cuda")])
             row = {"layout": layout, "prefill_tp": tp, "bytes": sum(p.total_bytes for p in plans),
+                   "table_words": sum(len(f[0]) * 2 + len(f[2]) * 3 for p in plans for f in p.factors()),
                    "descriptors": sum(len(p) for p in plans), "plan_ms": plan_ms,
                    "GBps": sum(p.total_bytes for p in plans) / secs / 1e9, "ok": bool(ok)}
             rows.append(row)

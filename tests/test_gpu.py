@@ -45,7 +45,7 @@ def test_the_kernels_work_split_and_translation_copy_every_byte_once_to_its_plac
     dst_base = 1 << 44  # the peer's address of dst[0]
     peer = gpu.GpuPeer(np.array([dst_base], np.int64), np.array([dst_base + dst.nbytes], np.int64),
                        np.array([dst.ctypes.data - dst_base], np.int64))
-    gpu.execute_on_host(src.ctypes.data + src_off, dst_base + dst_off, sizes, peer)
+    gpu.execute_on_host([gpu.arrays_part(src.ctypes.data + src_off, dst_base + dst_off, sizes)], peer)
     want = np.zeros_like(dst)
     for s, d, n in zip(src_off, dst_off, sizes):
         want[d:d + n] = src[s:s + n]
@@ -69,13 +69,49 @@ def test_the_kernels_binary_search_finds_the_allocation_holding_each_address(all
 def test_the_launch_shape_takes_the_widest_element_that_divides_every_address_and_size():
     a = np.array([0x1000, 0x2000], np.int64)
     # 16 elements of 8 bytes per piece; a 64-byte size is only half a piece: pieces need a mask
-    assert gpu.shape(a, a + 64, np.array([64, 128])) == gpu.Shape(8, 16, 1, gpu.TILE // 16, True, False)
-    assert gpu.shape(a, a + 64, np.array([256, 256])).even  # equal sizes: whole pieces
-    assert gpu.shape(a, a + 4, np.array([64, 128])).width == 4
-    assert gpu.shape(a, a, np.array([6, 128])).width == 2
-    assert gpu.shape(a + 1, a, np.array([64, 128])).width == 1
-    big = gpu.shape(a, a, np.array([1 << 20, 8]))  # 131072 elements: TILE-element pieces, 64 per descriptor
+    assert gpu.shape(gpu.arrays_part(a, a + 64, np.array([64, 128]))) == gpu.Shape(8, 16, 1, gpu.TILE // 16, True, False)
+    assert gpu.shape(gpu.arrays_part(a, a + 64, np.array([256, 256]))).even  # equal sizes: whole pieces
+    assert gpu.shape(gpu.arrays_part(a, a + 4, np.array([64, 128]))).width == 4
+    assert gpu.shape(gpu.arrays_part(a, a, np.array([6, 128]))).width == 2
+    assert gpu.shape(gpu.arrays_part(a + 1, a, np.array([64, 128]))).width == 1
+    # 131072 elements: TILE-element pieces, 64 per descriptor
+    big = gpu.shape(gpu.arrays_part(a, a, np.array([1 << 20, 8])))
     assert (big.chunk, big.pieces, big.rows, big.even) == (gpu.TILE, (1 << 17) // gpu.TILE, 1, False)
+
+
+def outer_plans(src_base: int, dst_base: int):
+    """Plans the planner keeps as outer sums: NHD rows of 4 heads into 8-head pages (heterogeneous TP 2 -> 1,
+    rank 1), and scattered whole pages; each over 3 regions of 16 items, 4 indices."""
+    from kvbridge.core.plan import plan_pages, plan_segments
+
+    rng = np.random.default_rng(3)
+    s_idx, d_idx = rng.choice(16, 4, replace=False), rng.choice(16, 4, replace=False)
+    rows, head = 8, 64  # 8 token rows; 4 heads of 64 B at the source, 8 at the destination
+    seg = np.array([(t * 4 * head, t * 8 * head + 4 * head, 4 * head) for t in range(rows)], np.int64)
+    item_s, item_d = rows * 4 * head, rows * 8 * head
+    nhd = plan_segments(src_base + np.arange(3) * 16 * item_s, dst_base + np.arange(3) * 16 * item_d,
+                        [item_s] * 3, [item_d] * 3, seg, s_idx, d_idx)
+    pages = plan_pages(src_base + np.arange(3) * 16 * item_s, dst_base + np.arange(3) * 16 * item_s,
+                       [item_s] * 3, s_idx, d_idx)
+    return {"nhd": nhd, "pages": pages}, 3 * 16 * item_s, 3 * 16 * item_d
+
+
+@pytest.mark.parametrize("which", ["nhd", "pages"])
+def test_the_kernels_split_of_an_unexpanded_plan_moves_what_its_descriptors_say(which):
+    # The kernel reads a plan's rows and columns (TransferPlan.factors), never its descriptors; the CPU
+    # reference of that split must land exactly what the expanded descriptors say.
+    src = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+    plans, _, dst_size = outer_plans(src.ctypes.data, 1 << 44)
+    plan = plans[which]
+    assert len(plan.factors()[0][2]) > 1  # kept as an outer sum, not arrays
+    dst = np.zeros(dst_size, np.uint8)
+    peer = gpu.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst_size], np.int64),
+                       np.array([dst.ctypes.data - (1 << 44)], np.int64))
+    gpu.execute_on_host(plan.factors(), peer)
+    want = np.zeros_like(dst)
+    for s, d, n in zip(plan.src_addr - src.ctypes.data, plan.dst_addr - (1 << 44), plan.nbytes):
+        want[d:d + n] = src[s:s + n]
+    np.testing.assert_array_equal(dst, want)
 
 
 def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():
@@ -112,12 +148,31 @@ def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocat
     which = rng.integers(0, 3, count)
     dst_off = np.concatenate(([0], np.cumsum(sizes)[:-1]))[rng.permutation(count)]
     src_off = rng.integers(0, (src.numel() - longest) // unit, count) * unit
-    gpu.copy(0, src.data_ptr() + src_off, np.array(fake, np.int64)[which] + dst_off, sizes.astype(np.int64), peer)
+    gpu.copy(0, [gpu.arrays_part(src.data_ptr() + src_off, np.array(fake, np.int64)[which] + dst_off,
+                                 sizes.astype(np.int64))], peer)
     want = [torch.zeros_like(p) for p in parts]
     for w, s, d, n in zip(which, src_off, dst_off, sizes):
         want[w][d:d + n] = src[s:s + n]
     for got, exp in zip(parts, want):
         assert torch.equal(got, exp)
+
+
+@pytest.mark.skipif(not gpu.available(), reason="needs a CUDA device visible to torch; this machine has none")
+@pytest.mark.parametrize("which", ["nhd", "pages"])
+def test_the_kernel_copies_an_unexpanded_plan_byte_exact(which):
+    import torch
+
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    plans, _, dst_size = outer_plans(src.data_ptr(), 1 << 44)
+    plan = plans[which]
+    dst = torch.zeros(dst_size, dtype=torch.uint8, device="cuda")
+    peer = gpu.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst_size], np.int64),
+                       np.array([dst.data_ptr() - (1 << 44)], np.int64))
+    gpu.copy(0, plan.factors(), peer)
+    want = torch.zeros_like(dst)
+    for s, d, n in zip((plan.src_addr - src.data_ptr()).tolist(), (plan.dst_addr - (1 << 44)).tolist(), plan.nbytes.tolist()):
+        want[d:d + n] = src[s:s + n]
+    assert torch.equal(dst, want)
 
 
 class TestGpuEndToEnd(BackendHarness):

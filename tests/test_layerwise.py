@@ -107,7 +107,7 @@ def test_layer_slices_run_by_the_gpu_copy_work_split_land_layer_by_layer_byte_ex
     for g, key in enumerate(keys):
         for index, layered in splits:
             part = layered.group(index.keys.index(key))
-            gpu.execute_on_host(part.src_addr, part.dst_addr, part.nbytes, mapped)
+            gpu.execute_on_host(part.factors(), mapped)
         done.add(key)
         for r in dst.regions:
             if r.role != "metadata" and (r.layer, r.draft) not in done:

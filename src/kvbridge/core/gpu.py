@@ -36,8 +36,8 @@ import numpy.typing as npt
 from .layout import Region
 
 __all__ = [
-    "GpuPeer", "Shape", "available", "boot_id", "copy", "execute_on_host", "kernel_translate", "local_metadata", "open_peer",
-    "shape",
+    "GpuPeer", "Part", "Shape", "arrays_part", "available", "boot_id", "copy", "execute_on_host", "kernel_translate",
+    "local_metadata", "open_peer", "shape",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,11 +47,29 @@ TILE = 2048  # elements one kernel program copies
 
 
 # -- the work split (numpy; tested on CPU) ------------------------------------------------------------
+#: One part of a plan as an outer sum (:meth:`kvbridge.core.plan.TransferPlan.factors`): descriptor
+#: ``(r, c)`` moves ``nbytes`` bytes from ``src_rows[r] + src_cols[c]`` to ``dst_rows[r] + dst_cols[c]``;
+#: ``nbytes`` is per column, or per row where there is one column (a part given as arrays).
+Part = tuple[IntArray, IntArray, IntArray, IntArray, IntArray]
+
+
+def arrays_part(src: IntArray, dst: IntArray, nbytes: IntArray) -> Part:
+    """Descriptors given as three arrays, as a part (one column at offset 0, sizes per row)."""
+    zero = np.zeros(1, np.int64)
+    return src, dst, zero, zero, nbytes
+
+
+def row_sizes(part: Part) -> bool:
+    """Whether ``part``'s sizes are per row (one column) rather than per column."""
+    src_rows, _, src_cols, _, nbytes = part
+    return len(src_cols) == 1 and len(nbytes) == len(src_rows)
+
+
 class Shape(NamedTuple):
-    """How one launch splits descriptors: element ``width`` in bytes, ``chunk`` elements per piece,
-    ``pieces`` per descriptor (of the longest), ``rows`` pieces per program (rows x chunk = :data:`TILE`);
-    ``align16``: every address and size is a multiple of 16 bytes; ``even``: every size is a multiple of a
-    piece, so no piece needs a per-element mask (the kernel then moves 16-byte vectors)."""
+    """How one launch splits a part's descriptors: element ``width`` in bytes, ``chunk`` elements per
+    piece, ``pieces`` per descriptor (of the longest), ``rows`` pieces per program (rows x chunk =
+    :data:`TILE`); ``align16``: every address and size is a multiple of 16 bytes; ``even``: every size is
+    a multiple of a piece, so pieces need no per-element mask (loads and stores then vectorise)."""
 
     width: int
     chunk: int
@@ -61,12 +79,16 @@ class Shape(NamedTuple):
     even: bool
 
 
-def shape(src: IntArray, dst: IntArray, nbytes: IntArray) -> Shape:
-    """The launch shape of a descriptor set: the widest element every address and size is a multiple of."""
-    if not len(nbytes):
-        return Shape(8, 1, 1, TILE, True, True)
+def shape(part: Part) -> Shape:
+    """The launch shape of a part: the widest element every address and size is a multiple of.
+
+    A sum of multiples of 2**k is one, so rows and columns are reduced apart: no descriptor is formed.
+    """
+    nbytes = part[4]
     size_bits = int(np.bitwise_or.reduce(nbytes))
-    bits = int(np.bitwise_or.reduce(src) | np.bitwise_or.reduce(dst)) | size_bits
+    bits = size_bits
+    for a in part[:4]:
+        bits |= int(np.bitwise_or.reduce(a))
     width = next(w for w in (8, 4, 2, 1) if bits % w == 0)
     longest = max(1, int(nbytes.max()) // width)
     chunk = min(TILE, 1 << (longest - 1).bit_length())
@@ -92,20 +114,27 @@ def kernel_translate(dst: IntArray, starts: IntArray, deltas: IntArray) -> IntAr
     return dst + deltas[pos]
 
 
-def execute_on_host(src: IntArray, dst: IntArray, nbytes: IntArray, peer: GpuPeer) -> None:
-    """The kernel's work split and translation run with ``ctypes.memmove`` on host memory: the CPU reference."""
-    sh = shape(src, dst, nbytes)
-    piece = np.arange(len(nbytes) * sh.pieces, dtype=np.int64)  # every (descriptor, piece), as the programs do
-    d, first = piece // sh.pieces, (piece % sh.pieces) * sh.chunk * sh.width
-    piece_bytes = sh.chunk * sh.width
-    if sh.even:  # the kernel's per-piece mask: a piece is copied whole or not at all
-        size = np.where(first < nbytes[d], piece_bytes, 0)
-    else:
-        size = np.minimum(nbytes[d] - first, piece_bytes)
-    target = kernel_translate(dst, peer.starts, peer.delta)
-    for i, o, n in zip(d.tolist(), first.tolist(), size.tolist()):
-        if n > 0:
-            ctypes.memmove(int(target[i]) + o, int(src[i]) + o, n)
+def execute_on_host(parts: Sequence[Part], peer: GpuPeer) -> None:
+    """The kernel's work split, sizes, masks and translation run with ``ctypes.memmove`` on host memory:
+    the CPU reference of :func:`copy`, program by program."""
+    for part in parts:
+        src_rows, dst_rows, src_cols, dst_cols, nbytes = part
+        sh = shape(part)
+        cols = len(src_cols)
+        piece = np.arange(len(src_rows) * cols * sh.pieces, dtype=np.int64)  # as the programs number them
+        d, first = piece // sh.pieces, (piece % sh.pieces) * sh.chunk * sh.width
+        r, c = d // cols, d % cols
+        n = nbytes[r] if row_sizes(part) else nbytes[c]
+        piece_bytes = sh.chunk * sh.width
+        if sh.even:  # the kernel's per-piece mask: a piece is copied whole or not at all
+            size = np.where(first < n, piece_bytes, 0)
+        else:
+            size = np.minimum(n - first, piece_bytes)
+        src = src_rows[r] + src_cols[c]
+        dst = kernel_translate(dst_rows[r] + dst_cols[c], peer.starts, peer.delta)
+        for s_, t, o, k in zip(src.tolist(), dst.tolist(), first.tolist(), size.tolist()):
+            if k > 0:
+                ctypes.memmove(t + o, s_ + o, k)
 
 
 # -- CUDA driver calls (ctypes: the C ABI is stable) ------------------------------------------------
@@ -269,20 +298,26 @@ def _compile() -> Any:
     import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
     @triton.jit
-    def copy_pieces(tab, count, starts, deltas, allocs, PIECES: tl.constexpr, ROWS: tl.constexpr,
-                    CHUNK: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr, STEPS: tl.constexpr,
-                    ALIGN16: tl.constexpr, EVEN: tl.constexpr):
-        # ``tab`` holds ``count`` sources, then destinations (peer addresses), then sizes in bytes.
-        # Piece p is elements [(p % PIECES) * CHUNK, +CHUNK) of descriptor p // PIECES; one program
-        # copies ROWS pieces. A destination is translated into this process through the peer's
-        # mapped allocations (sorted starts, deltas): a branchless binary search of STEPS steps.
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        live = rows < count * PIECES
-        d = rows // PIECES
-        first = (rows % PIECES) * CHUNK
-        s = tl.load(tab + d, mask=live, other=0)
-        t = tl.load(tab + count + d, mask=live, other=0)
-        n = tl.load(tab + 2 * count + d, mask=live, other=0) // WIDTH
+    def copy_pieces(rows_tab, nrows, cols_tab, ncols, starts, deltas, allocs, PIECES: tl.constexpr,
+                    ROWS: tl.constexpr, CHUNK: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
+                    STEPS: tl.constexpr, ALIGN16: tl.constexpr, EVEN: tl.constexpr, ROW_SIZES: tl.constexpr):
+        # rows_tab: nrows sources, nrows destinations (peer addresses)[, nrows sizes]; cols_tab: ncols
+        # source offsets, destination offsets, sizes. Descriptor d is (d // ncols, d % ncols); piece p
+        # is elements [(p % PIECES) * CHUNK, +CHUNK) of descriptor p // PIECES; one program copies ROWS
+        # pieces. Destinations are translated into this process through the peer's mapped allocations
+        # (sorted starts, deltas) by a branchless binary search of STEPS steps.
+        p = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        live = p < nrows * ncols * PIECES
+        d = p // PIECES
+        first = (p % PIECES) * CHUNK
+        r = d // ncols
+        c = d % ncols
+        s = tl.load(rows_tab + r, mask=live, other=0) + tl.load(cols_tab + c, mask=live, other=0)
+        t = tl.load(rows_tab + nrows + r, mask=live, other=0) + tl.load(cols_tab + ncols + c, mask=live, other=0)
+        if ROW_SIZES:
+            n = tl.load(rows_tab + 2 * nrows + r, mask=live, other=0) // WIDTH
+        else:
+            n = tl.load(cols_tab + 2 * ncols + c, mask=live, other=0) // WIDTH
         pos = tl.zeros_like(t)
         for i in tl.static_range(STEPS):
             cand = pos + (1 << (STEPS - 1 - i))
@@ -328,42 +363,58 @@ class _Staging(threading.local):
 _staging = _Staging()
 
 
-def copy(device: int, src: IntArray, dst: IntArray, nbytes: IntArray, peer: GpuPeer) -> None:
-    """Copy every descriptor into ``peer``'s mapped memory on ``device``; return once the bytes have landed.
+def copy(device: int, parts: Sequence[Part], peer: GpuPeer) -> None:
+    """Copy every descriptor of ``parts`` into ``peer``'s mapped memory on ``device``; return once landed.
 
-    ``dst`` holds the peer's own addresses; the kernel translates them. The
-    descriptors must lie in local GPU memory of ``device`` and in the peer's
-    mapped allocations (core checked both).
+    Destinations are the peer's own addresses; the kernel translates them.
+    The descriptors must lie in local GPU memory of ``device`` and in the
+    peer's mapped allocations (core checked both). Each part's rows are sent
+    in slices of about :data:`SLICE_BYTES`, so packing slice k+1 on the CPU
+    overlaps copying slice k; one synchronisation at the end.
     """
     global _kernel
-    count = len(nbytes)
-    if not count:
+    parts = [p for p in parts if len(p[0]) and len(p[2])]
+    if not parts:
         return
     import torch
     import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
     if _kernel is None:
         _kernel = _compile()
-    sh = shape(src, dst, nbytes)
-    dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[sh.width]
     _on_device(device)
     starts, deltas = peer.on_device(device)
-    # Slices of about SLICE_BYTES: pack slice k+1 on the CPU while the GPU copies slice k.
-    per = max(1, min(count, int(SLICE_BYTES // max(1, int(nbytes[0])))))
-    stream, host, dev = _staging.get(device, 3 * count)
+    steps = search_steps(len(peer.starts))
+    words = sum(3 * len(p[0]) + 3 * len(p[2]) for p in parts)
+    stream, host, dev = _staging.get(device, words)
     h = host.numpy()
+    at = 0
     with torch.cuda.stream(stream):
-        for lo in range(0, count, per):
-            hi = min(count, lo + per)
-            m = hi - lo
-            base = 3 * lo
-            h[base:base + m] = src[lo:hi]
-            h[base + m:base + 2 * m] = dst[lo:hi]
-            h[base + 2 * m:base + 3 * m] = nbytes[lo:hi]
-            table = dev[base:base + 3 * m]
-            table.copy_(host[base:base + 3 * m], non_blocking=True)
-            grid = (-(-m * sh.pieces // sh.rows),)
-            _kernel[grid](table, m, starts, deltas, len(peer.starts), PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk,
-                          WIDTH=sh.width, DTYPE=dtype, STEPS=search_steps(len(peer.starts)), ALIGN16=sh.align16,
-                          EVEN=sh.even, num_warps=NUM_WARPS)
+        for part in parts:
+            src_rows, dst_rows, src_cols, dst_cols, nbytes = part
+            sh = shape(part)
+            dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[sh.width]
+            per_row = row_sizes(part)
+            ncols = len(src_cols)
+            # the columns once, then the rows slice by slice
+            cols = dev[at:at + 3 * ncols]
+            h[at:at + ncols], h[at + ncols:at + 2 * ncols] = src_cols, dst_cols
+            h[at + 2 * ncols:at + 3 * ncols] = 0 if per_row else nbytes
+            cols.copy_(host[at:at + 3 * ncols], non_blocking=True)
+            at += 3 * ncols
+            row_bytes = max(1, int(nbytes[0]) if per_row else int(nbytes.sum()))
+            step = max(1, SLICE_BYTES // row_bytes)
+            width = 3 if per_row else 2
+            for lo in range(0, len(src_rows), step):
+                hi = min(len(src_rows), lo + step)
+                m = hi - lo
+                h[at:at + m], h[at + m:at + 2 * m] = src_rows[lo:hi], dst_rows[lo:hi]
+                if per_row:
+                    h[at + 2 * m:at + 3 * m] = nbytes[lo:hi]
+                rows = dev[at:at + width * m]
+                rows.copy_(host[at:at + width * m], non_blocking=True)
+                at += width * m
+                grid = (-(-m * ncols * sh.pieces // sh.rows),)
+                _kernel[grid](rows, m, cols, ncols, starts, deltas, len(peer.starts), PIECES=sh.pieces, ROWS=sh.rows,
+                              CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps, ALIGN16=sh.align16,
+                              EVEN=sh.even, ROW_SIZES=per_row, num_warps=NUM_WARPS)
         stream.synchronize()

@@ -150,7 +150,7 @@ class Transport:
         if time.monotonic() >= deadline:
             raise TransferTimeout(f"{self.name}: write to peer {peer!r} passed its deadline before it started")
         if device is not None:  # every descriptor qualifies (decided per region at add_peer)
-            groups = [(device, plan)]
+            groups = [(device, plan.factors())]  # as the planner left it: rows x columns, unexpanded
             rest = TransferPlan.empty()
         else:
             region, from_gpu = self._vram.locate(plan.src_addr, plan.nbytes)
@@ -161,11 +161,11 @@ class Transport:
             groups = []
             for dev in np.unique(devices[fast]).tolist():
                 on = fast & (devices == dev)
-                groups.append((int(dev), TransferPlan(plan.src_addr[on], plan.dst_addr[on], plan.nbytes[on])))
+                groups.append((int(dev), [gpu.arrays_part(plan.src_addr[on], plan.dst_addr[on], plan.nbytes[on])]))
             rest = TransferPlan(plan.src_addr[~fast], plan.dst_addr[~fast], plan.nbytes[~fast])
-        for dev, part in groups:
+        for dev, parts in groups:
             try:
-                gpu.copy(dev, part.src_addr, part.dst_addr, part.nbytes, mapped)
+                gpu.copy(dev, parts, mapped)
             except Exception as exc:
                 raise TransferError(f"{self.name}: GPU copy to peer {peer!r} failed: {exc}") from exc
         return rest
