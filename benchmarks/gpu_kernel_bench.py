@@ -29,6 +29,7 @@ GiB = 1 << 30
 
 
 def timed(fn, reps: int) -> float:
+    torch.cuda.synchronize()
     fn()
     torch.cuda.synchronize()
     times = []
@@ -68,6 +69,7 @@ def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
         for tile, warps in tunings:
             gpu.TILE, gpu.NUM_WARPS = tile, warps
             dst.zero_()
+            torch.cuda.synchronize()
             secs = timed(lambda: gpu.copy(0, parts, peer), reps)
             w = page // 8
             got = dst.view(-1, w)[torch.as_tensor(d_idx, device="cuda")]
@@ -75,6 +77,9 @@ def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
             row[f"GBps_t{tile}_w{warps}"] = GiB / secs / 1e9
             row[f"ok_t{tile}_w{warps}"] = bool(torch.equal(got, want))
         gpu.TILE, gpu.NUM_WARPS = tunings[0]
+        gpu.RELATIVE = False  # integer-to-pointer casts: no alignment known, 8-byte accesses
+        row["GBps_cast"] = GiB / timed(lambda: gpu.copy(0, parts, peer), reps) / 1e9
+        gpu.RELATIVE = True
         row["GBps_8_allocations"] = GiB / timed(lambda: gpu.copy(0, parts, identity_peer(dst, 8)), reps) / 1e9
         # where the time goes: the host-side part alone (shape + packing)
         t0 = time.perf_counter()
@@ -132,6 +137,7 @@ def hetero(reps: int) -> list[dict]:
                     f.result()
 
             dst.zero_()
+            torch.cuda.synchronize()
             secs = timed(go, reps)
             # oracle: global [layer, kv, page, token, head, dim] (nhd) / [.., page, head, token, dim] (hnd) from rank slices
             heads = HEADS // tp

@@ -148,6 +148,7 @@ def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocat
     which = rng.integers(0, 3, count)
     dst_off = np.concatenate(([0], np.cumsum(sizes)[:-1]))[rng.permutation(count)]
     src_off = rng.integers(0, (src.numel() - longest) // unit, count) * unit
+    torch.cuda.synchronize()  # the copy runs on its own stream: the sources must be final (Sender.send's contract)
     gpu.copy(0, [gpu.arrays_part(src.data_ptr() + src_off, np.array(fake, np.int64)[which] + dst_off,
                                  sizes.astype(np.int64))], peer)
     want = [torch.zeros_like(p) for p in parts]
@@ -168,6 +169,7 @@ def test_the_kernel_copies_an_unexpanded_plan_byte_exact(which):
     dst = torch.zeros(dst_size, dtype=torch.uint8, device="cuda")
     peer = gpu.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst_size], np.int64),
                        np.array([dst.data_ptr() - (1 << 44)], np.int64))
+    torch.cuda.synchronize()  # the copy runs on its own stream: the sources must be final (Sender.send's contract)
     gpu.copy(0, plan.factors(), peer)
     want = torch.zeros_like(dst)
     for s, d, n in zip((plan.src_addr - src.data_ptr()).tolist(), (plan.dst_addr - (1 << 44)).tolist(), plan.nbytes.tolist()):

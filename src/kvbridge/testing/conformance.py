@@ -392,7 +392,9 @@ class BackendConformance(BackendHarness):
 
     def _layerwise_room(self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
                         ) -> tuple[LocalPrefill, Child, Sender, Any]:
-        sc = self.scenario(requests=1, max_pages=512, max_chunks=1, concurrency=1)
+        # The Sender exists before the decode process starts: let it wait as long as a process may take to
+        # start (importing an engine with CUDA took over 5 s on a GPU machine).
+        sc = self.scenario(requests=1, max_pages=512, max_chunks=1, concurrency=1, bootstrap_timeout=START_WAIT)
         (req,) = schedule(sc)
         prefill = local_prefill(sc)
         decode = children("decode", sc, bootstrap=prefill.address)
