@@ -146,7 +146,8 @@ def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocat
     peer = gpu.GpuPeer(np.array(fake, np.int64), np.array([f + p.numel() for f, p in zip(fake, parts)], np.int64),
                        np.array([p.data_ptr() - f for f, p in zip(fake, parts)], np.int64))
     which = rng.integers(0, 3, count)
-    dst_off = np.concatenate(([0], np.cumsum(sizes)[:-1]))[rng.permutation(count)]
+    order = rng.permutation(count)  # scattered, and never overlapping: offsets and sizes permuted together
+    dst_off, sizes = np.concatenate(([0], np.cumsum(sizes)[:-1]))[order], sizes[order]
     src_off = rng.integers(0, (src.numel() - longest) // unit, count) * unit
     torch.cuda.synchronize()  # the copy runs on its own stream: the sources must be final (Sender.send's contract)
     gpu.copy(0, [gpu.arrays_part(src.data_ptr() + src_off, np.array(fake, np.int64)[which] + dst_off,
