@@ -105,8 +105,10 @@ class TestSecurity(BackendHarness):
         prefill = local_prefill(sc)
         thief = raw_clients(prefill.mgr.control_address, "thief")
         pools = self.decode_pools(sc)
-        hello = P.Hello(peer_id=thief.identity, backend=self.backend, backend_meta=HOSTILE_META, kvargs=pools.kvargs)
-        assert isinstance(thief.ask(hello, seal=False), P.Reject)
+        meta = thief.engine_metadata(pools, self.backend, self.backend_options)  # a working engine of its own
+        hello = P.Hello(peer_id=thief.identity, backend=self.backend, backend_meta=meta, kvargs=pools.kvargs)
+        reply = thief.ask(hello, seal=False)
+        assert isinstance(reply, P.Reject) and "requires the kvbridge secret" in reply.reason, reply
         for req in schedule(sc):  # the rooms the real decode will ask for
             claim = P.TransferRequest(room=req.room, indices={"kv_page": P.pack_indices(np.arange(len(req.src_pages)))},
                                       metadata_row=0)
@@ -120,9 +122,10 @@ class TestSecurity(BackendHarness):
         spy = raw_clients(prefill.mgr.control_address, "spy")
         pools = self.decode_pools(self.scenario())
         before = rejected("prefill", "unauthenticated")
-        hello = P.Hello(peer_id=spy.identity, backend=self.backend, backend_meta=HOSTILE_META, kvargs=pools.kvargs)
+        meta = spy.engine_metadata(pools, self.backend, self.backend_options)  # a victim's, or its own: both work without auth
+        hello = P.Hello(peer_id=spy.identity, backend=self.backend, backend_meta=meta, kvargs=pools.kvargs)
         reply = spy.ask(hello, seal=False)
-        assert isinstance(reply, P.Reject) and not isinstance(reply, P.HelloAck)
+        assert isinstance(reply, P.Reject) and "requires the kvbridge secret" in reply.reason, reply
         assert "0x" not in reply.reason and str(prefill.pools.kvargs.regions[0].addr) not in reply.reason
         assert prefill.mgr.peers() == []
         assert rejected("prefill", "unauthenticated") == before + 1

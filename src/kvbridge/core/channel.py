@@ -178,7 +178,7 @@ class _Quiet:
         log.warning(msg, *args)
 
 
-_quiet = _Quiet()
+quiet = _Quiet()
 #: Refusals answered without a seal: the sender may not hold our secret, and the text reveals nothing.
 _ANSWER_PLAIN = ("unauthenticated", "forged")
 
@@ -279,7 +279,7 @@ class Channel:
         metrics().rejected(self.endpoint, kind)
         who = "" if ident is None else f" from {ident[:64]!r}"
         self.last_refusal = reason
-        _quiet.warning(f"{self.endpoint}:{kind}", "%s: refused a control message%s: %s", self.endpoint, who, reason)
+        quiet.warning(f"{self.endpoint}:{kind}", "%s: refused a control message%s: %s", self.endpoint, who, reason)
         if ident is not None:
             reply = P.encode(P.Reject(reason=reason, room=room))
             _send(self.sock, [ident, reply if plain else self.auth.seal(reply, ident, self._sealer)])
@@ -292,7 +292,7 @@ class Channel:
             return
         if isinstance(msg, P.Reject):
             self.last_refusal = f"the other side answered without authentication: {msg.reason[:300]}"
-            _quiet.warning(f"{self.endpoint}:peek", "%s: %s", self.endpoint, self.last_refusal)
+            quiet.warning(f"{self.endpoint}:peek", "%s: %s", self.endpoint, self.last_refusal)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -304,6 +304,6 @@ def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
     try:
         sock.send_multipart(frames, zmq.NOBLOCK)
     except zmq.Again:
-        _quiet.warning("full", "kvbridge control socket is full; dropped a message")
+        quiet.warning("full", "kvbridge control socket is full; dropped a message")
     except zmq.ZMQError as exc:
-        _quiet.warning("send", "kvbridge control send failed: %s", exc)
+        quiet.warning("send", "kvbridge control send failed: %s", exc)

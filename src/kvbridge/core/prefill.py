@@ -12,7 +12,7 @@ import zmq
 
 from . import protocol as P
 from .bootstrap import HELD, RENEW, register_rank
-from .channel import Channel
+from .channel import Channel, quiet
 from .layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
 from .pairing import IncompatibleLayoutError, Route, pair_layouts
@@ -180,7 +180,7 @@ class PrefillManager(TransferManager[Sender]):
             except Exception as exc:
                 problem = f"backend {self.backend_name!r} could not add the peer: {exc}"
         if problem is not None:
-            log.warning("prefill: rejected handshake from %r: %s", msg.peer_id[:64], problem)
+            quiet.warning("prefill:hello", "prefill: rejected handshake from %r: %s", msg.peer_id[:64], problem)
             self._chan.reject(ident, problem)
             return
         with self.lock:

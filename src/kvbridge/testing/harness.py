@@ -256,15 +256,20 @@ class RawClient:
     def send(self, msg: P.Message, seal: bool = True) -> None:
         self.send_raw(P.encode(msg), seal)
 
-    def handshake(self, pools: Pools, backend: str, options: Mapping[str, str] | None = None) -> None:
-        # Real engine metadata for the memory it describes (kept alive with the
-        # client), so the prefill's backend accepts the peer: the hostility is in
-        # what this client sends afterwards. Nothing is ever written to it.
+    def engine_metadata(self, pools: Pools, backend: str, options: Mapping[str, str] | None = None) -> bytes:
+        """Real engine metadata for the memory ``pools`` describe (kept alive with the client); nothing is ever written to it."""
         self.pools = pools
         self.engine = open_transport(backend, host="127.0.0.1", name=self.identity,
                                      transfer_timeout=BASE.transfer_timeout, options=dict(options or {}))
         self.engine.register(pools.kvargs.regions)
-        reply = self.ask(P.Hello(peer_id=self.identity, backend=backend, backend_meta=self.engine.metadata(), kvargs=pools.kvargs))
+        meta: bytes = self.engine.metadata()
+        return meta
+
+    def handshake(self, pools: Pools, backend: str, options: Mapping[str, str] | None = None) -> None:
+        # Real engine metadata, so the prefill's backend accepts the peer: the
+        # hostility is in what this client sends afterwards.
+        meta = self.engine_metadata(pools, backend, options)
+        reply = self.ask(P.Hello(peer_id=self.identity, backend=backend, backend_meta=meta, kvargs=pools.kvargs))
         assert isinstance(reply, P.HelloAck), reply
 
     def close(self) -> None:
