@@ -126,6 +126,8 @@ class PrefillManager(TransferManager[Sender]):
             return
         ident, msg = got
         assert ident is not None
+        if self.closed:
+            return  # closing: each room's Failed is on its way; a "who are you" now would overtake it
         peer_id = ident.decode(errors="replace")
         if isinstance(msg, P.Hello):
             self._on_hello(ident, msg)
