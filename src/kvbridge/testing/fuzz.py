@@ -180,6 +180,7 @@ class FakePrefill:
         self.address = self.boot.bind("127.0.0.1")
         self.rank = Channel(ctx, zmq.ROUTER, self.auth, endpoint="fuzz", max_bytes=1 << 30)
         self.rank.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # count only frames the decode rank can receive
+        self.rank.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a decode rank that reconnects (same identity) takes over
         self.rank.sock.setsockopt(zmq.SNDTIMEO, 2000)  # and wait while its queue is full
         self.control = self.rank.bind("127.0.0.1")
         self.backend = auth_backend
