@@ -56,6 +56,7 @@ _FLAGS = {
     "heartbeat_interval": "--transfer-heartbeat-interval",
     "heartbeat_timeout": "--transfer-heartbeat-timeout",
     "strict_index_lengths": "--transfer-strict-index-lengths",
+    "secret_file": "--transfer-secret-file",
 }
 
 
@@ -124,6 +125,9 @@ class TransferConfig:
     heartbeat_interval: float = _SESSION.heartbeat_interval
     heartbeat_timeout: float = _SESSION.heartbeat_timeout
     strict_index_lengths: bool = _SESSION.strict_index_lengths
+    #: A file holding the secret that authenticates control messages (docs/security.md);
+    #: unset: ``$KVBRIDGE_SECRET_FILE`` or ``$KVBRIDGE_SECRET``. The secret itself is never a setting.
+    secret_file: str | None = _SESSION.secret_file
 
     def __post_init__(self) -> None:
         registry = get_registry()
@@ -152,6 +156,8 @@ class TransferConfig:
         if not isinstance(self.strict_index_lengths, bool):
             raise ConfigError(f"strict_index_lengths must be true or false, got {self.strict_index_lengths!r}",
                               "strict_index_lengths")
+        if self.secret_file is not None and (not isinstance(self.secret_file, str) or not self.secret_file):
+            raise ConfigError(f"secret_file must be a file name, got {self.secret_file!r}", "secret_file")
         for name in _TIMEOUTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -243,6 +249,7 @@ _ARG_DESTS = {
     "heartbeat_interval": "transfer_heartbeat_interval",
     "heartbeat_timeout": "transfer_heartbeat_timeout",
     "strict_index_lengths": "transfer_strict_index_lengths",
+    "secret_file": "transfer_secret_file",
 }
 
 
@@ -346,4 +353,7 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         )
     group.add_argument("--transfer-strict-index-lengths", dest="transfer_strict_index_lengths", action="store_true",
                        help="treat every index-length mismatch as an error (default: trim page lists with a warning)")
+    group.add_argument("--transfer-secret-file", dest="transfer_secret_file", default=None, metavar="PATH",
+                       help="file holding the secret that authenticates control messages (default: "
+                            "$KVBRIDGE_SECRET_FILE, else $KVBRIDGE_SECRET; without one, loopback only)")
     return group

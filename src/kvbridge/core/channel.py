@@ -4,6 +4,12 @@ zmq sockets are not thread-safe, so every socket lives on one thread. Other
 threads hand it outgoing frames through :meth:`IOLoop.send`, which wakes the
 poller through a pipe; :meth:`IOLoop.call` runs a function on the I/O thread.
 A periodic ``tick`` runs timeouts and heartbeats.
+
+Every control socket is a :class:`Channel`: it seals what it sends and opens
+what it receives with the process's :class:`~kvbridge.core.auth.Auth` (the
+one place control messages are authenticated), caps the size of a frame
+(zmq drops a longer one before allocating it) and turns anything refused
+into a counted, logged, and where possible answered rejection.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ from typing import Any
 import zmq
 
 from . import protocol as P
+from .auth import Auth, AuthError, Sealer
+from .metrics import metrics
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[zmq.Socket, list[bytes]], None]
-#: Returns the socket to send on, looked up on the I/O thread (None: drop the message).
-SocketGetter = Callable[[], "zmq.Socket | None"]
+#: Returns the channel to send on, looked up on the I/O thread (None: drop the message).
+SocketGetter = Callable[[], "Channel | None"]
 
 
 class IOLoop:
@@ -59,9 +67,18 @@ class IOLoop:
         sock.close(linger=0)
 
     # -- thread-safe -------------------------------------------------------------------
-    def send(self, sock_getter: SocketGetter, frames: list[bytes]) -> None:
-        """Send ``frames`` on the socket ``sock_getter()`` returns, on the I/O thread."""
-        self.call(lambda: _send(sock_getter(), frames))
+    def send(self, channel: SocketGetter, payload: bytes, ident: bytes | None = None) -> None:
+        """Send ``payload`` (to ``ident`` on a ROUTER) on the channel ``channel()`` returns, on the I/O thread.
+
+        Sealing happens there too, so each socket's counter follows the order messages leave in.
+        """
+
+        def send() -> None:
+            chan = channel()
+            if chan is not None:
+                chan.send(payload, ident)
+
+        self.call(send)
 
     def call(self, fn: Callable[[], None]) -> None:
         if self.on_io_thread():
@@ -140,30 +157,153 @@ class IOLoop:
                 return
 
 
+class _Quiet:
+    """Logs a repeated refusal at most once per ``interval`` seconds (hostile traffic must not flood the log)."""
+
+    def __init__(self, interval: float = 5.0) -> None:
+        self.interval = interval
+        self._last: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, skipped = self._last.get(key, (-1e9, 0))
+            if now - last < self.interval:
+                self._last[key] = (last, skipped + 1)
+                return
+            self._last[key] = (now, 0)
+        if skipped:
+            msg += f" ({skipped} more like it not logged)"
+        log.warning(msg, *args)
+
+
+quiet = _Quiet()
+#: Refusals answered without a seal: the sender may not hold our secret, and the text reveals nothing.
+_ANSWER_PLAIN = ("unauthenticated", "forged")
+
+
+class Channel:
+    """One control socket: its messages sealed and opened by ``auth``, its frames at most ``max_bytes``.
+
+    ``endpoint`` (``"prefill"``, ``"decode"``, ``"bootstrap"``) labels logs
+    and the rejection counter. A ROUTER answers to the names in ``me``; a
+    DEALER sends to ``to`` and answers to its own identity (random unless
+    given), which the ROUTER replies to. Use it on one thread at a time.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        kind: int,
+        auth: Auth,
+        *,
+        endpoint: str,
+        max_bytes: int,
+        me: tuple[bytes, ...] = (),
+        to: bytes = b"",
+        identity: bytes | None = None,
+    ) -> None:
+        self.auth = auth
+        self.endpoint = endpoint
+        self.kind = kind
+        self.to = to
+        self.sock: zmq.Socket[bytes] = ctx.socket(kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        if kind == zmq.DEALER:
+            identity = identity or b"kvb-" + os.urandom(8).hex().encode()
+            self.sock.setsockopt(zmq.IDENTITY, identity)
+            me = (*me, identity)
+        self.me = frozenset(me)
+        self._sealer = Sealer()
+        #: The last refusal of a message received here (for failure reasons of silent peers).
+        self.last_refusal: str | None = None
+
+    def bind(self, host: str) -> str:
+        """Bind a random port on ``host``; return ``host:port``, which is also a name this channel answers to."""
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        address = f"{host}:{port}"
+        self.me = self.me | {address.encode()}
+        return address
+
+    def bind_port(self, host: str, port: int) -> str:
+        self.sock.bind(f"tcp://{host}:{port}")
+        address = f"{host}:{port}"
+        self.me = self.me | {address.encode()}
+        return address
+
+    def connect(self, address: str) -> None:
+        self.sock.connect(f"tcp://{address}")
+
+    def send(self, payload: bytes, ident: bytes | None = None) -> None:
+        """Seal ``payload`` for ``ident`` (ROUTER) or this channel's peer (DEALER) and send it without blocking."""
+        to = ident if ident is not None else self.to
+        frame = self.auth.seal(payload, to, self._sealer)
+        _send(self.sock, [ident, frame] if ident is not None else [frame])
+
+    def send_msg(self, msg: P.Message, ident: bytes | None = None) -> None:
+        self.send(P.encode(msg), ident)
+
+    def receive(self, frames: list[bytes]) -> tuple[bytes | None, P.Message] | None:
+        """``(identity or None, message)`` of a received message, or None if it was refused.
+
+        Refusals are counted (``metrics().rejected``), logged at most every few
+        seconds per kind, and on a ROUTER answered with a :class:`~kvbridge.core.protocol.Reject`
+        saying why: sealed, or plain to a sender that may not hold the secret.
+        """
+        routed = self.kind == zmq.ROUTER
+        if len(frames) != (2 if routed else 1):
+            self._refused(None, "malformed", f"a control message with {len(frames)} frames")
+            return None
+        ident = frames[0] if routed else None
+        try:
+            data = self.auth.open(frames[-1], self.me)
+        except AuthError as exc:
+            self._refused(ident, exc.kind, str(exc), plain=exc.kind in _ANSWER_PLAIN)
+            if not routed and exc.kind == "unauthenticated":
+                self._peek(frames[-1])
+            return None
+        try:
+            return ident, P.decode(data)
+        except P.ProtocolError as exc:
+            self._refused(ident, "malformed", str(exc))
+            return None
+
+    def reject(self, ident: bytes, reason: str, room: int | None = None, kind: str = "refused") -> None:
+        """Refuse a well-formed message: count it and answer ``ident`` with a Reject (ROUTER only)."""
+        self._refused(ident, kind, reason, room=room)
+
+    def _refused(self, ident: bytes | None, kind: str, reason: str, *, plain: bool = False,
+                 room: int | None = None) -> None:
+        metrics().rejected(self.endpoint, kind)
+        who = "" if ident is None else f" from {ident[:64]!r}"
+        self.last_refusal = reason
+        quiet.warning(f"{self.endpoint}:{kind}", "%s: refused a control message%s: %s", self.endpoint, who, reason)
+        if ident is not None:
+            reply = P.encode(P.Reject(reason=reason, room=room))
+            _send(self.sock, [ident, reply if plain else self.auth.seal(reply, ident, self._sealer)])
+
+    def _peek(self, frame: bytes) -> None:
+        """Explain an unauthenticated answer (typically: the other side has another secret, or none)."""
+        try:
+            msg = P.decode(frame)
+        except P.ProtocolError:
+            return
+        if isinstance(msg, P.Reject):
+            self.last_refusal = f"the other side answered without authentication: {msg.reason[:300]}"
+            quiet.warning(f"{self.endpoint}:peek", "%s: %s", self.endpoint, self.last_refusal)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
 def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
     if sock is None:
         return
     try:
         sock.send_multipart(frames, zmq.NOBLOCK)
     except zmq.Again:
-        log.warning("kvbridge control socket is full; dropped a message")
+        quiet.warning("full", "kvbridge control socket is full; dropped a message")
     except zmq.ZMQError as exc:
-        log.warning("kvbridge control send failed: %s", exc)
-
-
-def routed_message(sock: zmq.Socket, frames: list[bytes], who: str) -> tuple[bytes, P.Message] | None:
-    """``(identity, message)`` of a frame pair read from a ROUTER socket, or None.
-
-    A malformed or undecodable message is logged and answered with a
-    :class:`~kvbridge.core.protocol.Reject` saying why; the server keeps serving.
-    """
-    if len(frames) != 2:
-        log.warning("%s: dropped a control message with %d frames", who, len(frames))
-        return None
-    ident, data = frames
-    try:
-        return ident, P.decode(data)
-    except P.ProtocolError as exc:
-        log.warning("%s: rejected a control message from %r: %s", who, ident[:64], exc)
-        _send(sock, [ident, P.encode(P.Reject(reason=str(exc)))])
-        return None
+        quiet.warning("send", "kvbridge control send failed: %s", exc)

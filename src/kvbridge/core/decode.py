@@ -11,6 +11,8 @@ from collections.abc import Callable
 import zmq
 
 from . import protocol as P
+from .bootstrap import MAX_RANKS, check_rank
+from .channel import Channel
 from .layout import KVArgs
 from .manager import SessionConfig, TransferManager
 from .receiver import Receiver
@@ -29,14 +31,14 @@ class PrefillRank:
 
     def __init__(self, info: P.RankInfo) -> None:
         self.info = info
-        self.sock: zmq.Socket | None = None
+        self.chan: Channel | None = None
         self.acked = False
         self.last_seen = time.monotonic()
         self.last_ping = 0.0
 
-    def socket(self) -> zmq.Socket | None:
-        """The control socket, looked up on the I/O thread when a message goes out."""
-        return self.sock
+    def socket(self) -> Channel | None:
+        """The control channel, looked up on the I/O thread when a message goes out."""
+        return self.chan
 
     @property
     def key(self) -> tuple[int, int]:
@@ -53,7 +55,7 @@ class PrefillServer:
     def __init__(self, address: str) -> None:
         self.address = address
         self.created = time.monotonic()
-        self.lookup_sock: zmq.Socket | None = None
+        self.lookup: Channel | None = None
         self.next_lookup = 0.0
         self.ranks: dict[tuple[int, int], PrefillRank] = {}
         self.ready = False
@@ -86,29 +88,32 @@ class DecodeManager(TransferManager[Receiver]):
         """Send ``msg`` to every prefill rank of ``server`` (any thread)."""
         payload = P.encode(msg)
         for rank in server.ranks.values():
-            self.loop.send(rank.socket, [payload])
+            self.loop.send(rank.socket, payload)
 
     def abort_room(self, room: Room, reason: str) -> None:
         assert isinstance(room, Receiver)
         room.abort(reason)
 
     # -- bootstrap and handshake (I/O thread) ------------------------------------------
+    def _channel(self, to: str, identity: bytes | None = None) -> Channel:
+        chan = Channel(self.loop.ctx, zmq.DEALER, self.auth, endpoint="decode",
+                       max_bytes=self.config.max_message_bytes, to=to.encode(), identity=identity)
+        chan.connect(to)
+        return chan
+
     def _lookup(self, server: PrefillServer) -> None:
-        if server.lookup_sock is None:
-            sock = self.loop.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{server.address}")
-            server.lookup_sock = sock
-            self.loop.add_socket(sock, lambda s, f: self._on_lookup(server, f))
+        if server.lookup is None:
+            server.lookup = self._channel(server.address)
+            self.loop.add_socket(server.lookup.sock, lambda s, f: self._on_lookup(server, f))
         server.next_lookup = time.monotonic() + LOOKUP_RETRY
-        server.lookup_sock.send(P.encode(P.Lookup()), zmq.NOBLOCK)
+        server.lookup.send_msg(P.Lookup())
 
     def _on_lookup(self, server: PrefillServer, frames: list[bytes]) -> None:
-        try:
-            msg = P.decode(frames[-1])
-        except P.ProtocolError as exc:
-            self._fail_server(server, f"bootstrap endpoint {server.address} sent a bad reply: {exc}", "bootstrap")
-            return
+        assert server.lookup is not None
+        got = server.lookup.receive(frames)
+        if got is None:
+            return  # refused (counted, logged); the lookup is retried until bootstrap_timeout
+        msg = got[1]
         if not isinstance(msg, P.LookupReply):
             self._fail_server(server, f"bootstrap endpoint {server.address} answered {msg}", "bootstrap")
             return
@@ -117,6 +122,11 @@ class DecodeManager(TransferManager[Receiver]):
         # Every prefill rank (all TP ranks of all stages): each one tells this
         # rank Done for every room, even the ones it has nothing to send to.
         tp_size, pp_size = msg.ranks[0].tp_size, msg.ranks[0].pp_size
+        problems = [p for p in map(check_rank, msg.ranks[:MAX_RANKS + 1]) if p is not None]
+        if len(msg.ranks) > MAX_RANKS or problems or any((r.tp_size, r.pp_size) != (tp_size, pp_size) for r in msg.ranks):
+            why = problems[0] if problems else f"{len(msg.ranks)} ranks that disagree on tp_size/pp_size or exceed {MAX_RANKS}"
+            self._fail_server(server, f"bootstrap endpoint {server.address} listed a bad rank: {why}", "bootstrap")
+            return
         wanted = {(r.tp_rank, r.pp_rank): r for r in msg.ranks}
         if len(wanted) < tp_size * pp_size:
             return  # not every rank registered yet
@@ -128,30 +138,25 @@ class DecodeManager(TransferManager[Receiver]):
                 "layout",
             )
             return
-        assert server.lookup_sock is not None
-        self.loop.remove_socket(server.lookup_sock)
-        server.lookup_sock = None
+        self.loop.remove_socket(server.lookup.sock)
+        server.lookup = None
         hello = P.encode(P.Hello(peer_id=self.peer_id, backend=self.backend_name, backend_meta=self._meta, kvargs=self.kvargs,
                                       local_meta=self._local_meta))
         for key, info in sorted(wanted.items()):
             rank = server.ranks[key] = PrefillRank(info)
-            sock = self.loop.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, self.peer_id.encode())
-            sock.connect(f"tcp://{info.control_addr}")
-            rank.sock = sock
-            self.loop.add_socket(sock, self._rank_handler(server, rank))
-            sock.send(hello, zmq.NOBLOCK)
+            rank.chan = self._channel(info.control_addr, identity=self.peer_id.encode())
+            self.loop.add_socket(rank.chan.sock, self._rank_handler(server, rank))
+            rank.chan.send(hello)
 
     def _rank_handler(self, server: PrefillServer, rank: PrefillRank) -> Callable[[zmq.Socket, list[bytes]], None]:
         return lambda _sock, frames: self._on_prefill(server, rank, frames)
 
     def _on_prefill(self, server: PrefillServer, rank: PrefillRank, frames: list[bytes]) -> None:
-        try:
-            msg = P.decode(frames[-1])
-        except P.ProtocolError as exc:
-            log.warning("decode: bad message from %s: %s", rank.label, exc)
-            return
+        assert rank.chan is not None
+        got = rank.chan.receive(frames)
+        if got is None:
+            return  # refused (counted, logged)
+        msg = got[1]
         rank.last_seen = time.monotonic()
         with self.lock:
             if isinstance(msg, P.HelloAck):
@@ -198,9 +203,9 @@ class DecodeManager(TransferManager[Receiver]):
             for recv in list(self.rooms.values()):
                 if recv.server is server:
                     self.finish(recv, Poll.FAILED, reason, kind)
-        for sock in [server.lookup_sock, *(r.sock for r in server.ranks.values())]:
-            if sock is not None:
-                self.loop.remove_socket(sock)
+        for chan in [server.lookup, *(r.chan for r in server.ranks.values())]:
+            if chan is not None:
+                self.loop.remove_socket(chan.sock)
 
     # -- timeouts, heartbeats (I/O thread) ---------------------------------------------
     def _tick(self) -> None:
@@ -211,17 +216,20 @@ class DecodeManager(TransferManager[Receiver]):
         for server in servers:
             if not server.ready:
                 if now - server.created > cfg.bootstrap_timeout:
-                    self._fail_server(server, f"could not reach every prefill rank through {server.address} within bootstrap_timeout={cfg.bootstrap_timeout}s", "timeout")
-                elif server.lookup_sock is not None and now >= server.next_lookup:
+                    refusals = [c.last_refusal for c in (server.lookup, *(r.chan for r in server.ranks.values()))
+                                if c is not None and c.last_refusal]
+                    why = f" (last refusal: {refusals[-1]})" if refusals else ""
+                    self._fail_server(server, f"could not reach every prefill rank through {server.address} within bootstrap_timeout={cfg.bootstrap_timeout}s{why}", "timeout")
+                elif server.lookup is not None and now >= server.next_lookup:
                     self._lookup(server)
                 continue
             for rank in server.ranks.values():
                 if now - rank.last_seen > cfg.heartbeat_timeout:
                     self._fail_server(server, f"{rank.label} sent nothing for {now - rank.last_seen:.1f}s (heartbeat_timeout={cfg.heartbeat_timeout}s)", "peer_dead")
                     break
-                if now - rank.last_ping >= cfg.heartbeat_interval and rank.sock is not None:
+                if now - rank.last_ping >= cfg.heartbeat_interval and rank.chan is not None:
                     rank.last_ping = now
-                    rank.sock.send(P.encode(P.Heartbeat()), zmq.NOBLOCK)
+                    rank.chan.send_msg(P.Heartbeat())
         with self.lock:
             for recv in list(self.rooms.values()):
                 overdue = recv.overdue(now, cfg)

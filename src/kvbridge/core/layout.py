@@ -140,6 +140,10 @@ class Shard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.outer * sum(n for _, n in self.local(tp_rank, tp_size)) * self.unit_nbytes
 
 
+#: Addresses and sizes are planned as int64.
+INT64_MAX = 2**63 - 1
+
+
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One registered buffer: item ``i`` of ``index_space`` is at ``addr + i * stride``.
 
@@ -173,6 +177,8 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"{where}: size must be > 0, got {self.nbytes}")
         if self.stride <= 0:
             raise ValueError(f"{where}: stride must be > 0, got {self.stride}")
+        if self.addr + self.nbytes > INT64_MAX:
+            raise ValueError(f"{where}: [{self.addr:#x}, +{self.nbytes:#x}) ends past 2**63-1, outside any address space")
         if self.stride > self.nbytes:
             raise ValueError(
                 f"{where}: stride {self.stride} is larger than the region ({self.nbytes} bytes)"

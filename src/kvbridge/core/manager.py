@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 from . import protocol as P
+from .auth import auth_for, check_host
 from .channel import IOLoop, SocketGetter
 from .layout import KVArgs
 from .metrics import metrics
@@ -40,6 +41,19 @@ class SessionConfig:
     #: Copy GPU -> GPU within one host with CUDA IPC and one kernel per write
     #: (kvbridge.core.gpu) instead of through the engine, where both sides allow it.
     gpu_fast_path: bool = True
+    #: A file holding the shared secret that authenticates control messages (else
+    #: ``$KVBRIDGE_SECRET_FILE``, else ``$KVBRIDGE_SECRET``; see docs/security.md).
+    #: Without a secret, ``host`` must be a loopback address.
+    secret_file: str | None = None
+    #: Largest control message accepted (bytes); zmq drops a longer frame before allocating it.
+    #: The default holds a request with several index lists of ``max_index_list`` entries.
+    max_message_bytes: int = 32 << 20
+    #: Most entries of one index list in a request (pages, slots), checked on both sides.
+    max_index_list: int = 1 << 20
+    #: Most decode ranks one prefill rank keeps a handshake with; more are refused.
+    max_peers: int = 1024
+    #: Handshakes a prefill rank accepts per second (bursts of twice as many); more are refused.
+    handshake_rate: float = 200.0
 
     @classmethod
     def from_fields(cls, source: object) -> SessionConfig:
@@ -54,6 +68,15 @@ class SessionConfig:
         for name in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "heartbeat_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_message_bytes", "max_index_list", "max_peers", "handshake_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if self.max_message_bytes < 4 * self.max_index_list + 4096:
+            raise ValueError(
+                f"max_message_bytes ({self.max_message_bytes}) must hold one index list of max_index_list "
+                f"({self.max_index_list}) int32 entries: at least {4 * self.max_index_list + 4096}"
+            )
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"
@@ -73,6 +96,9 @@ class TransferManager(Generic[R]):
     def __init__(self, kvargs: KVArgs, backend: BackendChoice, config: SessionConfig | None) -> None:
         self.kvargs = kvargs
         self.config = config or SessionConfig()
+        #: Seals and opens every control message (docs/security.md).
+        self.auth = auth_for(self.config.secret_file)
+        check_host(self.config.host, self.auth, f"kvbridge {self.role} manager")
         self.transport = open_transport(
             backend,
             host=self.config.host,
@@ -105,10 +131,9 @@ class TransferManager(Generic[R]):
     def _tick(self) -> None:  # pragma: no cover - overridden
         pass
 
-    def send(self, sock: SocketGetter, msg: P.Message, ident: bytes | None = None) -> None:
-        """Send ``msg`` on the socket ``sock()`` returns, from the I/O thread (any thread may call)."""
-        payload = P.encode(msg)
-        self.loop.send(sock, [ident, payload] if ident is not None else [payload])
+    def send(self, channel: SocketGetter, msg: P.Message, ident: bytes | None = None) -> None:
+        """Send ``msg`` on the channel ``channel()`` returns, from the I/O thread (any thread may call)."""
+        self.loop.send(channel, P.encode(msg), ident)
 
     def wait_any(self, rooms: Iterable[Room], timeout: float) -> None:
         """Block until one of ``rooms`` changes state (or is final already) or ``timeout`` seconds pass.

@@ -15,6 +15,10 @@ it with :func:`snapshot` and clears it with :func:`reset`. What is counted:
   ``Receiver`` creation until the handshake with every prefill rank is done
   (``WAITING_FOR_INPUT``); prefill, from ``Sender`` creation until every
   decode rank's request has arrived.
+- **refused control messages** per (endpoint, reason), the reason being one
+  of :data:`REJECT_REASONS`: every message a prefill rank, decode rank or
+  bootstrap endpoint refused (not authenticated, altered, replayed,
+  malformed, or refused by policy).
 - **rooms** that succeeded per (backend, role), and **failures** per
   (backend, role, reason), the reason being one of :data:`FAILURE_REASONS`,
   decided where core fails the room.
@@ -32,6 +36,7 @@ it with :func:`snapshot` and clears it with :func:`reset`. What is counted:
           "failures": {"<role>": {"<reason>": int, ...}, ...}
         }, ...
       },
+      "control_rejected": {"<endpoint>": {"<reason>": int, ...}, ...},
       "prometheus": bool      # whether the Prometheus collector is registered
     }
 
@@ -47,7 +52,8 @@ anything, or :func:`snapshot`), never as a side effect of importing kvbridge;
 or call :func:`register_prometheus` with your own registry: counters ``kvbridge_transfer_bytes_total`` and
 ``kvbridge_transfer_descriptors_total`` {backend, state_type},
 ``kvbridge_rooms_succeeded_total`` {backend, role} and
-``kvbridge_failures_total`` {backend, role, reason}; histograms
+``kvbridge_failures_total`` {backend, role, reason},
+``kvbridge_control_rejected_total`` {endpoint, reason}; histograms
 ``kvbridge_transfer_seconds`` {backend} and ``kvbridge_bootstrap_seconds``
 {backend, role}. :func:`reset` resets those too.
 """
@@ -63,6 +69,7 @@ from typing import Any
 
 __all__ = [
     "FAILURE_REASONS",
+    "REJECT_REASONS",
     "TRANSFER_BUCKETS",
     "BOOTSTRAP_BUCKETS",
     "Metrics",
@@ -86,6 +93,17 @@ FAILURE_REASONS: Mapping[str, str] = {
     "rejected": "the prefill rank rejected this room's request (e.g. a duplicate)",
     "remote": "the prefill rank reported the room failed (its own metrics say why)",
     "bootstrap": "the bootstrap endpoint answered something unusable",
+}
+
+#: Why a control message was refused (the ``reason`` label of ``kvbridge_control_rejected_total``).
+REJECT_REASONS: Mapping[str, str] = {
+    "unauthenticated": "no seal, where a secret is set (or a seal, where none is)",
+    "forged": "the seal does not match: altered, truncated, or sealed with another secret",
+    "misaddressed": "sealed for another endpoint",
+    "stale": "sealed outside the replay window (replayed, or clocks apart)",
+    "replayed": "a message its connection had already sent",
+    "malformed": "undecodable, a wrong type, a wrong version, or wrong frames",
+    "refused": "well-formed but refused by policy: a bad registration, a limit, no handshake",
 }
 
 #: Upper bounds (seconds) of the transfer latency histogram.
@@ -139,6 +157,7 @@ class Metrics:
             self._bootstrap: dict[tuple[str, str], _Histogram] = {}
             self._succeeded: dict[tuple[str, str], int] = {}
             self._failures: dict[tuple[str, str, str], int] = {}
+            self._rejected: dict[tuple[str, str], int] = {}
 
     # -- recording (called by core) -------------------------------------------------
     def transfer(self, backend: str, totals: Mapping[str, tuple[int, int]], seconds: float) -> None:
@@ -173,6 +192,12 @@ class Metrics:
             key = (backend, role, reason)
             self._failures[key] = self._failures.get(key, 0) + 1
 
+    def rejected(self, endpoint: str, reason: str) -> None:
+        """One refused control message at ``endpoint``; ``reason`` is one of :data:`REJECT_REASONS`."""
+        with self._lock:
+            key = (endpoint, reason)
+            self._rejected[key] = self._rejected.get(key, 0) + 1
+
     # -- reading ----------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Everything recorded, as plain JSON-ready data (structure in the module docstring)."""
@@ -203,7 +228,10 @@ class Metrics:
                 entry(backend)["rooms_succeeded"][role] = n
             for (backend, role, reason), n in self._failures.items():
                 entry(backend)["failures"].setdefault(role, {})[reason] = n
-        return {"backends": backends, "prometheus": self.prometheus}
+            rejected: dict[str, dict[str, int]] = {}
+            for (endpoint, reason), n in self._rejected.items():
+                rejected.setdefault(endpoint, {})[reason] = n
+        return {"backends": backends, "control_rejected": rejected, "prometheus": self.prometheus}
 
     def _families(self) -> Iterator[Any]:
         """Prometheus metric families built from the current values (one consistent read)."""
@@ -216,6 +244,7 @@ class Metrics:
             boot = {k: (h.cumulative(), h.total) for k, h in self._bootstrap.items()}
             succeeded = dict(self._succeeded)
             failures = dict(self._failures)
+            rejected = dict(self._rejected)
         fam = CounterMetricFamily("kvbridge_transfer_bytes", "Bytes written by completed transfer jobs",
                                   labels=["backend", "state_type"])
         for (backend, state_type), n in data_bytes.items():
@@ -245,6 +274,11 @@ class Metrics:
                                   labels=["backend", "role", "reason"])
         for (backend, role, reason), n in failures.items():
             fam.add_metric([backend, role, reason], n)
+        yield fam
+        fam = CounterMetricFamily("kvbridge_control_rejected", "Control messages refused, by endpoint and reason",
+                                  labels=["endpoint", "reason"])
+        for (endpoint, reason), n in rejected.items():
+            fam.add_metric([endpoint, reason], n)
         yield fam
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 
@@ -10,8 +11,8 @@ import numpy.typing as npt
 import zmq
 
 from . import protocol as P
-from .bootstrap import register_rank
-from .channel import _send, routed_message
+from .bootstrap import HELD, RENEW, register_rank
+from .channel import Channel, quiet
 from .layers import LayerIndex
 from .layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
@@ -57,24 +58,25 @@ class PrefillManager(TransferManager[Sender]):
         self._peers: dict[str, DecodePeer] = {}
         self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
         self.layer_index = LayerIndex(kvargs)  # layer-wise sending: which layer each source address belongs to
-        router = self.loop.ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        port = router.bind_to_random_port(f"tcp://{self.config.host}")
-        self._router = router
-        self.control_address = f"{self.config.host}:{port}"
-        self.loop.add_socket(router, self._on_message)
-        self.loop.start()
+        self._chan = Channel(self.loop.ctx, zmq.ROUTER, self.auth, endpoint="prefill",
+                             max_bytes=self.config.max_message_bytes)
+        self.control_address = self._chan.bind(self.config.host)
+        self.loop.add_socket(self._chan.sock, self._on_message)
+        # Handshakes are a token bucket: `handshake_rate` per second, bursts of twice as many.
+        self._hello_tokens = 2 * self.config.handshake_rate
+        self._hello_refill = time.monotonic()
         self.bootstrap = bootstrap
+        self._rank = P.RankInfo(kvargs.tp_rank, kvargs.tp_size, kvargs.pp_rank, kvargs.pp_size, self.control_address,
+                                self.backend_name)
+        self._lease: Channel | None = None
+        self._renewed = math.inf  # no renewals before the first registration
+        self.loop.start()
         try:
-            register_rank(
-                bootstrap,
-                P.RankInfo(kvargs.tp_rank, kvargs.tp_size, kvargs.pp_rank, kvargs.pp_size, self.control_address,
-                           self.backend_name),
-                self.config.bootstrap_timeout,
-            )
+            register_rank(bootstrap, self._rank, self.config.bootstrap_timeout, self.auth)
         except Exception:
             self.close()
             raise
+        self._renewed = time.monotonic()
 
     def active_rooms(self) -> int:
         """Senders plus rooms whose requests wait for their sender (for leak checks)."""
@@ -100,11 +102,11 @@ class PrefillManager(TransferManager[Sender]):
 
     def notify(self, peer: DecodePeer, *msgs: P.Message) -> None:
         """Send ``msgs`` to decode ``peer``, in order, with one hand-off to the I/O thread (any thread)."""
-        frames = [[peer.ident, P.encode(m)] for m in msgs]
+        payloads = [P.encode(m) for m in msgs]
 
         def send_all() -> None:
-            for f in frames:
-                _send(self._router, f)
+            for payload in payloads:
+                self._chan.send(payload, peer.ident)
 
         self.loop.call(send_all)
 
@@ -124,13 +126,16 @@ class PrefillManager(TransferManager[Sender]):
 
     # -- control messages (I/O thread) --------------------------------------------------
     def _reply(self, ident: bytes, msg: P.Message) -> None:
-        self._router.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+        self._chan.send_msg(msg, ident)
 
     def _on_message(self, sock: zmq.Socket, frames: list[bytes]) -> None:
-        got = routed_message(sock, frames, "prefill")
+        got = self._chan.receive(frames)
         if got is None:
             return
         ident, msg = got
+        assert ident is not None
+        if self.closed:
+            return  # closing: each room's Failed is on its way; a "who are you" now would overtake it
         peer_id = ident.decode(errors="replace")
         if isinstance(msg, P.Hello):
             self._on_hello(ident, msg)
@@ -139,8 +144,7 @@ class PrefillManager(TransferManager[Sender]):
             peer = self._peers.get(peer_id)
             if peer is None:
                 reason = f"{type(msg).__name__} from {peer_id!r} before a handshake; send Hello first"
-                log.warning("prefill: %s", reason)
-                self._reply(ident, P.Reject(reason=reason, room=getattr(msg, "room", None)))
+                self._chan.reject(ident, reason, getattr(msg, "room", None))
                 return
             peer.last_seen = time.monotonic()
             if isinstance(msg, P.Heartbeat):
@@ -151,11 +155,29 @@ class PrefillManager(TransferManager[Sender]):
                 self._on_abort(peer, msg)
             else:
                 reason = f"prefill does not accept {type(msg).__name__} messages"
-                self._reply(ident, P.Reject(reason=reason, room=getattr(msg, "room", None)))
+                self._chan.reject(ident, reason, getattr(msg, "room", None))
+
+    def _hello_allowed(self) -> bool:
+        """Take a handshake token (I/O thread)."""
+        now = time.monotonic()
+        rate = self.config.handshake_rate
+        self._hello_tokens = min(2 * rate, self._hello_tokens + (now - self._hello_refill) * rate)
+        self._hello_refill = now
+        if self._hello_tokens < 1:
+            return False
+        self._hello_tokens -= 1
+        return True
 
     def _on_hello(self, ident: bytes, msg: P.Hello) -> None:
         problem = None
-        if msg.peer_id.encode() != ident:
+        cfg = self.config
+        if not self._hello_allowed():
+            problem = (f"too many handshakes: this prefill rank accepts {cfg.handshake_rate:g} per second "
+                       "(SessionConfig.handshake_rate); retry")
+        elif msg.peer_id not in self._peers and len(self._peers) >= cfg.max_peers:
+            problem = (f"this prefill rank already serves {len(self._peers)} decode ranks, its limit "
+                       "(SessionConfig.max_peers)")
+        elif msg.peer_id.encode() != ident:
             problem = f"Hello peer_id {msg.peer_id!r} does not match the connection identity"
         elif msg.backend != self.backend_name:
             problem = f"decode uses backend {msg.backend!r} but this prefill rank uses {self.backend_name!r}"
@@ -168,8 +190,8 @@ class PrefillManager(TransferManager[Sender]):
             except Exception as exc:
                 problem = f"backend {self.backend_name!r} could not add the peer: {exc}"
         if problem is not None:
-            log.warning("prefill: rejected handshake from %r: %s", msg.peer_id, problem)
-            self._reply(ident, P.Reject(reason=problem))
+            quiet.warning("prefill:hello", "prefill: rejected handshake from %r: %s", msg.peer_id[:64], problem)
+            self._chan.reject(ident, problem)
             return
         with self.lock:
             old = self._peers.pop(msg.peer_id, None)
@@ -184,9 +206,16 @@ class PrefillManager(TransferManager[Sender]):
         try:
             indices: dict[str, Indices] = {}
             for space, packed in msg.indices.items():
-                idx = P.unpack_indices(space, packed)
+                # Checked before decoding: a list longer than allowed costs nothing to refuse.
+                if len(packed) > 4 * self.config.max_index_list:
+                    raise P.ProtocolError(f"index list {space[:64]!r} has {len(packed) // 4} entries, more than "
+                                          f"max_index_list={self.config.max_index_list}")
                 # Spaces this rank holds no regions of (another pipeline stage's state) are ignored.
                 sr = peer.route.spaces.get(space)
+                if sr is not None and len(packed) > 4 * sr.dst_count:
+                    raise P.ProtocolError(f"index list {space[:64]!r} has {len(packed) // 4} entries but decode "
+                                          f"declared only {sr.dst_count} {space!r} indices")
+                idx = P.unpack_indices(space, packed)
                 if sr is not None:
                     indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True)
             if METADATA_SPACE in peer.route.spaces:
@@ -222,10 +251,31 @@ class PrefillManager(TransferManager[Sender]):
         if sender is not None and sender.asked_by(peer.peer_id):
             self.fail_sender(sender, f"aborted by decode: {msg.reason}", "aborted")
 
+    # -- the bootstrap lease (I/O thread) ----------------------------------------------
+    def _renew(self, now: float) -> None:
+        """Renew this rank's registration with the bootstrap endpoint (see :mod:`kvbridge.core.bootstrap`)."""
+        if now - self._renewed < RENEW:
+            return
+        self._renewed = now
+        if self._lease is None:
+            self._lease = Channel(self.loop.ctx, zmq.DEALER, self.auth, endpoint="prefill",
+                                  max_bytes=self.config.max_message_bytes, to=self.bootstrap.encode())
+            self._lease.connect(self.bootstrap)
+            self.loop.add_socket(self._lease.sock, self._on_lease)
+        self._lease.send_msg(P.Register(rank=self._rank))
+
+    def _on_lease(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        assert self._lease is not None
+        got = self._lease.receive(frames)
+        if got is not None and isinstance(got[1], P.Reject):
+            level = logging.WARNING if HELD in got[1].reason else logging.ERROR
+            log.log(level, "prefill: the bootstrap endpoint %s refused to renew this rank: %s", self.bootstrap, got[1].reason)
+
     # -- timeouts and dead peers (I/O thread) ------------------------------------------
     def _tick(self) -> None:
         now = time.monotonic()
         cfg = self.config
+        self._renew(now)
         with self.lock:
             for room, reqs in list(self._pending.items()):
                 if now - min(r.received for r in reqs.values()) > cfg.bootstrap_timeout:

@@ -196,10 +196,10 @@ def decode(data: bytes) -> Message:
     """Decode one message strictly; :class:`ProtocolError` says what was wrong."""
     try:
         msg = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (ValueError, TypeError, ArithmeticError, RecursionError) as exc:  # msgspec's errors are ValueErrors; the rest from field checks
         try:
             env = _envelope_decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (ValueError, TypeError, ArithmeticError, RecursionError):
             raise ProtocolError(f"undecodable control message ({len(data)} bytes): {exc}") from None
         if env.v != PROTOCOL_VERSION:
             raise ProtocolError(

@@ -20,28 +20,53 @@ Job = Callable[[], None]
 
 
 class PeerWorker:
-    """A thread that runs submitted jobs one at a time, in order, until stopped."""
+    """Runs submitted jobs one at a time, in order, until stopped.
 
-    def __init__(self, name: str) -> None:
+    Its thread starts with the first job and ends after ``idle`` seconds
+    without one, so a decode rank that handshakes and sends nothing costs no
+    thread: threads follow the peers with writes under way, not the peers.
+    """
+
+    def __init__(self, name: str, idle: float = 5.0) -> None:
+        self.name = f"kvbridge-xfer-{name}"
+        self.idle = idle
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name=f"kvbridge-xfer-{name}", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     def submit(self, job: Job) -> None:
-        self._jobs.put(job)
+        with self._lock:
+            self._jobs.put(job)
+            self._start()
 
     def stop(self) -> None:
         """Run the jobs already queued, then end (does not wait; see :meth:`join`)."""
-        self._jobs.put(None)
+        with self._lock:
+            if self._thread is not None:
+                self._jobs.put(None)
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _start(self) -> None:
+        if self._thread is None:  # under the lock
+            self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+            self._thread.start()
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+            try:
+                job = self._jobs.get(timeout=self.idle)
+            except queue.Empty:
+                job = None
+            if job is None:  # idle, or stopped
+                with self._lock:  # a job is queued under this lock: none can slip past this check
+                    if self._jobs.empty():
+                        self._thread = None
+                        return
+                continue
             try:
                 job()
             except Exception:

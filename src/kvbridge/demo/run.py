@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import numpy as np
 
 from kvbridge import ui
 from kvbridge.config import TransferConfig, add_transfer_args
+from kvbridge.core.auth import ENV_SECRET, ENV_SECRET_FILE
 
 __all__ = ["add_arguments", "run_from_args", "prompts"]
 
@@ -93,6 +95,10 @@ class Children:
         env = dict(os.environ)
         for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "WARNING"}.items():
             env.setdefault(key, value)  # engines on loopback (docs/engines.md)
+        if ENV_SECRET not in env and ENV_SECRET_FILE not in env:
+            # One secret for this run's processes, passed in their environment (never on a
+            # command line): every control message between them is authenticated (docs/security.md).
+            env[ENV_SECRET] = secrets.token_hex(32)
         self.env = env
 
     def start(self, name: str, module: str, args: list[str]) -> None:

@@ -298,7 +298,7 @@ class PrefillServer(RankServer):
         self.bootstrap = None
         if self.rank == 0:
             host, _, port = (self.transfer.bootstrap or f"{self.transfer.host}:0").rpartition(":")
-            self.bootstrap = BootstrapServer(host, int(port))
+            self.bootstrap = BootstrapServer(host, int(port), secret_file=self.transfer.secret_file)
         address = self.control.broadcast(self.bootstrap.address if self.bootstrap else None)
         self.info["bootstrap"] = address
         self.manager = PrefillManager(self.kvargs, self.transfer.backend, bootstrap=address,

@@ -245,54 +245,60 @@ def run_hold(sc: Scenario) -> int:
 def run_decode(sc: Scenario, bootstrap: str) -> int:
     pools = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
     mgr = DecodeManager(pools.kvargs, sc.backend, config=sc.session_config())
+    try:
+        result = decode_schedule(mgr, pools, sc, bootstrap)
+    finally:
+        mgr.close()
+    print(json.dumps(result), flush=True)
+    return 0 if not result["failed"] and not result["mismatched_regions"] else 1
+
+
+def decode_schedule(mgr: DecodeManager, pools: Pools, sc: Scenario, bootstrap: str) -> dict[str, Any]:
+    """Receive ``sc``'s schedule from the prefill server at ``bootstrap`` with an existing manager; check every byte."""
     rng = np.random.default_rng(sc.seed + 1)
     words = sc.page_nbytes // 4
     result: dict[str, Any] = {"role": "decode", "requests": 0, "bytes": 0, "failed": [], "mismatched_regions": 0}
     deadline = time.monotonic() + sc.deadline
     t0 = time.monotonic()
-    try:
-        for wave in waves(schedule(sc), sc.concurrency):
-            pools.reset()
-            # Disjoint destinations: contiguous requests from the front, fragmented
-            # ones as sorted random subsets of a shuffled remainder.
-            cursor = 0
-            shuffled = rng.permutation(np.arange(sum(len(r.src_pages) for r in wave if r.dst_contiguous), sc.decode_pages))
-            frag_cursor = 0
-            receivers = []
-            dsts = []
-            for slot, req in enumerate(wave):
-                n = len(req.src_pages)
-                if req.dst_contiguous:
-                    dst = np.arange(cursor, cursor + n)
-                    cursor += n
-                else:
-                    dst = np.sort(shuffled[frag_cursor:frag_cursor + n])
-                    frag_cursor += n
-                recv = Receiver(mgr, req.room, bootstrap=bootstrap)
-                recv.init(dst, metadata_row=slot)
-                receivers.append(recv)
-                dsts.append(dst)
-            wait_all(receivers, deadline, "decode wave")
-            # Independent oracle: expected pools from the source pattern by plain indexing.
-            expected = [np.full_like(a, SENTINEL) for a in pools.kv]
-            expected_meta = np.full_like(pools.meta, SENTINEL)
-            for slot, (req, recv, dst) in enumerate(zip(wave, receivers, dsts)):
-                if recv.poll() != Poll.SUCCESS:
-                    result["failed"].append({"room": req.room, "reason": recv.failure()})
-                    continue
-                for e, exp in enumerate(expected):
-                    exp[dst] = pattern(e, np.asarray(req.src_pages), words)
-                expected_meta[slot] = meta_row_for(req.room)
-                result["requests"] += 1
-                result["bytes"] += len(req.src_pages) * sc.page_nbytes * len(pools.kv) + META_WORDS * 4
-            for got, exp in zip([*pools.kv, pools.meta], [*expected, expected_meta]):
-                result["mismatched_regions"] += int(not np.array_equal(got, exp))
-        result["seconds"] = time.monotonic() - t0
-        result["active_rooms"] = mgr.active_rooms()
-    finally:
-        mgr.close()
-    print(json.dumps(result), flush=True)
-    return 0 if not result["failed"] and not result["mismatched_regions"] else 1
+    for wave in waves(schedule(sc), sc.concurrency):
+        pools.reset()
+        # Disjoint destinations: contiguous requests from the front, fragmented
+        # ones as sorted random subsets of a shuffled remainder.
+        cursor = 0
+        shuffled = rng.permutation(np.arange(sum(len(r.src_pages) for r in wave if r.dst_contiguous), sc.decode_pages))
+        frag_cursor = 0
+        receivers = []
+        dsts = []
+        for slot, req in enumerate(wave):
+            n = len(req.src_pages)
+            if req.dst_contiguous:
+                dst = np.arange(cursor, cursor + n)
+                cursor += n
+            else:
+                dst = np.sort(shuffled[frag_cursor:frag_cursor + n])
+                frag_cursor += n
+            recv = Receiver(mgr, req.room, bootstrap=bootstrap)
+            recv.init(dst, metadata_row=slot)
+            receivers.append(recv)
+            dsts.append(dst)
+        wait_all(receivers, deadline, "decode wave")
+        # Independent oracle: expected pools from the source pattern by plain indexing.
+        expected = [np.full_like(a, SENTINEL) for a in pools.kv]
+        expected_meta = np.full_like(pools.meta, SENTINEL)
+        for slot, (req, recv, dst) in enumerate(zip(wave, receivers, dsts)):
+            if recv.poll() != Poll.SUCCESS:
+                result["failed"].append({"room": req.room, "reason": recv.failure()})
+                continue
+            for e, exp in enumerate(expected):
+                exp[dst] = pattern(e, np.asarray(req.src_pages), words)
+            expected_meta[slot] = meta_row_for(req.room)
+            result["requests"] += 1
+            result["bytes"] += len(req.src_pages) * sc.page_nbytes * len(pools.kv) + META_WORDS * 4
+        for got, exp in zip([*pools.kv, pools.meta], [*expected, expected_meta]):
+            result["mismatched_regions"] += int(not np.array_equal(got, exp))
+    result["seconds"] = time.monotonic() - t0
+    result["active_rooms"] = mgr.active_rooms()
+    return result
 
 
 # -- closing with rooms in flight ---------------------------------------------------------

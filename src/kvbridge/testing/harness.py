@@ -42,7 +42,9 @@ import pytest
 import zmq
 
 from kvbridge.core import protocol as P
+from kvbridge.core.auth import MAGIC, Auth, auth_for
 from kvbridge.core.bootstrap import BootstrapServer
+from kvbridge.core.channel import Channel
 from kvbridge.core.layout import KVArgs
 from kvbridge.core.plugins import PluginError, get_registry
 from kvbridge.core.records import BackendCapabilities, BackendSpec
@@ -213,37 +215,61 @@ class LocalDecode:
 
 
 class RawClient:
-    """A bare zmq DEALER speaking the control protocol by hand: no kvbridge session code."""
+    """A bare zmq DEALER speaking the control protocol by hand: no kvbridge session code.
 
-    def __init__(self, address: str, name: str) -> None:
+    It seals what it sends with ``auth`` (the process's secret by default),
+    as any holder of the secret could; ``seal=False`` sends bytes as they are.
+    """
+
+    def __init__(self, address: str, name: str, auth: Auth | None = None) -> None:
         self.identity = f"{name}-{uuid.uuid4().hex[:8]}"
-        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, self.identity.encode())
-        self.sock.connect(f"tcp://{address}")
+        self.chan = Channel(zmq.Context.instance(), zmq.DEALER, auth or auth_for(), endpoint="decode",
+                            max_bytes=1 << 30, to=address.encode(), identity=self.identity.encode())
+        self.sock = self.chan.sock
+        self.chan.connect(address)
         self.engine: Any = None
 
-    def ask_raw(self, payload: bytes) -> P.Message:
-        self.sock.send(payload)
-        if not self.sock.poll(int(REPLY_WAIT * 1000), zmq.POLLIN):
-            pytest.fail(f"no reply within {REPLY_WAIT}s to {payload[:60]!r}")
-        return P.decode(self.sock.recv())
+    def send_raw(self, payload: bytes, seal: bool = True) -> None:
+        if seal:
+            self.chan.send(payload)
+        else:
+            self.sock.send(payload)
 
-    def ask(self, msg: P.Message) -> P.Message:
-        return self.ask_raw(P.encode(msg))
+    def reply(self, wait: float = REPLY_WAIT) -> P.Message:
+        """The next reply: opened if sealed, decoded as it is if not (a refusal to an unauthenticated sender)."""
+        if not self.sock.poll(int(wait * 1000), zmq.POLLIN):
+            pytest.fail(f"no reply within {wait}s")
+        frame = self.sock.recv()
+        if frame[:4] != MAGIC:
+            return P.decode(frame)
+        got = self.chan.receive([frame])
+        assert got is not None, f"a sealed reply was refused: {self.chan.last_refusal}"
+        return got[1]
 
-    def send(self, msg: P.Message) -> None:
-        self.sock.send(P.encode(msg))
+    def ask_raw(self, payload: bytes, seal: bool = True) -> P.Message:
+        self.send_raw(payload, seal)
+        return self.reply()
 
-    def handshake(self, pools: Pools, backend: str, options: Mapping[str, str] | None = None) -> None:
-        # Real engine metadata for the memory it describes (kept alive with the
-        # client), so the prefill's backend accepts the peer: the hostility is in
-        # what this client sends afterwards. Nothing is ever written to it.
+    def ask(self, msg: P.Message, seal: bool = True) -> P.Message:
+        return self.ask_raw(P.encode(msg), seal)
+
+    def send(self, msg: P.Message, seal: bool = True) -> None:
+        self.send_raw(P.encode(msg), seal)
+
+    def engine_metadata(self, pools: Pools, backend: str, options: Mapping[str, str] | None = None) -> bytes:
+        """Real engine metadata for the memory ``pools`` describe (kept alive with the client); nothing is ever written to it."""
         self.pools = pools
         self.engine = open_transport(backend, host="127.0.0.1", name=self.identity,
                                      transfer_timeout=BASE.transfer_timeout, options=dict(options or {}))
         self.engine.register(pools.kvargs.regions)
-        reply = self.ask(P.Hello(peer_id=self.identity, backend=backend, backend_meta=self.engine.metadata(), kvargs=pools.kvargs))
+        meta: bytes = self.engine.metadata()
+        return meta
+
+    def handshake(self, pools: Pools, backend: str, options: Mapping[str, str] | None = None) -> None:
+        # Real engine metadata, so the prefill's backend accepts the peer: the
+        # hostility is in what this client sends afterwards.
+        meta = self.engine_metadata(pools, backend, options)
+        reply = self.ask(P.Hello(peer_id=self.identity, backend=backend, backend_meta=meta, kvargs=pools.kvargs))
         assert isinstance(reply, P.HelloAck), reply
 
     def close(self) -> None:

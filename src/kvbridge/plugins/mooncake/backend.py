@@ -107,6 +107,7 @@ class MooncakeBackend(Backend):
                 "option and, for rdma, the device_name option" + (f" (the engine said: {'; '.join(said)})" if said else "")
             )
         self._session = f"{config.host}:{self._engine.get_rpc_port()}"
+        _warn_wildcard(self._session)
         self._registered: list[Region] = []
         self._peers: dict[str, str] = {}
         log.debug("mooncake engine up: session %s, protocol %s", self._session, self.protocol)
@@ -186,3 +187,18 @@ class MooncakeBackend(Backend):
             "peers": dict(self._peers),
             "registered_regions": len(self._registered),
         }
+
+
+_warned_wildcard = False
+
+
+def _warn_wildcard(session: str) -> None:
+    """Say once per process that the engine listens beyond the host it was given (docs/security.md)."""
+    global _warned_wildcard
+    if not _warned_wildcard:
+        _warned_wildcard = True
+        log.warning(
+            "mooncake: the engine listens on every interface (0.0.0.0 and ::), not only on %s: its Python API "
+            "cannot bind an address and MC_TCP_BIND_ADDRESS does not change it. Whoever reaches those ports can "
+            "read and write registered memory; firewall them or use a private network (docs/security.md)", session,
+        )

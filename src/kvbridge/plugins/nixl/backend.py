@@ -127,6 +127,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from kvbridge.core.auth import is_loopback
 from kvbridge.core.backend import Backend, BackendConfig, TransferError, TransferTimeout
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import RegionTable, TransferPlan
@@ -149,11 +150,18 @@ POLL_MAX_SLEEP = 1e-3
 _agent_lock = threading.Lock()
 
 
-def _engine_env() -> bool:
+def _engine_env(host: str) -> bool:
     """Environment NIXL must see before it is first imported; values the user set win.
 
     Returns whether the user chose NIXL's log level.
     """
+    # UCX listens on every interface unless told otherwise; a loopback host keeps it on `lo`.
+    if "UCX_NET_DEVICES" not in os.environ:
+        if is_loopback(host):
+            os.environ["UCX_NET_DEVICES"] = "lo"
+        else:
+            log.warning("nixl: UCX_NET_DEVICES is not set, so UCX listens on every interface, not only %s's; "
+                        "set it to that interface (docs/security.md)", host)
     # Without this every process that created an agent exits with SIGSEGV (see module docstring).
     os.environ.setdefault("UCX_MODULES", "^ib")
     # NIXL's Python logger writes INFO lines to stdout, which belongs to the host.
@@ -301,7 +309,7 @@ class NixlBackend(Backend):
         params = {"ucx_error_handling_mode": self.error_mode, "num_workers": str(options["num_workers"])}
         if options["ucx_engine_config"]:
             params["engine_config"] = options["ucx_engine_config"]
-        user_log_level = _engine_env()
+        user_log_level = _engine_env(config.host)
         self._errors = _nixl_errors()  # the first import of NIXL
         if not user_log_level:
             _quiet_nixl_logger()
