@@ -20,6 +20,10 @@ at most one write per peer at a time and never from the host's scheduler
 thread. ``write`` blocks until every byte of the batch has landed at the
 destination or raises; it must return or raise by ``deadline``
 (``time.monotonic()`` seconds), shortening the engine's own timeouts to match.
+Once ``write`` has returned or raised, the engine must have no work left for
+that batch (cancel it, or wait for it): core tells decode a failed room is
+fenced, so decode may hand its pages back to the host, when the room's
+running write has returned.
 
 The destination learns about completion from core's control plane (core
 sends a ``Done`` message after the last write returns), so a backend whose
@@ -37,7 +41,7 @@ from .layout import Region
 from .plan import TransferPlan
 from .records import BackendCapabilities
 
-__all__ = ["Backend", "BackendConfig", "TransferError", "TransferTimeout"]
+__all__ = ["Backend", "BackendConfig", "TransferCancelled", "TransferError", "TransferTimeout"]
 
 
 class TransferError(RuntimeError):
@@ -46,6 +50,10 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError):
     """A write did not complete by its deadline."""
+
+
+class TransferCancelled(TransferError):
+    """A write was stopped between batches because its room is no longer live (core's fence)."""
 
 
 @dataclass(frozen=True)

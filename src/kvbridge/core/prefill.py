@@ -25,6 +25,8 @@ __all__ = ["DecodePeer", "PrefillManager"]
 
 log = logging.getLogger(__name__)
 
+MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
+
 
 class DecodePeer:
     """A decode rank that completed the handshake with this prefill rank, and its transfer worker."""
@@ -54,9 +56,16 @@ class PrefillManager(TransferManager[Sender]):
         super().__init__(kvargs, backend, config)
         self._pending: dict[int, dict[str, DecodeRequest]] = {}  # requests that arrived before their sender
         self._peers: dict[str, DecodePeer] = {}
+        #: (room, decode peer) -> writes running now; a failed room is fenced towards a peer at zero.
+        self._writing: dict[tuple[int, str], int] = {}
+        #: Rooms a decode gave up on before their sender existed: reason, when (expire after bootstrap_timeout).
+        self._aborted: dict[int, tuple[str, float]] = {}
         self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
         router = self.loop.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        # A decode that reconnects (after it gave up on this rank, say it was frozen) keeps
+        # its identity: the new connection must take it over, or its Hello is dropped.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         port = router.bind_to_random_port(f"tcp://{self.config.host}")
         self._router = router
         self.control_address = f"{self.config.host}:{port}"
@@ -84,6 +93,57 @@ class PrefillManager(TransferManager[Sender]):
         """The requests that arrived for ``room`` before its sender was created (removed here)."""
         return self._pending.pop(room, {}).values()
 
+    def take_aborted(self, room: int) -> str | None:
+        """Why decode gave up on ``room`` before its sender was created, or None (removed here)."""
+        aborted = self._aborted.pop(room, None)
+        return aborted[0] if aborted is not None else None
+
+    # -- fencing: no byte of a failed room is written after decode is told it stopped ----------------
+    def live(self, sender: Sender, peer: DecodePeer) -> bool:
+        """Whether ``sender`` may start another batch to ``peer`` (checked before every batch).
+
+        Not once the room has failed, nor once ``peer``'s lease has run out
+        (no message for ``heartbeat_timeout``, also when this process was the
+        one stalled): decode has then given up on this rank and may reuse the
+        pages. An expired lease fails the room.
+        """
+        if sender.poll() == Poll.FAILED:
+            return False
+        silence = time.monotonic() - peer.last_seen
+        if self._peers.get(peer.peer_id) is not peer:
+            self.fail_sender(sender, f"decode peer {peer.peer_id!r} was dropped", "peer_dead")
+            return False
+        if silence > self.config.heartbeat_timeout:
+            self.fail_sender(sender, f"decode peer {peer.peer_id!r} sent no heartbeat for {silence:.1f}s", "peer_dead")
+            return False
+        return True
+
+    def begin_write(self, sender: Sender, peer: DecodePeer) -> bool:
+        """Count a write of ``sender`` to ``peer`` as running; False (nothing counted) if the room is not live."""
+        with self.lock:
+            if not self.live(sender, peer):
+                return False
+            key = (sender.room, peer.peer_id)
+            self._writing[key] = self._writing.get(key, 0) + 1
+            return True
+
+    def end_write(self, sender: Sender, peer: DecodePeer) -> None:
+        """The write has returned: if the room failed meanwhile, it is now fenced towards ``peer``."""
+        with self.lock:
+            key = (sender.room, peer.peer_id)
+            left = self._writing.pop(key, 1) - 1
+            if left > 0:
+                self._writing[key] = left
+            elif sender.poll() == Poll.FAILED:
+                self.send(lambda: self._router, P.Fenced(room=sender.room), peer.ident)
+
+    def _tell_failed(self, room: int, peer_id: str, reason: str) -> None:
+        """Send ``Failed``, then ``Fenced`` unless a write to that peer is running (its end sends it)."""
+        ident = peer_id.encode()
+        self.send(lambda: self._router, P.Failed(room=room, reason=reason), ident)
+        if (room, peer_id) not in self._writing:
+            self.send(lambda: self._router, P.Fenced(room=room), ident)
+
     def peer(self, peer_id: str) -> DecodePeer | None:
         return self._peers.get(peer_id)
 
@@ -106,9 +166,7 @@ class PrefillManager(TransferManager[Sender]):
             if not self.finish(sender, Poll.FAILED, reason, kind):
                 return
             for peer_id in sender.peer_ids():
-                peer = self._peers.get(peer_id)
-                if peer is not None:
-                    self.notify(peer, P.Failed(room=sender.room, reason=reason))
+                self._tell_failed(sender.room, peer_id, reason)
 
     def abort_room(self, room: Room, reason: str) -> None:
         assert isinstance(room, Sender)
@@ -129,6 +187,15 @@ class PrefillManager(TransferManager[Sender]):
             return
         with self.lock:
             peer = self._peers.get(peer_id)
+            if peer is not None and time.monotonic() - peer.last_seen > self.config.heartbeat_timeout:
+                # Its lease ran out unnoticed (this process stalled, or the tick did not run
+                # yet): it is never renewed; the peer is dropped as the tick would have.
+                self._drop_peer(peer, f"decode peer {peer_id!r} sent no heartbeat for "
+                                      f"{time.monotonic() - peer.last_seen:.1f}s")
+                peer = None
+            if peer is None and isinstance(msg, P.Abort):
+                self._on_abort(None, peer_id, msg)
+                return
             if peer is None:
                 reason = f"{type(msg).__name__} from {peer_id!r} before a handshake; send Hello first"
                 log.warning("prefill: %s", reason)
@@ -140,7 +207,7 @@ class PrefillManager(TransferManager[Sender]):
             elif isinstance(msg, P.TransferRequest):
                 self._on_request(peer, msg)
             elif isinstance(msg, P.Abort):
-                self._on_abort(peer, msg)
+                self._on_abort(peer, peer_id, msg)
             else:
                 reason = f"prefill does not accept {type(msg).__name__} messages"
                 self._reply(ident, P.Reject(reason=reason, room=getattr(msg, "room", None)))
@@ -154,6 +221,12 @@ class PrefillManager(TransferManager[Sender]):
         if problem is None:
             try:
                 route = pair_layouts(self.kvargs, msg.kvargs)
+                with self.lock:
+                    old = self._peers.get(msg.peer_id)
+                    if old is not None:
+                        # A decode handshakes again only after it gave up on this rank: what
+                        # it asked for before is dead on its side.
+                        self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
                 self.transport.add_peer(msg.peer_id, msg.backend_meta, msg.kvargs.regions, msg.local_meta)
             except IncompatibleLayoutError as exc:
                 problem = str(exc)
@@ -164,9 +237,6 @@ class PrefillManager(TransferManager[Sender]):
             self._reply(ident, P.Reject(reason=problem))
             return
         with self.lock:
-            old = self._peers.pop(msg.peer_id, None)
-            if old is not None:
-                old.worker.stop()
             self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route)
         self._reply(ident, P.HelloAck(kvargs=self.kvargs))
 
@@ -193,7 +263,7 @@ class PrefillManager(TransferManager[Sender]):
             self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             return
         dst = peer.route.dst
-        req = DecodeRequest(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic())
+        req = DecodeRequest(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic(), msg.strict)
         if sender is None:
             reqs = self._pending.setdefault(msg.room, {})
             problem = req.conflict(reqs)
@@ -204,15 +274,28 @@ class PrefillManager(TransferManager[Sender]):
         if problem is not None:
             self._reply(peer.ident, P.Reject(reason=f"room {msg.room}: {problem}", room=msg.room))
 
-    def _on_abort(self, peer: DecodePeer, msg: P.Abort) -> None:
-        # A peer may abort only what it asked for.
-        pending = self._pending.get(msg.room, {})
-        pending.pop(peer.peer_id, None)
-        if not pending:
-            self._pending.pop(msg.room, None)
-        sender = self.rooms.get(msg.room)
-        if sender is not None and sender.asked_by(peer.peer_id):
-            self.fail_sender(sender, f"aborted by decode: {msg.reason}", "aborted")
+    def _on_abort(self, peer: DecodePeer | None, peer_id: str, msg: P.Abort) -> None:
+        """Stop what ``peer_id`` asked for in the room; answer ``Fenced`` once nothing of it is being written.
+
+        A peer may abort only what it asked for, or a room nobody asked for
+        yet (a decode whose ``init`` failed before its request went out). An
+        unknown peer (dropped, or never handshaken) only gets the answer.
+        """
+        reason = f"aborted by decode: {msg.reason}"
+        if peer is not None:
+            pending = self._pending.get(msg.room)
+            sender = self.rooms.get(msg.room)
+            if pending is not None:
+                pending.pop(peer_id, None)
+                if not pending:
+                    del self._pending[msg.room]
+            elif sender is None and len(self._aborted) < MAX_ABORTED:
+                self._aborted[msg.room] = (reason, time.monotonic())
+            if sender is not None and (sender.asked_by(peer_id) or
+                                       (sender.poll() == Poll.BOOTSTRAPPING and not sender.peer_ids())):
+                self.fail_sender(sender, reason, "aborted")
+        if (msg.room, peer_id) not in self._writing:
+            self._reply(peer_id.encode(), P.Fenced(room=msg.room))
 
     # -- timeouts and dead peers (I/O thread) ------------------------------------------
     def _tick(self) -> None:
@@ -220,9 +303,15 @@ class PrefillManager(TransferManager[Sender]):
         cfg = self.config
         with self.lock:
             for room, reqs in list(self._pending.items()):
-                if now - min(r.received for r in reqs.values()) > cfg.bootstrap_timeout:
-                    log.warning("prefill: dropping requests for room %d: no sender created within %.1fs", room, cfg.bootstrap_timeout)
+                if now - min(r.received for r in reqs.values()) > cfg.sender_grace:
+                    reason = f"no sender was created for room {room} within sender_grace={cfg.sender_grace}s of decode's request"
+                    log.warning("prefill: %s", reason)
                     del self._pending[room]
+                    for peer_id in reqs:
+                        self._tell_failed(room, peer_id, reason)
+            for room, (_, when) in list(self._aborted.items()):
+                if now - when > cfg.bootstrap_timeout:
+                    del self._aborted[room]
             for sender in list(self.rooms.values()):
                 overdue = sender.overdue(now, cfg)
                 if overdue is not None:
@@ -233,8 +322,8 @@ class PrefillManager(TransferManager[Sender]):
 
     def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
         log.warning("prefill: %s; dropping it", reason)
-        # Fail its rooms while it is still a known peer, so each Failed goes out: a
-        # decode that was only frozen learns of it when it resumes.
+        # Each Failed (and Fenced, once its write has returned) goes out: a decode
+        # that was only frozen learns of it when it resumes.
         for sender in list(self.rooms.values()):
             if sender.asked_by(peer.peer_id):
                 self.fail_sender(sender, reason, "peer_dead")

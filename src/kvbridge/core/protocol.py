@@ -35,6 +35,7 @@ __all__ = [
     "Done",
     "Failed",
     "Abort",
+    "Fenced",
     "Heartbeat",
     "Reject",
     "Message",
@@ -119,6 +120,8 @@ class TransferRequest(_Msg, tag="transfer_request", frozen=True):
     room: int
     indices: dict[str, bytes]
     metadata_row: int
+    #: Decode's ``strict_index_lengths``: either side can ask for strictness.
+    strict: bool = False
 
 
 class ChunkDone(_Msg, tag="chunk_done", frozen=True):
@@ -147,6 +150,17 @@ class Abort(_Msg, tag="abort", frozen=True):
     reason: str
 
 
+class Fenced(_Msg, tag="fenced", frozen=True):
+    """Prefill -> decode: this rank has stopped ``room``: no write of it is in flight and none will start.
+
+    Sent after ``Failed`` (or in answer to ``Abort``) once the room's running
+    write has returned. Decode reports FAILED only once every prefill rank has
+    fenced the room, or its fence timeout has passed.
+    """
+
+    room: int
+
+
 class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     pass
 
@@ -170,6 +184,7 @@ Message = Union[
     Done,
     Failed,
     Abort,
+    Fenced,
     Heartbeat,
     Reject,
 ]

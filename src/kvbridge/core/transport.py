@@ -23,12 +23,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, Union
 
 import numpy as np
 
 from . import gpu
-from .backend import Backend, BackendConfig, TransferError, TransferTimeout
+from .backend import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout
 from .layout import Region
 from .plan import RegionTable, TransferPlan
 from .plugins import PluginError, get_registry, import_object
@@ -113,24 +114,22 @@ class Transport:
             plan = plan.cut(self._batch_bytes)
         return list(plan.batches(self._batch_descriptors, self._batch_bytes))
 
-    def write(self, peer: str, plan: TransferPlan, deadline: float) -> None:
-        """Write a validated ``plan`` into ``peer`` batch by batch; the deadline is checked before each.
+    def write(self, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None = None) -> None:
+        """Write a validated ``plan`` into ``peer`` batch by batch; deadline and ``live()`` are checked before each.
 
-        Raises :class:`TransferTimeout` once the deadline has passed (no
-        further batch is started) and passes on the backend's
-        :class:`TransferError`, saying how much had landed before.
+        Raises :class:`TransferTimeout` once the deadline has passed and
+        :class:`TransferCancelled` once ``live()`` is false (no further batch
+        is started either way: this is what fences a failed room), and passes
+        on the backend's :class:`TransferError`, saying how much had landed before.
         """
         mapped = self._gpu_peers.get(peer)
         if mapped is not None:
+            self._check(peer, deadline, live, "before it started")
             plan = self._copy_on_gpu(peer, mapped, plan, deadline)
         batches = self.batches(plan)
         landed = 0
         for i, batch in enumerate(batches):
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(
-                    f"{self.name}: write to peer {peer!r} passed its deadline after {i} of {len(batches)} "
-                    f"batches ({landed} of {plan.total_bytes} B landed)"
-                )
+            self._check(peer, deadline, live, f"after {i} of {len(batches)} batches ({landed} of {plan.total_bytes} B landed)")
             try:
                 self.backend.write(peer, batch, deadline)
             except TransferError as exc:
@@ -139,6 +138,13 @@ class Transport:
                 raise type(exc)(f"{exc} (batch {i + 1} of {len(batches)}; the {i} before it, {landed} B, landed)") from exc
             landed += batch.total_bytes
 
+    def _check(self, peer: str, deadline: float, live: Callable[[], bool] | None, where: str) -> None:
+        """The one check before every batch: the deadline, then whether the room is still live."""
+        if time.monotonic() >= deadline:
+            raise TransferTimeout(f"{self.name}: write to peer {peer!r} passed its deadline {where}")
+        if live is not None and not live():
+            raise TransferCancelled(f"{self.name}: write to peer {peer!r} stopped {where}: the room is no longer live")
+
     def _copy_on_gpu(self, peer: str, mapped: gpu.GpuPeer, plan: TransferPlan, deadline: float) -> TransferPlan:
         """Copy the descriptors GPU -> mapped peer GPU with the kernel; return the rest for the backend."""
         region, from_gpu = self._vram.locate(plan.src_addr, plan.nbytes)
@@ -146,8 +152,6 @@ class Transport:
         fast = from_gpu & into
         if not fast.any():
             return plan
-        if time.monotonic() >= deadline:
-            raise TransferTimeout(f"{self.name}: write to peer {peer!r} passed its deadline before it started")
         devices = self._vram.device[region]
         for device in np.unique(devices[fast]).tolist():
             on = fast & (devices == device)
