@@ -92,7 +92,7 @@ class TestCorePolicy(BackendHarness):
         assert decode["mismatches"] == []
 
 
-    def test_prefill_killed_fails_the_waiting_receiver_within_the_heartbeat_timeout(
+    def test_prefill_killed_fails_the_waiting_receiver_after_the_heartbeat_and_fence_timeouts(
         self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
     ) -> None:
         sc = self.scenario(requests=1, bootstrap_timeout=30.0)  # the holder keeps its sender open
@@ -105,9 +105,13 @@ class TestCorePolicy(BackendHarness):
         time.sleep(3 * sc.heartbeat_interval)  # heartbeats are flowing
 
         holder.kill()
-        bound = sc.heartbeat_timeout + self.slack
+        # A silent prefill cannot confirm it stopped writing: decode waits the fence timeout
+        # too before it reports FAILED (and hands the pages back).
+        fence = sc.session_config().fence_wait
+        bound = sc.heartbeat_timeout + fence + self.slack
         elapsed = wait_until(finished(recv), bound, "receiver after the prefill was killed")
         assert recv.poll() == Poll.FAILED
+        assert elapsed >= fence
         assert re.fullmatch(
             rf"prefill tp0/pp0 at 127\.0\.0\.1:\d+ sent nothing for \d+\.\ds \(heartbeat_timeout={sc.heartbeat_timeout}s\)",
             recv.failure() or "",
@@ -117,7 +121,7 @@ class TestCorePolicy(BackendHarness):
 
     # -- 5. destinations outside the registered memory -----------------------------------------------
     @pytest.mark.parametrize("bad", ["past-the-end", "negative"])
-    def test_receiver_init_with_a_page_outside_the_pool_fails_at_once_and_sends_nothing(
+    def test_receiver_init_with_a_page_outside_the_pool_fails_at_once_and_fails_the_prefill_sender_at_once(
         self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child], bad: str
     ) -> None:
         sc = self.scenario(requests=1)
@@ -137,22 +141,13 @@ class TestCorePolicy(BackendHarness):
             f"(valid range is 0..{sc.decode_pages - 1})"
         )
 
-        # Prefill takes one request per room (a bad one would have failed its sender), so this
-        # retry can only succeed if nothing was sent for the failed receiver.
-        retry = Receiver(decode.mgr, req.room, bootstrap=prefill.bootstrap)
-        dst = np.arange(n) + 7
-        retry.init(dst, metadata_row=0)
-        wait_until(finished(retry), self.scaled(10.0), "retry")
-        assert retry.poll() == Poll.SUCCESS, retry.failure()
-        words = sc.page_nbytes // 4
-        for e, got in enumerate(decode.pools.kv):
-            expected = np.full_like(got, SENTINEL)
-            expected[dst] = pattern(e, np.asarray(req.src_pages), words)
-            np.testing.assert_array_equal(got, expected, err_msg=f"region {e}")
-        np.testing.assert_array_equal(decode.pools.meta[0], meta_row_for(req.room))
-        assert (decode.pools.meta[1:] == SENTINEL).all()
-        rc, result = prefill.finish()
-        assert rc == 0 and result == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
+        # Nothing was sent but an Abort: prefill's sender, waiting for the request, fails at
+        # once with decode's reason (not a bad request, not its bootstrap_timeout).
+        rc, result = prefill.finish(self.scaled(sc.bootstrap_timeout / 2))
+        assert rc == 1 and result is not None and result["failed"] == 1
+        assert f"room {req.room} FAILED: aborted by decode: decode init failed: {recv.failure()}\n" in prefill.stderr()
+        assert all_sentinel(decode.pools)
+        assert decode.mgr.active_rooms() == 0
 
     @pytest.mark.parametrize("sender_first", [True, False], ids=["sender-created", "no-sender-yet"])
     def test_hostile_request_for_a_page_outside_the_pool_gets_failed_and_moves_no_bytes(
@@ -198,6 +193,8 @@ class TestCorePolicy(BackendHarness):
         time.sleep(0.3)  # the request reaches the holder's sender, which then waits
 
         recv.abort("the user cancelled the request")
+        # FAILED once the holder confirmed it stopped (one round trip), long before the fence timeout.
+        wait_until(finished(recv), sc.session_config().fence_wait / 2, "receiver fenced by the holder")
         assert recv.poll() == Poll.FAILED and recv.failure() == "the user cancelled the request"
         assert decode.mgr.active_rooms() == 0
         rc, result = holder.finish()

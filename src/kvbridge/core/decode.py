@@ -195,7 +195,7 @@ class DecodeManager(TransferManager[Receiver]):
                 if target is None or target.server.address != server.address:
                     return  # finished or aborted here already
                 if isinstance(msg, P.Fenced):
-                    target.on_fenced(rank.key, f"{rank.label} stopped the room")
+                    target.on_fenced(rank.key)
                 elif target.fencing:
                     return  # given up here: neither progress nor success counts any more
                 elif isinstance(msg, P.ChunkDone):

@@ -114,12 +114,16 @@ class Receiver(Room):
             self.manager.send_to_ranks(self.server, P.Abort(room=self.room, reason=reason))
             self._check_fenced()
 
-    def on_fenced(self, rank: tuple[int, int], reason: str) -> None:
-        """Prefill ``rank`` stopped writing the room (``reason``: why, if the room was not failing yet)."""
-        self._fenced.add(rank)
-        if self._fencing is None:
-            self.fail(reason, "remote")
-        self._check_fenced()
+    def on_fenced(self, rank: tuple[int, int]) -> None:
+        """Prefill ``rank`` confirmed it stopped writing the room.
+
+        Prefill sends ``Failed`` before it when it gives up itself, so a
+        ``Fenced`` for a room that is not fencing here answers an earlier
+        ``Abort`` of the same room id (a failed ``init``) and is ignored.
+        """
+        if self._fencing is not None:
+            self._fenced.add(rank)
+            self._check_fenced()
 
     def fence_overdue(self, now: float) -> bool:
         """Past the fence timeout: report FAILED without every rank's confirmation."""
