@@ -12,6 +12,7 @@ prefill and decode processes moving bytes through ``memory``
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class TestCorePolicy(BackendHarness):
 
     @pytest.mark.parametrize("prefill_tp", [1, 2])
     def test_prefill_pp2_stages_send_their_layers_into_decode_pp1(self, children: Callable[..., Child], prefill_tp: int) -> None:
+        # The prefill host passes every rank every state list: core routes each stage its own.
         spec = self.hybrid_spec(prefill_pp=2, prefill_tp=prefill_tp, decode_tp=1)
         all_succeeded(*self.run_hybrid(children, spec)[:2])
 
@@ -82,6 +84,29 @@ class TestCorePolicy(BackendHarness):
             for states in side["rooms"].values():
                 assert states[0][0] == "FAILED" and "strict_index_lengths is set" in states[0][1]
         assert decode["mismatches"] == []  # nothing outside the failed rooms' own items was touched
+
+    def test_strict_on_decode_alone_makes_a_page_indexed_mismatch_an_error_on_both_sides(
+        self, children: Callable[..., Child]
+    ) -> None:
+        # Negotiated: decode's strict_index_lengths travels in its request (issue 13, finding 5).
+        spec = self.hybrid_spec(extra_swa_pages=1, decode_strict=True, requests=2)
+        prefill, decode, _ = self.run_hybrid(children, spec)
+        for side in (prefill, decode):
+            for states in side["rooms"].values():
+                assert states[0][0] == "FAILED" and "strict_index_lengths is set on decode" in states[0][1], states
+        assert decode["mismatches"] == []
+
+    def test_a_state_list_decode_allocated_and_prefill_omitted_fails_the_room_on_both_sides(
+        self, children: Callable[..., Child]
+    ) -> None:
+        # Decode allocated a Mamba slot; the prefill host passed no slot list. Before: SUCCESS
+        # on both sides, and the slot kept stale bytes (issue 13, finding 5).
+        prefill, decode, _ = self.run_hybrid(children, self.hybrid_spec(omit_state=["slot"], requests=2))
+        for side in (prefill, decode):
+            for states in side["rooms"].values():
+                assert states[0][0] == "FAILED", states
+                assert "allocated 1 'slot' indices but prefill passed no 'slot' list" in states[0][1], states
+        assert decode["mismatches"] == []
 
     def test_slot_indexed_mismatch_is_an_error_on_both_sides(self, children: Callable[..., Child]) -> None:
         prefill, decode, _ = self.run_hybrid(children, self.hybrid_spec(extra_slots=1, requests=2, prefill_tp=2, decode_tp=2))
@@ -178,6 +203,25 @@ class TestCorePolicy(BackendHarness):
 
         self.serve_a_fresh_decode(prefill, children, self.scenario(seed=1))
         assert all_sentinel(claimed)
+
+    def test_a_request_for_a_room_without_a_sender_fails_decode_promptly_after_the_sender_grace(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # Before: prefill dropped the request after bootstrap_timeout without a word and
+        # decode waited its waiting_timeout (issue 13, finding 4).
+        sc = self.scenario(requests=1)
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc, config=dataclasses.replace(sc.session_config(), sender_grace=1.0))
+        t0 = time.monotonic()
+        decode = children("decode", sc, bootstrap=prefill.address)  # the host never creates a sender
+        rc, result = decode.finish(self.scaled(sc.waiting_timeout / 2))
+        assert time.monotonic() - t0 < self.scaled(START_WAIT)  # handshake + grace, not waiting_timeout
+        assert rc == 1 and result is not None
+        assert result["failed"] == [{"room": req.room, "reason": (
+            f"prefill tp0/pp0 at {prefill.mgr.control_address}: no sender was created for room {req.room} "
+            "within sender_grace=1.0s of decode's request")}]
+        assert result["mismatched_regions"] == 0
+        assert prefill.mgr.active_rooms() == 0
 
     # -- 6. aborts -----------------------------------------------------------------------------------
     def test_receiver_abort_fails_the_waiting_sender_with_aborted_by_decode(
