@@ -268,9 +268,10 @@ class DecodeManager(TransferManager[Receiver]):
                 self._close_server(server)
 
     def _shutdown(self) -> None:
-        # close() gave up on every room: wait (bounded) for prefill to confirm it stopped
-        # writing them, so none of their bytes lands after FAILED (or after the engine closes).
-        deadline = time.monotonic() + self.config.fence_wait
+        # close() gave up on every room: wait briefly for prefill to confirm it stopped
+        # writing them (a live prefill answers within a round trip and its running batch).
+        # Not the whole fence_timeout: closing must not hang on a dead prefill.
+        deadline = time.monotonic() + min(self.config.fence_wait, self.config.heartbeat_timeout)
         while time.monotonic() < deadline:
             with self.lock:
                 if not any(r.fencing for r in self.rooms.values()):
