@@ -34,6 +34,8 @@ class PrefillRank:
         self.acked = False
         self.last_seen = time.monotonic()
         self.last_ping = 0.0
+        #: The latest clock this rank put in a heartbeat reply: echoed in the next ping (its lease).
+        self.clock: float | None = None
 
     def socket(self) -> zmq.Socket | None:
         """The control socket, looked up on the I/O thread when a message goes out."""
@@ -206,7 +208,8 @@ class DecodeManager(TransferManager[Receiver]):
                 else:
                     kind = "aborted" if isinstance(msg, P.Abort) else "remote"
                     target.fail(f"{rank.label}: {msg.reason}", kind)
-            # Heartbeat replies only refresh last_seen.
+            elif isinstance(msg, P.Heartbeat) and msg.clock is not None:
+                rank.clock = msg.clock if rank.clock is None else max(rank.clock, msg.clock)
 
     def _fail_server(self, server: PrefillServer, reason: str, kind: str) -> None:
         """Fail every receiver of ``server`` and forget it, so a later receiver reconnects.
@@ -252,7 +255,7 @@ class DecodeManager(TransferManager[Receiver]):
                     break
                 if now - rank.last_ping >= cfg.heartbeat_interval and rank.sock is not None:
                     rank.last_ping = now
-                    rank.sock.send(P.encode(P.Heartbeat()), zmq.NOBLOCK)
+                    rank.sock.send(P.encode(P.Heartbeat(clock=rank.clock)), zmq.NOBLOCK)
         with self.lock:
             for recv in list(self.rooms.values()):
                 if recv.fencing:

@@ -26,17 +26,33 @@ __all__ = ["DecodePeer", "PrefillManager"]
 log = logging.getLogger(__name__)
 
 MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
+LEASE_POLL = 0.005  # seconds between lease checks while a transfer worker waits for a renewal
+FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
 
 
 class DecodePeer:
-    """A decode rank that completed the handshake with this prefill rank, and its transfer worker."""
+    """A decode rank that completed the handshake with this prefill rank, and its transfer worker.
 
-    def __init__(self, peer_id: str, route: Route) -> None:
+    ``lease_until``: this rank may write to the peer until then (this rank's
+    clock). The handshake grants ``lease`` seconds; a heartbeat renews it to
+    ``lease`` after the clock it echoes (:class:`~kvbridge.core.protocol.Heartbeat`),
+    so a ping that arrives late but echoes a recent clock still renews it, and
+    pings queued while this rank was frozen or cut off do not.
+    ``last_seen``: when anything last arrived from it (it is forgotten after
+    long silence).
+    """
+
+    def __init__(self, peer_id: str, route: Route, lease: float) -> None:
         self.peer_id = peer_id
         self.ident = peer_id.encode()
         self.route = route
         self.last_seen = time.monotonic()
+        self.lease_until = self.last_seen + lease
         self.worker = PeerWorker(peer_id)
+
+    def renew(self, clock: float, lease: float) -> None:
+        """Decode echoed ``clock`` (this rank's, from a heartbeat reply): it was alive after it."""
+        self.lease_until = max(self.lease_until, min(clock, time.monotonic()) + lease)
 
 
 class PrefillManager(TransferManager[Sender]):
@@ -99,27 +115,55 @@ class PrefillManager(TransferManager[Sender]):
         return aborted[0] if aborted is not None else None
 
     # -- fencing: no byte of a failed room is written after decode is told it stopped ----------------
-    def live(self, sender: Sender, peer: DecodePeer) -> bool:
-        """Whether ``sender`` may start another batch to ``peer`` (checked before every batch).
+    def _lapsed(self, sender: Sender, peer: DecodePeer, now: float) -> str | None:
+        """Why ``sender``'s room has waited too long for ``peer``'s lease to be renewed, or None.
 
-        Not once the room has failed, nor once ``peer``'s lease has run out
-        (no message for ``heartbeat_timeout``, also when this process was the
-        one stalled): decode has then given up on this rank and may reuse the
-        pages. An expired lease fails the room.
+        A lapsed lease fails a room only ``heartbeat_timeout`` after the lapse
+        (or after the room's request arrived, if later: a decode that resumed
+        after a freeze renews within a heartbeat round trip). Meanwhile no
+        batch starts: the lapse, not the failure, is what fences.
         """
-        if sender.poll() == Poll.FAILED:
-            return False
-        silence = time.monotonic() - peer.last_seen
-        if self._peers.get(peer.peer_id) is not peer:
-            self.fail_sender(sender, f"decode peer {peer.peer_id!r} was dropped", "peer_dead")
-            return False
-        if silence > self.config.heartbeat_timeout:
-            self.fail_sender(sender, f"decode peer {peer.peer_id!r} sent no heartbeat for {silence:.1f}s", "peer_dead")
-            return False
-        return True
+        req = sender.request(peer.peer_id)
+        since = max(peer.lease_until, req.received if req is not None else 0.0)
+        if now - since <= self.config.heartbeat_timeout:
+            return None
+        proof = peer.lease_until - self.config.heartbeat_timeout
+        return (f"decode peer {peer.peer_id!r} gave no sign of life for {now - proof:.1f}s "
+                f"(its lease lapsed {now - peer.lease_until:.1f}s ago; heartbeat_timeout={self.config.heartbeat_timeout}s)")
+
+    def live(self, sender: Sender, peer: DecodePeer, wait: bool = False) -> bool:
+        """Whether ``sender`` may start another batch to ``peer`` now (checked before every batch).
+
+        Not once the room has failed, nor while ``peer``'s lease has lapsed
+        (no proof within ``heartbeat_timeout`` that decode is alive and has not
+        given up: see :class:`DecodePeer`). A lapse that outlasts
+        :meth:`_lapsed`'s margin fails the room; with ``wait`` (a transfer
+        worker, not holding the lock) a shorter one is waited out, else it
+        fails the room at once.
+        """
+        while True:
+            if sender.poll() == Poll.FAILED:
+                return False
+            if self._peers.get(peer.peer_id) is not peer:
+                self.fail_sender(sender, f"decode peer {peer.peer_id!r} was dropped", "peer_dead")
+                return False
+            now = time.monotonic()
+            if now < peer.lease_until:
+                return True
+            why = self._lapsed(sender, peer, now)
+            if why is not None or not wait:
+                self.fail_sender(sender, why or f"decode peer {peer.peer_id!r}'s lease lapsed "
+                                 f"{now - peer.lease_until:.1f}s ago", "peer_dead")
+                return False
+            time.sleep(LEASE_POLL)  # bounded: _lapsed fails the room heartbeat_timeout after the lapse
 
     def begin_write(self, sender: Sender, peer: DecodePeer) -> bool:
-        """Count a write of ``sender`` to ``peer`` as running; False (nothing counted) if the room is not live."""
+        """Count a write of ``sender`` to ``peer`` as running; False (nothing counted) if the room is not live.
+
+        Waits out a short lapse of the lease first (without the lock: the I/O
+        thread must be free to take the renewal)."""
+        if not self.live(sender, peer, wait=True):
+            return False
         with self.lock:
             if not self.live(sender, peer):
                 return False
@@ -187,12 +231,6 @@ class PrefillManager(TransferManager[Sender]):
             return
         with self.lock:
             peer = self._peers.get(peer_id)
-            if peer is not None and time.monotonic() - peer.last_seen > self.config.heartbeat_timeout:
-                # Its lease ran out unnoticed (this process stalled, or the tick did not run
-                # yet): it is never renewed; the peer is dropped as the tick would have.
-                self._drop_peer(peer, f"decode peer {peer_id!r} sent no heartbeat for "
-                                      f"{time.monotonic() - peer.last_seen:.1f}s")
-                peer = None
             if peer is None and isinstance(msg, P.Abort):
                 self._on_abort(None, peer_id, msg)
                 return
@@ -203,7 +241,9 @@ class PrefillManager(TransferManager[Sender]):
                 return
             peer.last_seen = time.monotonic()
             if isinstance(msg, P.Heartbeat):
-                self._reply(ident, P.Heartbeat())
+                if msg.clock is not None:
+                    peer.renew(msg.clock, self.config.heartbeat_timeout)
+                self._reply(ident, P.Heartbeat(clock=time.monotonic()))
             elif isinstance(msg, P.TransferRequest):
                 self._on_request(peer, msg)
             elif isinstance(msg, P.Abort):
@@ -237,7 +277,7 @@ class PrefillManager(TransferManager[Sender]):
             self._reply(ident, P.Reject(reason=problem))
             return
         with self.lock:
-            self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route)
+            self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route, self.config.heartbeat_timeout)
         self._reply(ident, P.HelloAck(kvargs=self.kvargs))
 
     def _on_request(self, peer: DecodePeer, msg: P.TransferRequest) -> None:
@@ -289,7 +329,7 @@ class PrefillManager(TransferManager[Sender]):
                 pending.pop(peer_id, None)
                 if not pending:
                     del self._pending[msg.room]
-            elif sender is None and len(self._aborted) < MAX_ABORTED:
+            elif sender is None and not msg.requested and len(self._aborted) < MAX_ABORTED:
                 self._aborted[msg.room] = (reason, time.monotonic())
             if sender is not None and (sender.asked_by(peer_id) or
                                        (sender.poll() == Poll.BOOTSTRAPPING and not sender.peer_ids())):
@@ -317,8 +357,13 @@ class PrefillManager(TransferManager[Sender]):
                 if overdue is not None:
                     self.fail_sender(sender, *overdue)
             for peer in list(self._peers.values()):
-                if now - peer.last_seen > cfg.heartbeat_timeout:
-                    self._drop_peer(peer, f"decode peer {peer.peer_id!r} sent no heartbeat for {now - peer.last_seen:.1f}s")
+                if now - peer.last_seen > FORGET_AFTER * cfg.heartbeat_timeout:
+                    self._drop_peer(peer, f"decode peer {peer.peer_id!r} sent nothing for {now - peer.last_seen:.1f}s")
+                elif now >= peer.lease_until:
+                    for sender in list(self.rooms.values()):
+                        why = self._lapsed(sender, peer, now) if sender.asked_by(peer.peer_id) else None
+                        if why is not None:
+                            self.fail_sender(sender, why, "peer_dead")
 
     def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
         log.warning("prefill: %s; dropping it", reason)

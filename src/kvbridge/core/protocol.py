@@ -144,10 +144,17 @@ class Failed(_Msg, tag="failed", frozen=True):
 
 
 class Abort(_Msg, tag="abort", frozen=True):
-    """Either direction: the sender of this message gave up on ``room``."""
+    """Either direction: the sender of this message gave up on ``room``.
+
+    ``requested``: decode sent its ``TransferRequest`` for the room before
+    giving up. False (its ``init`` failed) lets prefill fail a sender the host
+    creates later; an abort of a requested room that prefill already finished
+    is only answered.
+    """
 
     room: int
     reason: str
+    requested: bool = True
 
 
 class Fenced(_Msg, tag="fenced", frozen=True):
@@ -162,7 +169,18 @@ class Fenced(_Msg, tag="fenced", frozen=True):
 
 
 class Heartbeat(_Msg, tag="heartbeat", frozen=True):
-    pass
+    """Decode pings each prefill rank it uses; the rank answers at once.
+
+    ``clock`` makes the answer a lease: prefill puts its own
+    ``time.monotonic()`` in its reply, and decode echoes the latest one it
+    received from that rank in its next ping. An echoed clock proves decode
+    was alive *after* that instant of prefill's own clock, however late the
+    ping arrives (a queue that built up while prefill was frozen or cut off
+    proves nothing newer than its content), so prefill writes to decode only
+    within ``heartbeat_timeout`` of such a proof (``docs/failures.md``).
+    """
+
+    clock: float | None = None
 
 
 class Reject(_Msg, tag="reject", frozen=True):

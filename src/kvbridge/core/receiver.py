@@ -84,7 +84,7 @@ class Receiver(Room):
                 reason = f"room {self.room}: {exc.args[0] if exc.args else exc}"
                 m.finish(self, Poll.FAILED, reason, "bad_request")  # nothing was asked for: nothing can land
                 # Prefill may have a sender waiting for this request: tell it now, not at its bootstrap_timeout.
-                m.tell(self.server, P.Abort(room=self.room, reason=f"decode init failed: {reason}"))
+                m.tell(self.server, P.Abort(room=self.room, reason=f"decode init failed: {reason}", requested=False))
                 return
             self._request = P.TransferRequest(room=self.room, indices=packed, metadata_row=int(metadata_row),
                                               strict=m.config.strict_index_lengths)

@@ -102,6 +102,10 @@ class Sender(Room):
     def peer_ids(self) -> list[str]:
         return list(self._requests)
 
+    def request(self, peer_id: str) -> DecodeRequest | None:
+        """Decode peer ``peer_id``'s request for this room, if it sent one."""
+        return self._requests.get(peer_id)
+
     def overdue(self, now: float, cfg: SessionConfig) -> tuple[str, str] | None:
         """``(reason, kind)`` if a timeout of this room has expired, else None."""
         if self.poll() == Poll.BOOTSTRAPPING and now - self.created > cfg.bootstrap_timeout:
@@ -262,7 +266,7 @@ class Sender(Room):
         try:
             for p in (plan, meta_plan):
                 if p is not None and len(p):
-                    m.transport.write(peer.peer_id, p, deadline, lambda: m.live(self, peer))
+                    m.transport.write(peer.peer_id, p, deadline, lambda: m.live(self, peer, wait=True))
         except TransferCancelled:
             return  # the room failed (live() says why); end_write fences it
         except Exception as exc:
