@@ -35,6 +35,7 @@ def test_the_survivor_fails_the_room_in_time_and_no_byte_lands_after_failed(
     cell = run_cell(backend, fault, phase, tmp_path)
     assert cell.error is None, table([cell])
     assert cell.survivor_failed_s is not None and cell.survivor_failed_s <= BOUND, table([cell])
-    assert cell.late_pages == 0, table([cell])
+    # 0, except that a prefill frozen inside an engine call finishes that one batch on resume (docs/failures.md).
+    assert cell.late_pages is not None and cell.late_pages <= cell.late_allowed, table([cell])
     assert not cell.prefill_success_after_decode_failed, table([cell])
     assert cell.served_fresh_peer and cell.resumed_peer_served, table([cell])

@@ -29,7 +29,7 @@ from typing import Any, Union
 import numpy as np
 
 from . import gpu
-from .backend import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout
+from .backend import _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout
 from .layout import Region
 from .plan import RegionTable, TransferPlan
 from .plugins import PluginError, get_registry, import_object
@@ -42,6 +42,13 @@ log = logging.getLogger(__name__)
 #: What a manager accepts as its backend.
 BackendChoice = Union[str, BackendSpec, Backend, None]
 
+#: Every batch stays within these, whatever the backend allows: the fence is
+#: checked between batches, so they bound what a prefill frozen inside an engine
+#: call can still write when it resumes after decode reported FAILED
+#: (docs/failures.md). Measured cost on nixl: within noise (docs/failures.md).
+FENCE_BATCH_DESCRIPTORS = 1024
+FENCE_BATCH_BYTES = 16 << 20
+
 
 class Transport:
     """A backend plus the policy core applies to every backend alike."""
@@ -53,8 +60,8 @@ class Transport:
         self.name = name
         self.capabilities = capabilities or type(backend).capabilities
         self.fast_path = fast_path
-        self._batch_descriptors = self.capabilities.batch_descriptors
-        self._batch_bytes = self.capabilities.max_bytes_per_batch
+        self._batch_descriptors = min(self.capabilities.batch_descriptors or FENCE_BATCH_DESCRIPTORS, FENCE_BATCH_DESCRIPTORS)
+        self._batch_bytes = min(self.capabilities.max_bytes_per_batch or FENCE_BATCH_BYTES, FENCE_BATCH_BYTES)
         self._regions: list[Region] = []
         self._gpu_peers: dict[str, gpu.GpuPeer] = {}
         self._vram = RegionTable(())  # local GPU regions: which device a source address lives on
@@ -110,8 +117,7 @@ class Transport:
     # -- writes -----------------------------------------------------------------------------
     def batches(self, plan: TransferPlan) -> list[TransferPlan]:
         """``plan`` as the backend will receive it: cut and split within the declared limits (views)."""
-        if self._batch_bytes is not None:
-            plan = plan.cut(self._batch_bytes)
+        plan = plan.cut(self._batch_bytes)
         return list(plan.batches(self._batch_descriptors, self._batch_bytes))
 
     def write(self, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None = None) -> None:
@@ -128,15 +134,19 @@ class Transport:
             plan = self._copy_on_gpu(peer, mapped, plan, deadline)
         batches = self.batches(plan)
         landed = 0
-        for i, batch in enumerate(batches):
-            self._check(peer, deadline, live, f"after {i} of {len(batches)} batches ({landed} of {plan.total_bytes} B landed)")
-            try:
-                self.backend.write(peer, batch, deadline)
-            except TransferError as exc:
-                if i == 0:
-                    raise
-                raise type(exc)(f"{exc} (batch {i + 1} of {len(batches)}; the {i} before it, {landed} B, landed)") from exc
-            landed += batch.total_bytes
+        token = _live.set(live)  # the backend re-checks right before it posts (backend.may_post)
+        try:
+            for i, batch in enumerate(batches):
+                self._check(peer, deadline, live, f"after {i} of {len(batches)} batches ({landed} of {plan.total_bytes} B landed)")
+                try:
+                    self.backend.write(peer, batch, deadline)
+                except TransferError as exc:
+                    if i == 0:
+                        raise
+                    raise type(exc)(f"{exc} (batch {i + 1} of {len(batches)}; the {i} before it, {landed} B, landed)") from exc
+                landed += batch.total_bytes
+        finally:
+            _live.reset(token)
 
     def _check(self, peer: str, deadline: float, live: Callable[[], bool] | None, where: str) -> None:
         """The one check before every batch: the deadline, then whether the room is still live."""
