@@ -109,6 +109,11 @@ class PrefillManager(TransferManager[Sender]):
         """The requests that arrived for ``room`` before its sender was created (removed here)."""
         return self._pending.pop(room, {}).values()
 
+    def requested(self, room: int) -> bool:
+        """Whether a decode's request for ``room`` waits for the host to create its sender."""
+        with self.lock:
+            return room in self._pending
+
     def take_aborted(self, room: int) -> str | None:
         """Why decode gave up on ``room`` before its sender was created, or None (removed here)."""
         aborted = self._aborted.pop(room, None)

@@ -160,6 +160,13 @@ def _wait(cond: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
+def _sender(mgr: PrefillManager, room: int, what: str) -> Sender:
+    """The room's sender, created once decode's request is here: a victim process that starts
+    slowly (a loaded machine) must not use up the sender's bootstrap_timeout."""
+    _wait(lambda: mgr.requested(room), 30.0, what)
+    return Sender(mgr, room)
+
+
 def _rooms(child: Any, n: int, timeout: float) -> list[dict[str, Any]]:
     """The first ``n`` per-room JSON lines a victim printed (waiting for them)."""
     def lines() -> list[dict[str, Any]]:
@@ -208,7 +215,7 @@ def _decode_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Call
         big = phase == "mid-transfer"
         n = sizes(sc, big)
         victim = child("decode", server.address, gap=3.0 if phase == "between" else 0.0, big=big)
-        sender = Sender(mgr, reqs[0].room)
+        sender = _sender(mgr, reqs[0].room, "decode's request")
         _wait(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "decode's request")
         if phase == "between":
             sender.send(source_pages(n[0]), last=True)
@@ -235,7 +242,7 @@ def _decode_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Call
                 (room,) = _rooms(victim, 1, 30.0)
                 cell.late_pages = room["late_pages"]
             # The resumed decode's next room: a new sender on this side, served in full.
-            nxt = Sender(mgr, reqs[1].room)
+            nxt = _sender(mgr, reqs[1].room, "the resumed decode's next request")
             _wait(lambda: nxt.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "the resumed decode's next request")
             nxt.send(source_pages(n[1]), last=True)
             _wait(lambda: nxt.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the resumed decode's next room")
@@ -250,7 +257,7 @@ def _decode_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Call
 def _serve_fresh_decode(mgr: PrefillManager, sc: Scenario, address: str, child: Callable[..., Any]) -> bool:
     fresh = child("decode", address)
     req = schedule(sc)[0]  # the fresh decode runs the same schedule: serve its first room
-    sender = Sender(mgr, req.room)
+    sender = _sender(mgr, req.room, "the fresh decode's request")
     _wait(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "the fresh decode's request")
     sender.send(source_pages(sizes(sc, False)[0]), last=True)
     _wait(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh decode's room")
