@@ -28,7 +28,7 @@ python3 -m kvbridge.cli bench transfer --device cuda --json "$@" > "$OUT/bench.j
 tail -30 "$OUT/bench.txt"
 python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 | tee "$OUT/demo.txt" | tail -25 || rc=1
 # Layer-wise sending on the GPU: the synthetic model (a GPU kernel per layer, ready= CUDA events), the demo's
-# tiny model, and the demo both ways (its --layerwise default is off because on CPU it loses; see here).
+# tiny model, and the demo both ways (is the --layerwise default right on a GPU?).
 export COLUMNS=${COLUMNS:-200}
 { python3 -m kvbridge.cli bench layerwise --device cuda && python3 -m kvbridge.cli bench layerwise --device cuda --model tiny; } \
   > "$OUT/layerwise.txt" 2>&1 || rc=1

@@ -64,10 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the MTP draft head (its caches move too) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the weights and the prompts (default: %(default)s)")
-    parser.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill sends each layer as the model computes it, hiding the transfer behind "
-                             "compute, instead of each chunk once computed; off by default: on a CPU-only "
-                             "machine the extra writes cost more compute than they hide (default: %(default)s)")
+                             "compute; --no-layerwise sends each chunk once computed (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON document (progress still goes to stderr)")
     parser.add_argument("--inject-fault", help=argparse.SUPPRESS)  # tests: passed on to the decode server
     add_transfer_args(parser)

@@ -15,7 +15,7 @@ Where kvbridge comes in (the parts a host server copies):
   makes its manager: ``PrefillManager`` (registered with the bootstrap server
   that prefill rank 0 runs) or ``DecodeManager``;
 - **prefill** (:class:`PrefillServer`): a ``Sender`` per request and rank;
-  chunked prefill. With ``--layerwise`` a chunk is sent with
+  chunked prefill. With ``--layerwise`` (the default) a chunk is sent with
   ``send(..., layerwise=True)`` before it is computed and each layer is
   announced (``layer_ready``) as the model has written its caches, so the
   transfer runs during compute; the chunk's last layer is announced only
@@ -100,9 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=_positive, default=16, help="requests held at once (default: 16)")
     parser.add_argument("--draft", action=argparse.BooleanOptionalAction, default=True, help="run the MTP draft head")
     parser.add_argument("--seed", type=int, default=0, help="model weights seed; both servers must agree (default: 0)")
-    parser.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill: send each layer of a chunk as it is computed, not the chunk once computed "
-                             "(default: off)")
+                             "(default: on)")
     # Tests only: damage what arrived for the first requests (one fault each), to prove the token check notices.
     parser.add_argument("--inject-fault", type=_faults, default=[], help=argparse.SUPPRESS)
     add_transfer_args(parser)
@@ -382,10 +382,7 @@ class PrefillServer(RankServer):
 
     def step(self) -> None:
         self.admit()
-        self._compute_one_chunk()
-        # The same list on every rank (the collectives below need it): whether a rank sent a chunk
-        # layer-wise or still holds it unsent depends on when decode's lists reached that rank.
-        jobs = [j for j in self.jobs.values() if j.chunks]
+        jobs = list(self.jobs.values())  # the same on every rank, as the collectives below need
         states = self.control.min([int(j.sender.poll()) for j in jobs])
         done = [j for j, state in zip(jobs, states) if state == Poll.SUCCESS and j.last_sent_at is not None]
         # Transfer latency: the last chunk handed to kvbridge -> the room done, on the slowest rank.
@@ -397,10 +394,20 @@ class PrefillServer(RankServer):
                 self.finish(job, False, job.sender.failure() or "failed on another TP rank")
             elif state >= Poll.WAITING_FOR_INPUT and job.unsent:
                 self._send(job)
+        self._compute_one_chunk({j.room: Poll(state) for j, state in zip(jobs, states)})
 
-    def _compute_one_chunk(self) -> None:
-        """One chunk of the oldest request still computing: sent layer-wise as it computes, or joining the unsent."""
-        job = next((j for j in self.jobs.values() if j.computed_at is None), None)
+    def _compute_one_chunk(self, states: dict[int, Poll]) -> None:
+        """One chunk of a request still computing (``states``: each room's poll(), min over the ranks).
+
+        Layer-wise, the oldest request whose decode lists every rank has goes first, and its chunk is
+        sent before it is computed, its layers announced as they are; if no request has them yet, the
+        oldest computes rather than leave the model idle, and its chunk waits in ``unsent`` to go whole.
+        The choice rests on min-reduced states only: every rank computes the same chunk the same way.
+        """
+        computing = [j for j in self.jobs.values() if j.computed_at is None and j.room in states]
+        ready = [j for j in computing if states[j.room] in (Poll.WAITING_FOR_INPUT, Poll.TRANSFERRING)]
+        streaming = bool(self.args.layerwise and ready)
+        job = ready[0] if streaming else computing[0] if computing else None
         if job is None:
             return
         assert job.compute is not None and job.seq is not None and job.sender is not None and job.announcer is not None
@@ -408,11 +415,8 @@ class PrefillServer(RankServer):
         start, end = job.next_start, min(len(job.prompt), job.next_start + self.args.chunk_size)
         last = end == len(job.prompt)
         pages = job.seq.pages[start // P: -(-end // P) if last else end // P]
-        # Layer-wise only once decode's destination lists are in (the room is past BOOTSTRAPPING);
-        # a chunk computed before goes whole, after the chunks before it, once they arrive.
-        streaming = self.args.layerwise and job.sender.poll() in (Poll.WAITING_FOR_INPUT, Poll.TRANSFERRING)
         if streaming:
-            self._send(job)
+            self._send(job)  # chunks computed before decode's lists arrived go first, whole
             state = self.caches.transfer_indices(job.seq, len(job.prompt))[1] if last else None
             job.sender.send(pages, state_indices=state, last=last, layerwise=True)
             job.announcer.start(job.sender)
