@@ -3,7 +3,7 @@
 #
 # Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
-# Writes gpu-tests.log, kernel.{txt,json}, bench.{txt,json} and demo.txt to $OUT (default ./gpu-out).
+# Writes gpu-tests.log, kernel.{txt,json}, bench.{txt,json}, layerwise.txt and demo.txt to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several tile sizes and warp counts for the copy kernel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +28,15 @@ tail -20 "$OUT/kernel.txt"
 python3 -m kvbridge.cli bench transfer --device cuda --json "$@" > "$OUT/bench.json" 2> "$OUT/bench.txt" || rc=1
 tail -30 "$OUT/bench.txt"
 python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 | tee "$OUT/demo.txt" | tail -25 || rc=1
+# Layer-wise sending on the GPU: the synthetic model (a GPU kernel per layer, ready= CUDA events), the demo's
+# tiny model, and the demo both ways (is the --layerwise default right on a GPU?).
+export COLUMNS=${COLUMNS:-200}
+{ python3 -m kvbridge.cli bench layerwise --device cuda && python3 -m kvbridge.cli bench layerwise --device cuda --model tiny; } \
+  > "$OUT/layerwise.txt" 2>&1 || rc=1
+tail -12 "$OUT/layerwise.txt"
+for lw in --layerwise --no-layerwise; do
+  python3 -m kvbridge.cli demo --device cuda --requests 32 --concurrency 1 $lw 2>&1 | tee -a "$OUT/demo.txt" | tail -25 || rc=1
+done
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   python3 -m kvbridge.cli bench transfer --device cuda --decode-gpu 1 --page-kib 16 64 --total-mib 1024 --json \
     > "$OUT/bench-2gpu.json" 2> "$OUT/bench-2gpu.txt" || rc=1

@@ -120,3 +120,31 @@ def test_bench_layerwise_moves_verified_requests_both_ways_and_reports_ratios():
         assert r["exposed_ratio"] == r["exposed_layerwise_ms"] / r["exposed_chunk_ms"]
         assert r["ttft_chunk_ms"] >= r["exposed_chunk_ms"] > 0
     assert rows[1]["regime"] == "compute-bound" and rows[1]["ttft_chunk_ms"] >= 40  # two 20 ms layers
+    for r in rows:  # the throughput comparison: the pairs' median ratio inside their interquartile range
+        assert r["throughput_ratio_p25"] <= r["throughput_ratio"] <= r["throughput_ratio_p75"]
+        assert r["target_met"] in ("yes", "no", "noise") and r["reps"] == 1
+
+
+def test_bench_layerwise_with_the_demos_tiny_model_decodes_the_first_tokens_from_what_arrived():
+    # One prompt of 40 tokens in chunks of 16 (three chunks, the last partial), one timed pair.
+    out = kvb("bench", "layerwise", "--model", "tiny", "--transfer-backend", "memory", "--prompt-tokens", "40",
+              "--chunk-size", "16", "--reps", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["model"] == "tiny" and row["prompt_tokens"] == 40 and row["layers"] == 6  # 5 + the draft head's
+    assert row["verified"] and row["ttft_chunk_ms"] >= row["exposed_chunk_ms"] > 0
+    assert row["exposed_ratio"] == row["exposed_layerwise_ms"] / row["exposed_chunk_ms"]
+
+
+def test_bench_layerwise_on_cuda_without_a_gpu_is_a_usage_error_naming_the_device(capsys):
+    import torch
+
+    from kvbridge.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "layerwise", "--device", "cuda", "--transfer-backend", "memory"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("usage: kvbridge bench layerwise")
+    assert "argument --device: cuda was asked for but torch sees no CUDA device" in err

@@ -39,7 +39,8 @@ def demo_json(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 @pytest.mark.parametrize("backend", [*ENGINES, "memory"])
 def test_disaggregated_generation_equals_colocated(backend):
-    out, s = demo_json("--transfer-backend", backend, "--prefill-tp", "2", "--decode-tp", "1")
+    out, s = demo_json("--transfer-backend", backend, "--prefill-tp", "2", "--decode-tp", "1", "--layerwise",
+                       "--concurrency", "1")
     assert out.returncode == 0, json.dumps(s, indent=1)[-3000:] + out.stderr[-2000:]
     assert s["result"] == "PASS" and s["token_check"] == "PASS" and s["succeeded"] == 3
     assert s["generated_tokens"] == 3 * 8 and s["draft_guesses_checked"] == 3 * 8
@@ -47,6 +48,9 @@ def test_disaggregated_generation_equals_colocated(backend):
     assert s["bytes"] == sum(s["bytes_by_state"].values()) > 0
     assert s["transfer_GBps"] > 0 and 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"]
     assert 0 < s["transfer_latency_p50_ms"] <= s["transfer_latency_p99_ms"]
+    # Layer-wise, except chunks computed before decode's lists arrived (the first request's, while the
+    # decode server's first handshake runs, at least); one request at a time, the 2nd and 3rd stream.
+    assert s["layerwise"] and 0 < s["layerwise_chunks"] < s["chunks"]
     assert "demo: 3/3 requests, 0 failed" in out.stderr  # with --json too, progress goes to stderr
 
 
@@ -56,11 +60,13 @@ def test_heterogeneous_tp_1_to_2_with_the_draft_head():
     assert s["draft_guesses_checked"] == 3 * 8
 
 
-def test_heterogeneous_tp_1_to_2_without_the_draft_head_prints_the_table():
-    out = demo("--transfer-backend", "memory", "--prefill-tp", "1", "--decode-tp", "2", "--no-draft", *SMALL)
+def test_heterogeneous_tp_1_to_2_without_the_draft_head_or_layerwise_sending_prints_the_table():
+    out = demo("--transfer-backend", "memory", "--prefill-tp", "1", "--decode-tp", "2", "--no-draft", "--no-layerwise",
+               *SMALL)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "demo: 3/3 requests, 0 failed" in out.stderr  # progress: a line per quarter when not on a terminal
     assert "prefill TP 1 -> decode TP 2, cpu, no draft head" in out.stdout
+    assert any("layer-wise chunks" in line and "off:" in line for line in out.stdout.splitlines())
     for row in ("bytes mamba", "bytes dsv4_c4", "transfer rate", "TTFT p50 / p99", "token check", "PASS: 3 / 3"):
         assert row in out.stdout
 
@@ -165,7 +171,7 @@ def test_demo_on_cuda():
 def _args(**kw):
     import argparse
 
-    return argparse.Namespace(**{"prefill_tp": 2, "decode_tp": 1, "device": "cpu", "draft": True, **kw})
+    return argparse.Namespace(**{"prefill_tp": 2, "decode_tp": 1, "device": "cpu", "draft": True, "layerwise": True, **kw})
 
 
 def _cfg():

@@ -95,3 +95,40 @@ def test_prefill_and_decode_caches_pair_across_tp(prefill_tp, decode_tp):
         for d in range(decode_tp):
             route = pair_layouts(src, Caches(CFG, TP(d, decode_tp), "cpu", "decode", sizes).kvargs())
             assert {"kv_page", "swa_page", "slot", "c4_token", "c128_slot", "metadata_row"} >= set(route.spaces)
+
+
+def test_layers_are_announced_as_the_model_writes_them_and_the_chunks_last_only_by_finish():
+    """The prefill server's layer-wise send: ``Announcer`` hears each layer from ``prefill_chunks`` once
+    that layer's caches hold the chunk, and holds the chunk's last layer back until ``finish()`` (the
+    host fills the metadata row in between: kvbridge writes it once every layer is announced)."""
+    from kvbridge.demo.model import DRAFT_LAYER
+    from kvbridge.demo.server import Announcer
+
+    model = Model(CFG)
+    caches = Caches(CFG, TP(), "cpu", "prefill", Sizes(pages=40, slots=2))
+    prompt = PROMPTS[2]  # 150 tokens: chunks of 64, 64, 22
+    s = caches.alloc(0, len(prompt))
+    kv = {FULL: caches.k[FULL], SPARSE: caches.k[SPARSE], DRAFT_LAYER: caches.draft_k}
+    end = 0
+    calls = []
+
+    class Recorder:  # stands in for a Sender: what was announced, and which KV caches held the chunk then
+        layers = tuple((layer, False) for layer in sorted(LAYERS.values())) + ((DRAFT_LAYER, True),)
+
+        def layer_ready(self, layers, draft=False, ready=None):
+            slot = int(s.kv_slots(torch.tensor([end - 1]))[0])
+            held = {layer for layer, buf in kv.items() if buf[slot // CFG.page_size, :, slot % CFG.page_size].any()}
+            calls.append((list(layers) if not isinstance(layers, int) else [layers], draft, held))
+
+    announcer = Announcer(torch.device("cpu"))
+    chunks = prefill_chunks(model, caches, s, prompt, 64, on_layer=announcer)
+    for start in range(0, len(prompt), 64):
+        end = min(len(prompt), start + 64)
+        announcer.start(Recorder())
+        next(chunks)
+        assert [c[0] for c in calls] == [[0], [1], [2], [3], [4]]  # the draft layer, computed, is held back
+        announcer.finish()
+        assert calls == [([0], False, {FULL}), ([1], False, {FULL}), ([2], False, {FULL}), ([3], False, {FULL, SPARSE}),
+                         ([4], False, {FULL, SPARSE}), ([DRAFT_LAYER], True, {FULL, SPARSE, DRAFT_LAYER})]
+        calls.clear()
+    assert s.first != (-1, -1) and next(chunks, None) is None and calls == []  # nothing announced between chunks

@@ -200,3 +200,20 @@ class TestGpuEndToEnd(BackendHarness):
         spec = self.hybrid_spec(prefill_tp=2, decode_tp=1, layout="nhd", draft=True, device="cuda", gpu_fast_path=fast,
                                 pages=256, max_request_pages=64, head_dim=64, layerwise=True)
         all_succeeded(*self.run_hybrid(children, spec)[:2])
+
+
+@pytest.mark.skipif(not gpu.available(), reason="needs a CUDA device visible to torch; this machine has none")
+def test_layer_ready_with_a_cuda_event_waits_for_the_slow_kernel_before_moving_the_layer():
+    # kvbridge bench layerwise --device cuda, small: the source is zeroed before each request, and each
+    # layer is a 50 ms GPU sleep then a copy writing the layer's pages, on a side stream; layer_ready gets
+    # ready=torch.cuda.Event recorded after them and returns at once. Decode (its own process) checks
+    # every byte: a transfer that did not wait for the event would have moved zeros.
+    from kvbridge.bench import layerwise
+    from kvbridge.testing import available_backends
+
+    backend = next((b for b in ("nixl", "ucx") if b in available_backends()), None)
+    if backend is None:
+        pytest.skip("needs a backend that moves GPU memory (nixl or ucx)")
+    rows = layerwise.run(backend, layerwise.CONFIG, layerwise.Shape(layers=3, pages=4), [50.0], reps=1, device="cuda")
+    assert rows[0]["verified"], rows
+    assert rows[0]["ttft_layerwise_ms"] >= 3 * 50  # the kernels ran before the transfer finished

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import Caches, Seq, Sizes
-from .model import TP, Model, ModelConfig
+from .model import DRAFT_LAYER, TP, Model, ModelConfig
 
 __all__ = ["Output", "prefill_chunks", "decode_step", "colocated"]
 
@@ -30,20 +30,26 @@ class Output:
     draft: list[int] = field(default_factory=list)
 
 
-def prefill_chunks(model: Model, c: Caches, s: Seq, prompt: list[int], chunk: int) -> Iterator[tuple[int, int]]:
+def prefill_chunks(model: Model, c: Caches, s: Seq, prompt: list[int], chunk: int,
+                   on_layer: Callable[[int, bool], None] | None = None) -> Iterator[tuple[int, int]]:
     """Run the prompt ``chunk`` tokens at a time, yielding ``(start, end)`` after each chunk's caches are
-    written. After the last, ``s.first`` holds the first generated token and the draft head's guess."""
+    written. After the last, ``s.first`` holds the first generated token and the draft head's guess.
+    ``on_layer(layer id, draft)`` is called as each layer of a chunk has written its caches (the draft
+    head's layer last, before ``s.first`` is set)."""
     toks = torch.tensor(prompt, device=model.device)
     n = len(prompt)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        hidden, logits = model.forward(c, s, toks[start:end])
+        hidden, logits = model.forward(c, s, toks[start:end],
+                                       None if on_layer is None else lambda layer: on_layer(layer, False))
         if end == n:
             first = int(logits.argmax())
             following = torch.cat([toks[start + 1:end], torch.tensor([first], device=model.device)])
         else:
             following = toks[start + 1:end + 1]
         guess = int(model.draft(c, s, hidden, following).argmax()) if model.cfg.draft else -1
+        if on_layer is not None and model.cfg.draft:
+            on_layer(DRAFT_LAYER, True)
         if end == n:
             s.first = (first, guess)
         yield start, end

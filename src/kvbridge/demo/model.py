@@ -198,9 +198,11 @@ class Model:
 
     # -- the model ----------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, c: Caches, s: Seq, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, c: Caches, s: Seq, tokens: torch.Tensor,
+                on_layer: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``tokens`` (the next ones of request ``s``), write their caches; returns
-        (final hidden states ``[T, hidden]``, logits of the last token)."""
+        (final hidden states ``[T, hidden]``, logits of the last token). ``on_layer(layer id)`` is
+        called as each layer's caches are written (a layer-wise sender announces the layer then)."""
         pos = torch.arange(s.length, s.length + len(tokens), device=self.device)
         h = self.w["embed"][tokens]
         mixers: list[tuple[int, Callable[..., torch.Tensor]]] = [
@@ -210,6 +212,8 @@ class Model:
             # Parallel residual: mixer and MLP read the same input and share one all-reduce.
             x = rms_norm(h)
             h = h + self.tp.all_reduce(mix(c, s, x, pos, layer) + self._mlp(x, f"{layer}."))
+            if on_layer is not None:
+                on_layer(layer)
         s.length += len(tokens)
         h = rms_norm(h)
         return h, h[-1] @ self.w["lm_head"]

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the MTP draft head (its caches move too) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the weights and the prompts (default: %(default)s)")
+    parser.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill sends each layer as the model computes it, hiding the transfer behind "
+                             "compute; --no-layerwise sends each chunk once computed (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON document (progress still goes to stderr)")
     parser.add_argument("--inject-fault", help=argparse.SUPPRESS)  # tests: passed on to the decode server
     add_transfer_args(parser)
@@ -206,6 +209,8 @@ def _server_args(args: argparse.Namespace, cfg: TransferConfig, role: str, tp: i
         out += [flag, repr(seconds)]
     if cfg.strict_index_lengths:
         out.append("--transfer-strict-index-lengths")
+    if role == "prefill":
+        out.append("--layerwise" if args.layerwise else "--no-layerwise")
     if role == "prefill" and cfg.bootstrap:
         out += ["--transfer-bootstrap", cfg.bootstrap]
     if role == "decode" and args.inject_fault:
@@ -330,6 +335,8 @@ def summarize(args: argparse.Namespace, cfg: TransferConfig, results: list[Resul
     total = sum(backend_bytes.values())
     ttft = [1e3 * (r.first_at - r.submitted) for r in ok if r.first_at is not None]
     lat = [r.done["prefill"]["transfer_ms"] for r in ok if r.done["prefill"].get("transfer_ms") is not None]
+    chunks = sum(r.done["prefill"].get("chunks", 0) for r in ok)
+    layerwise_chunks = sum(r.done["prefill"].get("layerwise_chunks", 0) for r in ok)
     return {
         "result": "PASS" if not problems else "FAIL",
         "token_check": "PASS" if not mismatches and len(ok) == len(results) else "FAIL",
@@ -339,6 +346,7 @@ def summarize(args: argparse.Namespace, cfg: TransferConfig, results: list[Resul
         "decode_tp": args.decode_tp,
         "device": args.device,
         "draft": args.draft,
+        "layerwise": args.layerwise,
         "requests": len(results),
         "succeeded": len(ok),
         "prompt_tokens": sum(len(r.prompt) for r in results),
@@ -348,6 +356,8 @@ def summarize(args: argparse.Namespace, cfg: TransferConfig, results: list[Resul
         "bytes": total,
         "transfer_job_s": job_s,
         "transfer_GBps": total / job_s / 1e9 if job_s else None,
+        "chunks": chunks,
+        "layerwise_chunks": layerwise_chunks,
         "transfer_latency_p50_ms": _pct(lat, 0.5),
         "transfer_latency_p99_ms": _pct(lat, 0.99),
         "ttft_p50_ms": _pct(ttft, 0.5),
@@ -388,6 +398,11 @@ def table(s: dict[str, Any]) -> Any:
     rate = s["transfer_GBps"]
     t.add_row("bytes total", f"{s['bytes']:,} in {1e3 * s['transfer_job_s']:.1f} ms of transfer jobs")
     t.add_row("transfer rate", "-" if rate is None else f"{rate:.3f} GB/s (bytes / time transfers ran)")
+    if s["layerwise"]:
+        t.add_row("layer-wise chunks", f"{s['layerwise_chunks']} / {s['chunks']} (the others were computed before "
+                                       "decode's destination lists arrived: sent whole)")
+    else:
+        t.add_row("layer-wise chunks", f"off: {s['chunks']} chunks, each sent once computed")
     t.add_row("transfer latency p50 / p99", f"{ms(s['transfer_latency_p50_ms'])} / {ms(s['transfer_latency_p99_ms'])}")
     t.add_row("TTFT p50 / p99", f"{ms(s['ttft_p50_ms'])} / {ms(s['ttft_p99_ms'])}")
     check = s["token_check"]

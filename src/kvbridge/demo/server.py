@@ -15,9 +15,14 @@ Where kvbridge comes in (the parts a host server copies):
   makes its manager: ``PrefillManager`` (registered with the bootstrap server
   that prefill rank 0 runs) or ``DecodeManager``;
 - **prefill** (:class:`PrefillServer`): a ``Sender`` per request and rank;
-  chunked prefill, each chunk's pages sent as soon as the chunk is computed
-  (once every decode rank's destination lists have arrived); the last chunk
-  carries the state indices, after the metadata row is filled in;
+  chunked prefill. With ``--layerwise`` (the default) a chunk is sent with
+  ``send(..., layerwise=True)`` before it is computed and each layer is
+  announced (``layer_ready``) as the model has written its caches, so the
+  transfer runs during compute; the chunk's last layer is announced only
+  after the metadata row is filled in (last chunk). A chunk computed before
+  decode's destination lists arrived is sent whole once they have, as with
+  ``--no-layerwise``, where each chunk's pages go when the chunk is
+  computed; the last chunk carries the state indices;
 - **decode** (:class:`DecodeServer`): allocate pages and slots, a ``Receiver``
   per request and rank, ``init`` with where everything goes; when every rank
   reports SUCCESS (the metadata row, written last, has landed) it reads the
@@ -64,7 +69,7 @@ from .generate import Output, decode_step, prefill_chunks
 from .model import LAYERS, TP, Model, ModelConfig
 from .ranks import Control
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["Announcer", "add_arguments", "fill_row", "main"]
 
 log = logging.getLogger(__name__)
 FAULTS = ("corrupt-kv-page", "drop-mamba-state")
@@ -95,9 +100,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=_positive, default=16, help="requests held at once (default: 16)")
     parser.add_argument("--draft", action=argparse.BooleanOptionalAction, default=True, help="run the MTP draft head")
     parser.add_argument("--seed", type=int, default=0, help="model weights seed; both servers must agree (default: 0)")
+    parser.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill: send each layer of a chunk as it is computed, not the chunk once computed "
+                             "(default: on)")
     # Tests only: damage what arrived for the first requests (one fault each), to prove the token check notices.
     parser.add_argument("--inject-fault", type=_faults, default=[], help=argparse.SUPPRESS)
     add_transfer_args(parser)
+
+
+# -- layer-wise sending ---------------------------------------------------------------------------
+class Announcer:
+    """``prefill_chunks``' ``on_layer``: announces the layers of a chunk sent with ``send(..., layerwise=True)``
+    (after :meth:`start`) as the model writes each one's caches, except the chunk's last layer, which
+    :meth:`finish` announces once the host has written what must land before it (with the last chunk,
+    the metadata row: kvbridge writes it once every layer is announced). Does nothing between chunks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sender: Sender | None = None
+        self.announced: set[tuple[int, bool]] = set()
+
+    def start(self, sender: Sender) -> None:
+        self.sender, self.announced = sender, set()
+
+    def __call__(self, layer: int, draft: bool) -> None:
+        s = self.sender
+        if s is not None and (layer, draft) in s.layers and (layer, draft) != s.layers[-1]:
+            s.layer_ready(layer, draft=draft, ready=self.ready())
+            self.announced.add((layer, draft))
+
+    def finish(self) -> None:
+        """Announce the rest of the chunk's layers (its last, and any the model did not report)."""
+        s, self.sender = self.sender, None
+        if s is None:
+            return
+        rest = [key for key in s.layers if key not in self.announced]
+        for draft in (False, True):
+            ids = [layer for layer, d in rest if d == draft]
+            if ids:
+                s.layer_ready(ids, draft=draft, ready=self.ready())
+
+    def ready(self) -> Any:
+        """On CUDA, an event after the kernels queued so far (the transfer threads wait on it); on CPU, None."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+def fill_row(caches: Caches, seq: Seq, room: int, prompt_len: int) -> None:
+    """The metadata row kvbridge writes last (the commit point): the first token and the draft head's guess."""
+    first, guess = seq.first
+    row = caches.meta[seq.row]
+    row.zero_()
+    for key, value in (("room", room), ("prompt_len", prompt_len), ("first_token", first), ("draft_token", guess)):
+        row[META[key]] = value
 
 
 # -- jobs -----------------------------------------------------------------------------------------
@@ -112,8 +170,12 @@ class Job:
 @dataclass
 class PrefillJob(Job):
     sender: Sender | None = None
-    chunks: Iterator[tuple[int, int]] | None = None
+    compute: Iterator[tuple[int, int]] | None = None
     unsent: list[tuple[list[int], bool]] = field(default_factory=list)  # (pages, last) computed, not sent yet
+    announcer: Announcer | None = None
+    next_start: int = 0  # the first prompt token of the next chunk to compute
+    chunks: int = 0  # computed so far
+    layerwise_chunks: int = 0
     computed_at: float | None = None
     last_sent_at: float | None = None
     compute_s: float = 0.0
@@ -314,12 +376,13 @@ class PrefillServer(RankServer):
         assert job.seq is not None
         # Decode's destination lists may already be here (kept by the manager) or arrive later.
         job.sender = Sender(self.manager, job.room, metadata_row=job.seq.row)
-        job.chunks = prefill_chunks(self.model, self.caches, job.seq, job.prompt, self.args.chunk_size)
+        job.announcer = Announcer(self.device)
+        job.compute = prefill_chunks(self.model, self.caches, job.seq, job.prompt, self.args.chunk_size,
+                                     on_layer=job.announcer)
 
     def step(self) -> None:
         self.admit()
-        self._compute_one_chunk()
-        jobs = [j for j in self.jobs.values() if j.computed_at is not None or j.unsent]
+        jobs = list(self.jobs.values())  # the same on every rank, as the collectives below need
         states = self.control.min([int(j.sender.poll()) for j in jobs])
         done = [j for j, state in zip(jobs, states) if state == Poll.SUCCESS and j.last_sent_at is not None]
         # Transfer latency: the last chunk handed to kvbridge -> the room done, on the slowest rank.
@@ -331,35 +394,58 @@ class PrefillServer(RankServer):
                 self.finish(job, False, job.sender.failure() or "failed on another TP rank")
             elif state >= Poll.WAITING_FOR_INPUT and job.unsent:
                 self._send(job)
+        self._compute_one_chunk({j.room: Poll(state) for j, state in zip(jobs, states)})
 
-    def _compute_one_chunk(self) -> None:
-        """One chunk of the oldest request still computing; its pages join the unsent ones."""
-        job = next((j for j in self.jobs.values() if j.computed_at is None), None)
+    def _compute_one_chunk(self, states: dict[int, Poll]) -> None:
+        """One chunk of a request still computing (``states``: each room's poll(), min over the ranks).
+
+        Layer-wise, the oldest request whose decode lists every rank has goes first, and its chunk is
+        sent before it is computed, its layers announced as they are; if no request has them yet, the
+        oldest computes rather than leave the model idle, and its chunk waits in ``unsent`` to go whole.
+        The choice rests on min-reduced states only: every rank computes the same chunk the same way.
+        """
+        computing = [j for j in self.jobs.values() if j.computed_at is None and j.room in states]
+        ready = [j for j in computing if states[j.room] in (Poll.WAITING_FOR_INPUT, Poll.TRANSFERRING)]
+        streaming = bool(self.args.layerwise and ready)
+        job = ready[0] if streaming else computing[0] if computing else None
         if job is None:
             return
-        assert job.chunks is not None and job.seq is not None
-        t0 = time.monotonic()
-        start, end = next(job.chunks)
-        job.compute_s += time.monotonic() - t0
-        P, last = self.cfg.page_size, end == len(job.prompt)
+        assert job.compute is not None and job.seq is not None and job.sender is not None and job.announcer is not None
+        P = self.cfg.page_size
+        start, end = job.next_start, min(len(job.prompt), job.next_start + self.args.chunk_size)
+        last = end == len(job.prompt)
         pages = job.seq.pages[start // P: -(-end // P) if last else end // P]
-        job.unsent.append((pages, last))
+        if streaming:
+            self._send(job)  # chunks computed before decode's lists arrived go first, whole
+            state = self.caches.transfer_indices(job.seq, len(job.prompt))[1] if last else None
+            job.sender.send(pages, state_indices=state, last=last, layerwise=True)
+            job.announcer.start(job.sender)
+        t0 = time.monotonic()
+        got = next(job.compute)
+        assert got == (start, end), (got, start, end)
+        job.next_start, job.chunks = end, job.chunks + 1
+        if streaming:
+            if last:
+                fill_row(self.caches, job.seq, job.room, len(job.prompt))
+            job.announcer.finish()  # the chunk's last layer, once the row is final
+            job.layerwise_chunks += 1
+            if last:
+                job.last_sent_at = time.monotonic()
+        else:
+            job.unsent.append((pages, last))
+        job.compute_s += time.monotonic() - t0
         if last:
             job.computed_at = time.monotonic()
-            next(job.chunks, None)  # let the generator finish
+            next(job.compute, None)  # let the generator finish
 
     def _send(self, job: PrefillJob) -> None:
+        """Send the chunks computed but not sent yet, each whole."""
         assert job.seq is not None and job.sender is not None
         for pages, last in job.unsent:
             if not last:
                 job.sender.send(pages)
                 continue
-            first, guess = job.seq.first
-            row = self.caches.meta[job.seq.row]
-            row.zero_()
-            for key, value in (("room", job.room), ("prompt_len", len(job.prompt)), ("first_token", first),
-                               ("draft_token", guess)):
-                row[META[key]] = value
+            fill_row(self.caches, job.seq, job.room, len(job.prompt))
             _, state = self.caches.transfer_indices(job.seq, len(job.prompt))
             job.sender.send(pages, state_indices=state, last=True)  # then kvbridge writes the metadata row
             job.last_sent_at = time.monotonic()
@@ -372,6 +458,7 @@ class PrefillServer(RankServer):
         if job.seq is not None:
             self.caches.free(job.seq)
         self.reply({"op": "prefilled", "room": job.room, "ok": ok, "reason": reason, "compute_ms": 1e3 * job.compute_s,
+                    "chunks": job.chunks, "layerwise_chunks": job.layerwise_chunks,
                     # what the transfer added after the last chunk was computed: the latency compute did not hide
                     "transfer_ms": 1e3 * job.transfer_s if job.transfer_s is not None else None}, job.client)
 
