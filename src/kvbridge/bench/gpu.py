@@ -38,7 +38,8 @@ from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
 from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 
-CONFIG = SessionConfig(transfer_timeout=300, waiting_timeout=600, heartbeat_timeout=60, heartbeat_interval=1)
+# The decode child asks for the next room while this side still measures raw NIXL and D2D: keep its request.
+CONFIG = SessionConfig(transfer_timeout=300, waiting_timeout=600, heartbeat_timeout=60, heartbeat_interval=1, sender_grace=600)
 
 
 def cases(page_kib: list[int], total_mib: list[int]) -> list[tuple[int, int, str]]:

@@ -67,7 +67,8 @@ def cases(pages: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     }
 
 
-CONFIG = SessionConfig(transfer_timeout=120, waiting_timeout=300, heartbeat_timeout=30)
+# The decode child may ask for the next room while this side still measures the references: keep its request.
+CONFIG = SessionConfig(transfer_timeout=120, waiting_timeout=300, heartbeat_timeout=30, sender_grace=300)
 
 
 def make_pools(regions: int, pages: int, fill: bool) -> tuple[list[np.ndarray], np.ndarray, KVArgs]:
