@@ -113,6 +113,12 @@ class Transport:
     # -- writes -----------------------------------------------------------------------------
     def batches(self, plan: TransferPlan) -> list[TransferPlan]:
         """``plan`` as the backend will receive it: cut and split within the declared limits (views)."""
+        # A plan within every limit is one batch as it is (most requests: one chunk, one metadata row);
+        # cutting and slicing it cost more than the engine's own write of a few descriptors.
+        if (self._batch_descriptors is None or len(plan) <= self._batch_descriptors) and (
+            self._batch_bytes is None or plan.total_bytes <= self._batch_bytes
+        ):
+            return [plan] if len(plan) else []
         if self._batch_bytes is not None:
             plan = plan.cut(self._batch_bytes)
         return list(plan.batches(self._batch_descriptors, self._batch_bytes))
