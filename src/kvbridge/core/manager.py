@@ -116,7 +116,9 @@ class TransferManager(Generic[R]):
         #: Guards every room and peer table; rooms and workers take it too.
         self.lock = threading.RLock()
         #: Notified whenever one of this manager's rooms changes state (``Room.wait``, ``wait_any``).
-        self.changed = threading.Condition(self.lock)
+        #: Its own lock, not ``lock``: a woken host then runs at once instead of waiting for the
+        #: notifying thread to leave ``lock`` (states only move forward and are read without it).
+        self.changed = threading.Condition(threading.Lock())
         self.rooms: dict[int, R] = {}
         self.closed = False
         self.loop = IOLoop(

@@ -19,6 +19,7 @@ from .metrics import metrics
 from .pairing import Route
 from .plan import Indices, PlanError, TransferPlan
 from .room import Poll, Room
+from .worker import Group
 
 if TYPE_CHECKING:
     from .manager import SessionConfig
@@ -204,7 +205,8 @@ class Sender(Room):
                 self._layered = _LayeredChunk(chunk, last, jobs)
                 return
         for job in jobs:
-            job.peer.worker.submit(functools.partial(self._write_chunk, job, chunk, last))
+            # Grouped: chunks of other rooms queued for this peer meanwhile go out in the same writes.
+            job.peer.worker.submit(Group(_write_chunks, _ChunkWrite(self, job, chunk, last, job.plan)))
 
     @property
     def layers(self) -> tuple[tuple[int, bool], ...]:
@@ -381,18 +383,67 @@ class Sender(Room):
 
     def _write_chunk(self, job: _Job, chunk: int, last: bool, layered: bool = False) -> None:
         """Write the chunk (layer-wise: what had no layer), then (last) the metadata row; then tell the decode rank."""
-        m = self.manager
-        peer = job.peer
-        body = job.layered.group(m.layer_index.tail) if layered and job.layered is not None else job.plan
-        if not self._write(job, [body, job.meta_plan], f"chunk {chunk}"):
-            return
-        # The last chunk's Done says it landed too: no ChunkDone before it (one message, one wake-up
-        # of decode's host fewer per request). Decode is told first; the bookkeeping follows.
-        m.notify(peer, P.Done(room=self.room) if last else P.ChunkDone(room=self.room, chunk=chunk, last=False))
-        if job.totals:  # something was written
-            metrics().transfer(m.backend_name, job.totals, job.seconds)
-        if last:
+        body = job.layered.group(self.manager.layer_index.tail) if layered and job.layered is not None else job.plan
+        _write_chunks([_ChunkWrite(self, job, chunk, last, body)])
+
+
+@dataclass
+class _ChunkWrite:
+    """One room's chunk for one peer: ``body`` (the chunk, or what a layer-wise chunk had without a layer)."""
+
+    sender: Sender
+    job: _Job
+    chunk: int
+    last: bool
+    body: TransferPlan
+
+
+def _write_chunks(writes: list[_ChunkWrite]) -> None:
+    """Chunks queued back to back for one peer (on its worker): every chunk's bytes in one write, then
+    every metadata row in a second (so each row still lands after its pages), then decode is told
+    with one hand-off to the I/O thread.
+
+    With many small requests in flight this is one backend write (and one NIXL request) for many
+    rooms instead of two per room. A failed write fails every room in it.
+    """
+    live = [w for w in writes if w.sender.poll() != Poll.FAILED]
+    if not live:
+        return
+    m = live[0].sender.manager
+    peer = live[0].job.peer
+    start = time.monotonic()
+    deadline = start + m.config.transfer_timeout
+    started = live
+    for w in started:
+        w.sender._busy[peer.peer_id] = start
+    try:
+        for part in ("body", "meta"):
+            plan = TransferPlan.concat(w.body if part == "body" else w.job.meta_plan or TransferPlan.empty() for w in live)
+            if len(plan):
+                m.transport.write(peer.peer_id, plan, deadline)
+            live = [w for w in live if w.sender.poll() != Poll.FAILED]  # aborted or timed out meanwhile
+            if not live:
+                return
+    except Exception as exc:
+        kind = "timeout" if isinstance(exc, TransferTimeout) else "transfer_error"
+        together = f" (written together with {len(live) - 1} other rooms' chunks)" if len(live) > 1 else ""
+        for w in live:
+            m.fail_sender(w.sender, f"transfer of chunk {w.chunk} to {peer.peer_id!r} failed: {exc}{together}", kind)
+        return
+    finally:
+        seconds = time.monotonic() - start
+        for w in started:
+            w.sender._busy.pop(peer.peer_id, None)
+            w.job.seconds += seconds
+    # The last chunk's Done says it landed too: no ChunkDone before it (one message, one wake-up
+    # of decode's host fewer per request). Decode is told first; the bookkeeping follows.
+    m.notify(peer, *(P.Done(room=w.sender.room) if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False)
+                     for w in live))
+    for w in live:
+        if w.job.totals:  # something was written
+            metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
+        if w.last:
             with m.lock:
-                self._unfinished -= 1
-                if self._unfinished == 0:
-                    m.finish(self, Poll.SUCCESS)
+                w.sender._unfinished -= 1
+                if w.sender._unfinished == 0:
+                    m.finish(w.sender, Poll.SUCCESS)
