@@ -194,3 +194,21 @@ def test_a_room_aborted_while_queued_is_left_out_of_the_grouped_write(pair: dict
         assert r.wait(Poll.SUCCESS, WAIT) == want, r.failure()
     assert writes == [2, 2]  # rooms 0 and 2 only: one run of pages each, then their metadata rows
     assert not pair["dst_kv"][4:7].any() and not pair["dst_meta"][1].any()  # nothing of room 1 was written
+
+
+def test_wait_any_returns_at_once_for_a_room_that_moved_since_the_host_last_saw_it(pair: dict[str, Any]) -> None:
+    # The host polled its sender while decode's request was still on the way; the request
+    # arrived before the host called wait_any. With the state it saw, nothing is missed.
+    s = Sender(pair["pm"], 400, metadata_row=0)
+    assert s.poll() == Poll.BOOTSTRAPPING
+    r = Receiver(pair["dm"], 400, bootstrap=pair["bootstrap"])
+    r.init(np.arange(3), metadata_row=0)
+    assert s.wait(Poll.WAITING_FOR_INPUT, WAIT) == Poll.WAITING_FOR_INPUT
+    t0 = time.monotonic()
+    pair["pm"].wait_any([s], 5.0, {s: Poll.BOOTSTRAPPING})
+    assert time.monotonic() - t0 < 1.0
+    # Without it the state now is the baseline: only a further change (or the timeout) ends the wait.
+    t0 = time.monotonic()
+    pair["pm"].wait_any([s], 0.3)
+    assert time.monotonic() - t0 >= 0.3
+    s.abort("done")

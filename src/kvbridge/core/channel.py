@@ -148,7 +148,7 @@ class IOLoop:
         # cannot starve the others or the tick.
         for _ in range(256):
             # Asking first is cheaper than the zmq.Again exception that would end every wake-up.
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
