@@ -97,14 +97,23 @@ def test_parsed_arguments_build_the_session_config():
     args = parser().parse_args([
         "--transfer-backend", "mooncake", "--transfer-option", "protocol=tcp", "--transfer-bootstrap", "10.0.0.5:8998",
         "--transfer-host", "10.0.0.7", "--transfer-timeout", "12.5", "--transfer-heartbeat-interval", "0.5",
-        "--transfer-heartbeat-timeout", "3", "--transfer-strict-index-lengths", "--model", "x",
+        "--transfer-heartbeat-timeout", "3", "--transfer-sender-grace", "2", "--transfer-fence-timeout", "9",
+        "--transfer-strict-index-lengths", "--model", "x",
     ])
     cfg = TransferConfig.from_args(args)
     assert cfg.bootstrap == "10.0.0.5:8998" and args.model == "x"
     assert cfg.session_config() == SessionConfig(
         transfer_timeout=12.5, heartbeat_interval=0.5, heartbeat_timeout=3.0, host="10.0.0.7",
-        backend_options={"protocol": "tcp"}, strict_index_lengths=True,
+        backend_options={"protocol": "tcp"}, strict_index_lengths=True, sender_grace=2.0, fence_timeout=9.0,
     )
+
+
+def test_fence_timeout_defaults_to_none_and_a_mapping_may_say_none():
+    cfg = TransferConfig.from_args(parser().parse_args(["--transfer-backend", "mooncake"]))
+    assert cfg.fence_timeout is None and cfg.session_config().fence_wait == cfg.transfer_timeout + cfg.heartbeat_timeout
+    assert TransferConfig.from_dict({"backend": "mooncake", "fence_timeout": "none"}).fence_timeout is None
+    with pytest.raises(ConfigError, match="fence_timeout must be a number of seconds or none, got 'soon'"):
+        TransferConfig.from_dict({"backend": "mooncake", "fence_timeout": "soon"})
 
 
 def test_unknown_backend_exits_2_listing_installed_backends_and_a_missing_plugin():

@@ -34,7 +34,7 @@ HOSTILE_META = b"127.0.0.1:1"  # engine metadata in Hellos that are refused befo
 
 # -- malformed and wrong-version control messages ------------------------------------------------
 KNOWN_TAGS = ["register", "register_ack", "lookup", "lookup_reply", "hello", "hello_ack", "transfer_request",
-              "chunk_done", "done", "failed", "abort", "heartbeat", "reject"]
+              "chunk_done", "done", "failed", "abort", "fenced", "heartbeat", "reject"]
 ROOMS = st.integers(0, 2**40)
 MSGPACK_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=16) | st.binary(max_size=16),
@@ -182,8 +182,8 @@ class TestControlPlane(BackendHarness):
 
         hostile = raw_clients(prefill.mgr.control_address, "hostile")
         hostile.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency), self.backend, self.backend_options)
-        hostile.send(P.Abort(room=req.room, reason="not mine to abort"))
-        assert isinstance(hostile.ask(P.Heartbeat()), P.Heartbeat)  # the Abort has been handled
+        # Answered (nothing of it is being written for this peer), and nothing else happens.
+        assert hostile.ask(P.Abort(room=req.room, reason="not mine to abort")) == P.Fenced(room=req.room)
 
         prefill.pools.meta[0] = meta_row_for(req.room)
         sender = Sender(prefill.mgr, req.room, metadata_row=0)
@@ -193,6 +193,67 @@ class TestControlPlane(BackendHarness):
         assert sender.poll() == Poll.SUCCESS, sender.failure()
         rc, result = decode.finish()
         assert rc == 0 and result is not None and result["failed"] == []
+
+    def test_a_late_abort_of_a_finished_room_does_not_fail_the_next_sender_of_that_id(
+        self, local_prefill, raw_clients
+    ):
+        sc = self.scenario()
+        prefill = local_prefill(sc)
+        peer = raw_clients(prefill.mgr.control_address, "peer")
+        peer.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency), self.backend, self.backend_options)
+        first = Sender(prefill.mgr, 9)
+        peer.send(P.TransferRequest(room=9, indices={"kv_page": P.pack_indices([0, 1])}, metadata_row=0))
+        wait_until(lambda: first.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "the request")
+        first.abort("the host gave up")
+        # Decode's own Abort crosses prefill's Failed (the replies queued: Failed, Fenced, then its Fenced).
+        assert P.Fenced(room=9) in (peer.ask(P.Abort(room=9, reason="decode gave up too")), peer.ask(P.Heartbeat()))
+        again = Sender(prefill.mgr, 9)  # the same id later (a decode that restarted its counter)
+        assert again.poll() == Poll.BOOTSTRAPPING, again.failure()
+
+    # -- the lease: a slow decode is kept, a stale proof of life is not enough -----------------------
+    def test_a_late_heartbeat_from_a_handshaken_decode_is_answered_and_renews_its_lease(
+        self, local_prefill, raw_clients
+    ):
+        sc = self.scenario(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+        prefill = local_prefill(sc)
+        peer = raw_clients(prefill.mgr.control_address, "slow")
+        peer.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency), self.backend, self.backend_options)
+        first = peer.ask(P.Heartbeat())
+        assert isinstance(first, P.Heartbeat) and first.clock is not None
+        time.sleep(1.5 * sc.heartbeat_timeout)  # late: past heartbeat_timeout, a decode under load
+        late = peer.ask(P.Heartbeat(clock=first.clock))
+        assert isinstance(late, P.Heartbeat), f"a late heartbeat made prefill forget the decode: {late}"
+        assert isinstance(peer.ask(P.Heartbeat(clock=late.clock)), P.Heartbeat)
+        (known,) = prefill.mgr.peers()
+        assert known.lease_until > time.monotonic(), "a heartbeat echoing a fresh clock did not renew the lease"
+
+    def test_heartbeats_echoing_an_old_clock_do_not_keep_a_room_alive_but_the_decode_stays_known(
+        self, local_prefill, raw_clients
+    ):
+        # What a prefill resumed after a freeze finds queued: pings decode sent long ago.
+        sc = self.scenario(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+        prefill = local_prefill(sc)
+        peer = raw_clients(prefill.mgr.control_address, "stale")
+        peer.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency), self.backend, self.backend_options)
+        sender = Sender(prefill.mgr, 7)
+        peer.send(P.TransferRequest(room=7, indices={"kv_page": P.pack_indices([0, 1, 2, 3])}, metadata_row=0))
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "the request")
+        clock = None
+        fresh_until = time.monotonic() + 2.5 * sc.heartbeat_timeout
+        while time.monotonic() < fresh_until:  # fresh echoes: the room stays live
+            reply = peer.ask(P.Heartbeat(clock=clock))
+            assert isinstance(reply, P.Heartbeat)
+            clock = reply.clock
+            time.sleep(sc.heartbeat_interval)
+        assert sender.poll() == Poll.WAITING_FOR_INPUT, sender.failure()
+        t0 = time.monotonic()
+        while sender.poll() != Poll.FAILED and time.monotonic() - t0 < 4 * sc.heartbeat_timeout + self.slack:
+            reply = peer.ask(P.Heartbeat(clock=clock))  # the same old clock, again and again
+            assert isinstance(reply, P.Heartbeat), f"the decode was forgotten: {reply}"
+            time.sleep(sc.heartbeat_interval)
+        assert sender.poll() == Poll.FAILED
+        assert "gave no sign of life" in (sender.failure() or ""), sender.failure()
+        assert time.monotonic() - t0 <= 2 * sc.heartbeat_timeout + self.slack
 
     # -- malformed and wrong-version control messages ---------------------------------------------
     def test_garbage_control_messages_are_refused_and_the_prefill_keeps_serving(

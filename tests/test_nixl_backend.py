@@ -27,7 +27,7 @@ from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout 
 from kvbridge.core.layout import Region  # noqa: E402
 from kvbridge.core.plugins import get_registry  # noqa: E402
 from kvbridge.core.records import OptionError  # noqa: E402
-from kvbridge.core.transport import Transport  # noqa: E402
+from kvbridge.core.transport import FENCE_BATCH_BYTES, Transport  # noqa: E402
 from kvbridge.testing import pair  # noqa: E402
 from kvbridge.testing.pair import SENTINEL, Destination, pattern, pattern_buffers, region, standard_layout  # noqa: E402
 from kvbridge.core.plan import TransferPlan, plan_pages  # noqa: E402
@@ -344,11 +344,13 @@ def test_a_deadline_that_passes_between_requests_stops_the_write_there():
         assert big.stop() == 0
 
 
-def test_the_declared_64_mib_batches_cut_a_larger_descriptor_into_requests_of_that_size(source):
+def test_a_larger_descriptor_is_cut_into_requests_of_core_s_16_mib_fence_bound(source):
+    # nixl declares 64 MiB; core's fence bound (FENCE_BATCH_BYTES) is tighter.
+    assert FENCE_BATCH_BYTES == 16 << 20
     one_gib = TransferPlan(np.array([0], np.int64), np.array([1 << 40], np.int64), np.array([1 << 30], np.int64))
     batches = Transport(source.backends["descs"], "nixl").batches(one_gib)  # split only, never written
-    assert [b.total_bytes for b in batches] == [64 << 20] * 16
-    assert [int(b.src_addr[0]) for b in batches] == [i * (64 << 20) for i in range(16)]
+    assert [b.total_bytes for b in batches] == [16 << 20] * 64
+    assert [int(b.src_addr[0]) for b in batches] == [i * (16 << 20) for i in range(64)]
 
 
 def test_close_is_idempotent_and_later_writes_fail():

@@ -12,6 +12,7 @@ prefill and decode processes moving bytes through ``memory``
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class TestCorePolicy(BackendHarness):
 
     @pytest.mark.parametrize("prefill_tp", [1, 2])
     def test_prefill_pp2_stages_send_their_layers_into_decode_pp1(self, children: Callable[..., Child], prefill_tp: int) -> None:
+        # The prefill host passes every rank every state list: core routes each stage its own.
         spec = self.hybrid_spec(prefill_pp=2, prefill_tp=prefill_tp, decode_tp=1)
         all_succeeded(*self.run_hybrid(children, spec)[:2])
 
@@ -83,6 +85,29 @@ class TestCorePolicy(BackendHarness):
                 assert states[0][0] == "FAILED" and "strict_index_lengths is set" in states[0][1]
         assert decode["mismatches"] == []  # nothing outside the failed rooms' own items was touched
 
+    def test_strict_on_decode_alone_makes_a_page_indexed_mismatch_an_error_on_both_sides(
+        self, children: Callable[..., Child]
+    ) -> None:
+        # Negotiated: decode's strict_index_lengths travels in its request (issue 13, finding 5).
+        spec = self.hybrid_spec(extra_swa_pages=1, decode_strict=True, requests=2)
+        prefill, decode, _ = self.run_hybrid(children, spec)
+        for side in (prefill, decode):
+            for states in side["rooms"].values():
+                assert states[0][0] == "FAILED" and "strict_index_lengths is set on decode" in states[0][1], states
+        assert decode["mismatches"] == []
+
+    def test_a_state_list_decode_allocated_and_prefill_omitted_fails_the_room_on_both_sides(
+        self, children: Callable[..., Child]
+    ) -> None:
+        # Decode allocated a Mamba slot; the prefill host passed no slot list. Before: SUCCESS
+        # on both sides, and the slot kept stale bytes (issue 13, finding 5).
+        prefill, decode, _ = self.run_hybrid(children, self.hybrid_spec(omit_state=["slot"], requests=2))
+        for side in (prefill, decode):
+            for states in side["rooms"].values():
+                assert states[0][0] == "FAILED", states
+                assert "allocated 1 'slot' indices but prefill passed no 'slot' list" in states[0][1], states
+        assert decode["mismatches"] == []
+
     def test_slot_indexed_mismatch_is_an_error_on_both_sides(self, children: Callable[..., Child]) -> None:
         prefill, decode, _ = self.run_hybrid(children, self.hybrid_spec(extra_slots=1, requests=2, prefill_tp=2, decode_tp=2))
         for side in (prefill, decode):
@@ -92,7 +117,7 @@ class TestCorePolicy(BackendHarness):
         assert decode["mismatches"] == []
 
 
-    def test_prefill_killed_fails_the_waiting_receiver_within_the_heartbeat_timeout(
+    def test_prefill_killed_fails_the_waiting_receiver_after_the_heartbeat_and_fence_timeouts(
         self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
     ) -> None:
         sc = self.scenario(requests=1, bootstrap_timeout=30.0)  # the holder keeps its sender open
@@ -105,9 +130,13 @@ class TestCorePolicy(BackendHarness):
         time.sleep(3 * sc.heartbeat_interval)  # heartbeats are flowing
 
         holder.kill()
-        bound = sc.heartbeat_timeout + self.slack
+        # A silent prefill cannot confirm it stopped writing: decode waits the fence timeout
+        # too before it reports FAILED (and hands the pages back).
+        fence = sc.session_config().fence_wait
+        bound = sc.heartbeat_timeout + fence + self.slack
         elapsed = wait_until(finished(recv), bound, "receiver after the prefill was killed")
         assert recv.poll() == Poll.FAILED
+        assert elapsed >= fence
         assert re.fullmatch(
             rf"prefill tp0/pp0 at 127\.0\.0\.1:\d+ sent nothing for \d+\.\ds \(heartbeat_timeout={sc.heartbeat_timeout}s\)",
             recv.failure() or "",
@@ -117,7 +146,7 @@ class TestCorePolicy(BackendHarness):
 
     # -- 5. destinations outside the registered memory -----------------------------------------------
     @pytest.mark.parametrize("bad", ["past-the-end", "negative"])
-    def test_receiver_init_with_a_page_outside_the_pool_fails_at_once_and_sends_nothing(
+    def test_receiver_init_with_a_page_outside_the_pool_fails_at_once_and_fails_the_prefill_sender_at_once(
         self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child], bad: str
     ) -> None:
         sc = self.scenario(requests=1)
@@ -137,22 +166,13 @@ class TestCorePolicy(BackendHarness):
             f"(valid range is 0..{sc.decode_pages - 1})"
         )
 
-        # Prefill takes one request per room (a bad one would have failed its sender), so this
-        # retry can only succeed if nothing was sent for the failed receiver.
-        retry = Receiver(decode.mgr, req.room, bootstrap=prefill.bootstrap)
-        dst = np.arange(n) + 7
-        retry.init(dst, metadata_row=0)
-        wait_until(finished(retry), self.scaled(10.0), "retry")
-        assert retry.poll() == Poll.SUCCESS, retry.failure()
-        words = sc.page_nbytes // 4
-        for e, got in enumerate(decode.pools.kv):
-            expected = np.full_like(got, SENTINEL)
-            expected[dst] = pattern(e, np.asarray(req.src_pages), words)
-            np.testing.assert_array_equal(got, expected, err_msg=f"region {e}")
-        np.testing.assert_array_equal(decode.pools.meta[0], meta_row_for(req.room))
-        assert (decode.pools.meta[1:] == SENTINEL).all()
-        rc, result = prefill.finish()
-        assert rc == 0 and result == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
+        # Nothing was sent but an Abort: prefill's sender, waiting for the request, fails at
+        # once with decode's reason (not a bad request, not its bootstrap_timeout).
+        rc, result = prefill.finish(self.scaled(sc.bootstrap_timeout / 2))
+        assert rc == 1 and result is not None and result["failed"] == 1
+        assert f"room {req.room} FAILED: aborted by decode: decode init failed: {recv.failure()}\n" in prefill.stderr()
+        assert all_sentinel(decode.pools)
+        assert decode.mgr.active_rooms() == 0
 
     @pytest.mark.parametrize("sender_first", [True, False], ids=["sender-created", "no-sender-yet"])
     def test_hostile_request_for_a_page_outside_the_pool_gets_failed_and_moves_no_bytes(
@@ -184,6 +204,25 @@ class TestCorePolicy(BackendHarness):
         self.serve_a_fresh_decode(prefill, children, self.scenario(seed=1))
         assert all_sentinel(claimed)
 
+    def test_a_request_for_a_room_without_a_sender_fails_decode_promptly_after_the_sender_grace(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # Before: prefill dropped the request after bootstrap_timeout without a word and
+        # decode waited its waiting_timeout (issue 13, finding 4).
+        sc = self.scenario(requests=1)
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc, config=dataclasses.replace(sc.session_config(), sender_grace=1.0))
+        t0 = time.monotonic()
+        decode = children("decode", sc, bootstrap=prefill.address)  # the host never creates a sender
+        rc, result = decode.finish(self.scaled(sc.waiting_timeout / 2))
+        assert time.monotonic() - t0 < self.scaled(START_WAIT)  # handshake + grace, not waiting_timeout
+        assert rc == 1 and result is not None
+        assert result["failed"] == [{"room": req.room, "reason": (
+            f"prefill tp0/pp0 at {prefill.mgr.control_address}: no sender was created for room {req.room} "
+            "within sender_grace=1.0s of decode's request")}]
+        assert result["mismatched_regions"] == 0
+        assert prefill.mgr.active_rooms() == 0
+
     # -- 6. aborts -----------------------------------------------------------------------------------
     def test_receiver_abort_fails_the_waiting_sender_with_aborted_by_decode(
         self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
@@ -198,6 +237,8 @@ class TestCorePolicy(BackendHarness):
         time.sleep(0.3)  # the request reaches the holder's sender, which then waits
 
         recv.abort("the user cancelled the request")
+        # FAILED once the holder confirmed it stopped (one round trip), long before the fence timeout.
+        wait_until(finished(recv), sc.session_config().fence_wait / 2, "receiver fenced by the holder")
         assert recv.poll() == Poll.FAILED and recv.failure() == "the user cancelled the request"
         assert decode.mgr.active_rooms() == 0
         rc, result = holder.finish()

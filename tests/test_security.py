@@ -149,7 +149,8 @@ class TestSecurity(BackendHarness):
         sealed = victim.chan.auth.seal(P.encode(P.Abort(room=7, reason="x")), prefill.mgr.control_address.encode(),
                                        victim.chan._sealer)
         victim.send_raw(sealed, seal=False)
-        assert isinstance(victim.ask(P.Heartbeat()), P.Heartbeat)  # the original was handled
+        assert isinstance(victim.reply(), P.Fenced)  # the original was handled: every Abort is answered
+        assert isinstance(victim.ask(P.Heartbeat()), P.Heartbeat)
         before = rejected("prefill", "replayed")
         replayer = raw_clients(prefill.mgr.control_address, "replayer")
         replayer.send_raw(sealed, seal=False)

@@ -130,9 +130,9 @@ def _count_writes(pm: PrefillManager) -> list[int]:
     seen: list[int] = []
     real = pm.transport.write
 
-    def write(peer: str, plan: Any, deadline: float) -> None:
+    def write(peer: str, plan: Any, deadline: float, live: Any = None) -> None:
         seen.append(len(plan))
-        real(peer, plan, deadline)
+        real(peer, plan, deadline, live)
 
     pm.transport.write = write  # type: ignore[method-assign]
     return seen
@@ -194,6 +194,41 @@ def test_a_room_aborted_while_queued_is_left_out_of_the_grouped_write(pair: dict
         assert r.wait(Poll.SUCCESS, WAIT) == want, r.failure()
     assert writes == [2, 2]  # rooms 0 and 2 only: one run of pages each, then their metadata rows
     assert not pair["dst_kv"][4:7].any() and not pair["dst_meta"][1].any()  # nothing of room 1 was written
+
+
+def test_a_room_aborted_during_a_grouped_write_gets_no_further_batch_and_the_others_succeed(pair: dict[str, Any]) -> None:
+    # The fence stays per room in a grouped write: once room 1 is aborted, no batch that carries
+    # its descriptors starts; the write is redone for rooms 0 and 2, which still succeed byte-exact.
+    pm = pair["pm"]
+    rooms = _rooms(pair, 3, first=500)
+    (peer,) = pm.peers()
+    pm.transport._batch_descriptors = 1  # one room's pages per batch (each room's pages are one run)
+    real = pm.transport.backend.write
+    posted: list[np.ndarray] = []
+
+    def write(peer_id: str, batch: Any, deadline: float) -> None:
+        if not posted:
+            rooms[1][0].abort("host gave up")  # while the group's first batch (room 0) is in flight
+        posted.append(np.array(batch.dst_addr))
+        real(peer_id, batch, deadline)
+
+    pm.transport.backend.write = write  # type: ignore[method-assign]
+    release = _held(peer.worker)
+    for i, (s, _) in enumerate(rooms):
+        s.send(np.arange(3 * i, 3 * i + 3), last=True)
+    release.set()
+    for k, (s, r) in enumerate(rooms):
+        want = Poll.FAILED if k == 1 else Poll.SUCCESS
+        assert r.wait(Poll.SUCCESS, WAIT) == want, r.failure()
+        assert s.wait(Poll.SUCCESS, WAIT) == want, s.failure()
+    assert "host gave up" in (rooms[1][1].failure() or "")
+    kv = pair["dst_kv"]
+    room1 = (kv[4:7].ctypes.data, kv[7:].ctypes.data)
+    assert not any(((a >= room1[0]) & (a < room1[1])).any() for a in posted), "a batch of room 1 started after its abort"
+    assert not kv[4:7].any() and not pair["dst_meta"][1].any()
+    for i in (0, 2):
+        np.testing.assert_array_equal(kv[4 * i:4 * i + 3], pair["src_kv"][3 * i:3 * i + 3])
+        np.testing.assert_array_equal(pair["dst_meta"][i], pair["src_meta"][i])
 
 
 def test_wait_any_returns_at_once_for_a_room_that_moved_since_the_host_last_saw_it(pair: dict[str, Any]) -> None:

@@ -43,7 +43,8 @@ __all__ = [
 ]
 
 _SESSION = SessionConfig()
-_TIMEOUTS = ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "heartbeat_timeout")
+_TIMEOUTS = ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "heartbeat_timeout",
+             "sender_grace")
 # The command-line flag of each field, for error messages.
 _FLAGS = {
     "backend": "--transfer-backend",
@@ -55,6 +56,8 @@ _FLAGS = {
     "transfer_timeout": "--transfer-timeout",
     "heartbeat_interval": "--transfer-heartbeat-interval",
     "heartbeat_timeout": "--transfer-heartbeat-timeout",
+    "sender_grace": "--transfer-sender-grace",
+    "fence_timeout": "--transfer-fence-timeout",
     "strict_index_lengths": "--transfer-strict-index-lengths",
     "secret_file": "--transfer-secret-file",
 }
@@ -124,6 +127,9 @@ class TransferConfig:
     transfer_timeout: float = _SESSION.transfer_timeout
     heartbeat_interval: float = _SESSION.heartbeat_interval
     heartbeat_timeout: float = _SESSION.heartbeat_timeout
+    sender_grace: float = _SESSION.sender_grace
+    #: None: ``transfer_timeout + heartbeat_timeout`` (see SessionConfig.fence_timeout).
+    fence_timeout: float | None = _SESSION.fence_timeout
     strict_index_lengths: bool = _SESSION.strict_index_lengths
     #: A file holding the secret that authenticates control messages (docs/security.md);
     #: unset: ``$KVBRIDGE_SECRET_FILE`` or ``$KVBRIDGE_SECRET``. The secret itself is never a setting.
@@ -163,6 +169,11 @@ class TransferConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{name} must be a number of seconds, got {value!r}", name)
             object.__setattr__(self, name, float(value))
+        if self.fence_timeout is not None:
+            if isinstance(self.fence_timeout, bool) or not isinstance(self.fence_timeout, (int, float)):
+                raise ConfigError(f"fence_timeout must be a number of seconds or None, got {self.fence_timeout!r}",
+                                  "fence_timeout")
+            object.__setattr__(self, "fence_timeout", float(self.fence_timeout))
         try:
             self.session_config()
         except ValueError as exc:
@@ -204,6 +215,12 @@ class TransferConfig:
                     values[name] = float(values[name])
                 except ValueError:
                     raise ConfigError(f"{name} must be a number of seconds, got {values[name]!r}", name) from None
+        if isinstance(values.get("fence_timeout"), str):
+            text = values["fence_timeout"].strip()
+            try:
+                values["fence_timeout"] = None if text.lower() in ("", "none", "default") else float(text)
+            except ValueError:
+                raise ConfigError(f"fence_timeout must be a number of seconds or none, got {text!r}", "fence_timeout") from None
         if isinstance(values.get("strict_index_lengths"), str):
             text = values["strict_index_lengths"].strip().lower()
             if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
@@ -248,6 +265,8 @@ _ARG_DESTS = {
     "transfer_timeout": "transfer_timeout",
     "heartbeat_interval": "transfer_heartbeat_interval",
     "heartbeat_timeout": "transfer_heartbeat_timeout",
+    "sender_grace": "transfer_sender_grace",
+    "fence_timeout": "transfer_fence_timeout",
     "strict_index_lengths": "transfer_strict_index_lengths",
     "secret_file": "transfer_secret_file",
 }
@@ -346,11 +365,17 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         ("transfer_timeout", "one chunk's write"),
         ("heartbeat_interval", "between heartbeats"),
         ("heartbeat_timeout", "silence before a peer is declared dead"),
+        ("sender_grace", "prefill keeps a request whose room has no sender yet, then fails it"),
     ):
         group.add_argument(
             _FLAGS[name], dest=_ARG_DESTS[name], type=_seconds_type, default=getattr(_SESSION, name), metavar="SECONDS",
             help=f"{what} (default: {getattr(_SESSION, name):g})",
         )
+    group.add_argument(
+        _FLAGS["fence_timeout"], dest=_ARG_DESTS["fence_timeout"], type=_seconds_type, default=None, metavar="SECONDS",
+        help="decode waits this long for prefill to confirm it stopped writing a given-up room before reporting "
+             "FAILED (default: transfer timeout + heartbeat timeout)",
+    )
     group.add_argument("--transfer-strict-index-lengths", dest="transfer_strict_index_lengths", action="store_true",
                        help="treat every index-length mismatch as an error (default: trim page lists with a warning)")
     group.add_argument("--transfer-secret-file", dest="transfer_secret_file", default=None, metavar="PATH",

@@ -20,6 +20,15 @@ at most one write per peer at a time and never from the host's scheduler
 thread. ``write`` blocks until every byte of the batch has landed at the
 destination or raises; it must return or raise by ``deadline``
 (``time.monotonic()`` seconds), shortening the engine's own timeouts to match.
+Once ``write`` has returned or raised, the engine must have no work left for
+that batch (cancel it, or wait for it): core tells decode a failed room is
+fenced, so decode may hand its pages back to the host, when the room's
+running write has returned. Core checks the room is live before every batch;
+a backend that prepares a request before posting it, or posts a batch as
+several engine requests, calls :func:`may_post` right before each post and
+raises :class:`TransferCancelled` when it says no, so that a process stalled
+(frozen) between the check and the post does not post a room decode has
+given up on.
 
 The destination learns about completion from core's control plane (core
 sends a ``Done`` message after the last write returns), so a backend whose
@@ -29,7 +38,8 @@ engine has native notifications may use them but does not have to.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import contextvars
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -37,7 +47,17 @@ from .layout import Region
 from .plan import TransferPlan
 from .records import BackendCapabilities
 
-__all__ = ["Backend", "BackendConfig", "TransferError", "TransferTimeout"]
+__all__ = ["Backend", "BackendConfig", "TransferCancelled", "TransferError", "TransferTimeout", "may_post"]
+
+#: The live check of the write running on this thread (set by core around ``Backend.write``).
+_live: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("kvbridge_live", default=None)
+
+
+def may_post() -> bool:
+    """Whether the write running on this thread may still post engine work: its room is live
+    and decode's lease valid (core's fence). True outside a write core started."""
+    live = _live.get()
+    return live is None or live()
 
 
 class TransferError(RuntimeError):
@@ -46,6 +66,10 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError):
     """A write did not complete by its deadline."""
+
+
+class TransferCancelled(TransferError):
+    """A write was stopped between batches because its room is no longer live (core's fence)."""
 
 
 @dataclass(frozen=True)

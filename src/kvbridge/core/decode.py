@@ -24,6 +24,7 @@ __all__ = ["DecodeManager", "PrefillServer"]
 log = logging.getLogger(__name__)
 
 LOOKUP_RETRY = 0.2  # seconds between bootstrap lookups while prefill ranks are still registering
+MAX_QUEUED = 1024  # messages kept for a server until its handshake completes
 
 
 class PrefillRank:
@@ -35,6 +36,8 @@ class PrefillRank:
         self.acked = False
         self.last_seen = time.monotonic()
         self.last_ping = 0.0
+        #: The latest clock this rank put in a heartbeat reply: echoed in the next ping (its lease).
+        self.clock: float | None = None
 
     def socket(self) -> Channel | None:
         """The control channel, looked up on the I/O thread when a message goes out."""
@@ -60,6 +63,7 @@ class PrefillServer:
         self.ranks: dict[tuple[int, int], PrefillRank] = {}
         self.ready = False
         self.failed: str | None = None
+        self.queued: list[P.Message] = []  # for every rank once the handshake completes
 
 
 class DecodeManager(TransferManager[Receiver]):
@@ -73,6 +77,8 @@ class DecodeManager(TransferManager[Receiver]):
         self._meta = self.transport.metadata()
         self._local_meta = self.transport.local_metadata()
         self._servers: dict[str, PrefillServer] = {}
+        #: Servers given up on whose sockets stay open while their rooms wait for ``Fenced``.
+        self._retired: list[PrefillServer] = []
         self.loop.start()
 
     # -- for receivers -----------------------------------------------------------------------
@@ -89,6 +95,14 @@ class DecodeManager(TransferManager[Receiver]):
         payload = P.encode(msg)
         for rank in server.ranks.values():
             self.loop.send(rank.socket, payload)
+
+    def tell(self, server: PrefillServer, msg: P.Message) -> None:
+        """Send ``msg`` to every rank of ``server`` now, or once its handshake completes (any thread)."""
+        with self.lock:
+            if server.ready:
+                self.send_to_ranks(server, msg)
+            elif server.failed is None and len(server.queued) < MAX_QUEUED:
+                server.queued.append(msg)
 
     def abort_room(self, room: Room, reason: str) -> None:
         assert isinstance(room, Receiver)
@@ -109,6 +123,8 @@ class DecodeManager(TransferManager[Receiver]):
         server.lookup.send_msg(P.Lookup())
 
     def _on_lookup(self, server: PrefillServer, frames: list[bytes]) -> None:
+        if server.failed is not None:
+            return
         assert server.lookup is not None
         got = server.lookup.receive(frames)
         if got is None:
@@ -162,34 +178,43 @@ class DecodeManager(TransferManager[Receiver]):
             if isinstance(msg, P.HelloAck):
                 # The prefill rank paired the two layouts before accepting.
                 rank.acked = True
-                if all(r.acked for r in server.ranks.values()):
+                if all(r.acked for r in server.ranks.values()) and not server.ready:
                     server.ready = True
+                    for queued in server.queued:
+                        self.send_to_ranks(server, queued)
+                    server.queued.clear()
                     for recv in list(self.rooms.values()):
                         if recv.server is server:
                             recv.on_ready()
             elif isinstance(msg, P.Reject):
                 rejected = self.rooms.get(msg.room) if msg.room is not None else None
-                if rejected is not None:
-                    self.finish(rejected, Poll.FAILED, f"{rank.label} rejected the request: {msg.reason}", "rejected")
+                if rejected is not None and rejected.server is server:
+                    rejected.fail(f"{rank.label} rejected the request: {msg.reason}", "rejected")
                 elif not rank.acked:
                     self._fail_server(server, f"{rank.label} rejected the handshake: {msg.reason}", "layout")
                 else:
                     # An acked rank refusing a room-less message (a heartbeat) has dropped
                     # this decode rank: fail its rooms now; the next receiver reconnects.
                     self._fail_server(server, f"{rank.label} no longer knows this decode rank: {msg.reason}", "peer_dead")
-            elif isinstance(msg, (P.ChunkDone, P.Done, P.Failed, P.Abort)):
+            elif isinstance(msg, (P.ChunkDone, P.Done, P.Failed, P.Abort, P.Fenced)):
                 target = self.rooms.get(msg.room)
-                if target is None or target.server is not server:
+                # The same rank through a newer connection (this decode reconnected) counts too.
+                if target is None or target.server.address != server.address:
                     return  # finished or aborted here already
-                if isinstance(msg, P.ChunkDone):
+                if isinstance(msg, P.Fenced):
+                    target.on_fenced(rank.key)
+                elif target.fencing:
+                    return  # given up here: neither progress nor success counts any more
+                elif isinstance(msg, P.ChunkDone):
                     target.advance(Poll.TRANSFERRING)
                 elif isinstance(msg, P.Done):
                     if target.rank_done(rank.key, len(server.ranks)):
                         self.finish(target, Poll.SUCCESS)
                 else:
                     kind = "aborted" if isinstance(msg, P.Abort) else "remote"
-                    self.finish(target, Poll.FAILED, f"{rank.label}: {msg.reason}", kind)
-            # Heartbeat replies only refresh last_seen.
+                    target.fail(f"{rank.label}: {msg.reason}", kind)
+            elif isinstance(msg, P.Heartbeat) and msg.clock is not None:
+                rank.clock = msg.clock if rank.clock is None else max(rank.clock, msg.clock)
 
     def _fail_server(self, server: PrefillServer, reason: str, kind: str) -> None:
         """Fail every receiver of ``server`` and forget it, so a later receiver reconnects.
@@ -198,14 +223,23 @@ class DecodeManager(TransferManager[Receiver]):
         log.warning("decode: %s", reason)
         with self.lock:
             server.failed = reason
+            server.queued.clear()
             if self._servers.get(server.address) is server:
                 del self._servers[server.address]
             for recv in list(self.rooms.values()):
                 if recv.server is server:
-                    self.finish(recv, Poll.FAILED, reason, kind)
+                    recv.fail(reason, kind)
+            # Its sockets stay open while its rooms wait for Fenced (see _tick).
+            if server not in self._retired:
+                self._retired.append(server)
+
+    def _close_server(self, server: PrefillServer) -> None:
         for chan in [server.lookup, *(r.chan for r in server.ranks.values())]:
             if chan is not None:
                 self.loop.remove_socket(chan.sock)
+        server.lookup = None
+        for r in server.ranks.values():
+            r.chan = None
 
     # -- timeouts, heartbeats (I/O thread) ---------------------------------------------
     def _tick(self) -> None:
@@ -229,15 +263,32 @@ class DecodeManager(TransferManager[Receiver]):
                     break
                 if now - rank.last_ping >= cfg.heartbeat_interval and rank.chan is not None:
                     rank.last_ping = now
-                    rank.chan.send_msg(P.Heartbeat())
+                    rank.chan.send_msg(P.Heartbeat(clock=rank.clock))
         with self.lock:
             for recv in list(self.rooms.values()):
+                if recv.fencing:
+                    recv.fence_overdue(now)
+                    continue
                 overdue = recv.overdue(now, cfg)
                 if overdue is not None:
-                    reason, abort_remote = overdue
-                    if abort_remote:
-                        recv.abort_remote("decode waiting_timeout expired")
-                    self.finish(recv, Poll.FAILED, reason, "timeout")
+                    recv.fail(overdue, "timeout")
+            fencing = {id(r.server) for r in self.rooms.values() if r.fencing}
+            retired, self._retired = self._retired, [s for s in self._retired if id(s) in fencing]
+        for server in retired:
+            if id(server) not in fencing:
+                self._close_server(server)
 
     def _shutdown(self) -> None:
-        self._servers.clear()
+        # close() gave up on every room: wait briefly for prefill to confirm it stopped
+        # writing them (a live prefill answers within a round trip and its running batch).
+        # Not the whole fence_timeout: closing must not hang on a dead prefill.
+        deadline = time.monotonic() + min(self.config.fence_wait, self.config.heartbeat_timeout)
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not any(r.fencing for r in self.rooms.values()):
+                    break
+            time.sleep(0.005)
+        with self.lock:
+            for recv in list(self.rooms.values()):
+                recv.fence_overdue(float("inf"))
+            self._servers.clear()

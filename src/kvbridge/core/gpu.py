@@ -26,7 +26,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -385,21 +385,23 @@ class _Staging(threading.local):
 _staging = _Staging()
 
 
-def copy(device: int, parts: Sequence[Part], peer: GpuPeer) -> None:
+def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], None] | None = None) -> None:
     """Copy every descriptor of ``parts`` into ``peer``'s mapped memory on ``device``; return once landed.
 
     Destinations are the peer's own addresses; the kernel translates them.
     The descriptors must lie in local GPU memory of ``device`` and in the
     peer's mapped allocations (core checked both). Each part's rows are sent
     in slices of about :data:`SLICE_BYTES`, so packing slice k+1 on the CPU
-    overlaps copying slice k; one synchronisation at the end.
+    overlaps copying slice k; one synchronisation at the end. ``check`` runs
+    before each slice is launched and may raise to stop there (a failed
+    room's fence); the slices already launched are still waited for, so
+    nothing is left running when this returns or raises.
     """
     global _kernel
     parts = [p for p in parts if len(p[0]) and len(p[2])]
     if not parts:
         return
     import torch
-    import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
     if _kernel is None:
         _kernel = _compile()
@@ -411,34 +413,46 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer) -> None:
     h = host.numpy()
     at = 0
     with torch.cuda.stream(stream):
-        for part in parts:
-            src_rows, dst_rows, src_cols, dst_cols, nbytes = part
-            sh = shape(part)
-            dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[sh.width]
-            base = _staging.base(device, sh.width)
-            per_row = row_sizes(part)
-            ncols = len(src_cols)
-            # the columns once, then the rows slice by slice
-            cols = dev[at:at + 3 * ncols]
-            h[at:at + ncols], h[at + ncols:at + 2 * ncols] = src_cols, dst_cols
-            h[at + 2 * ncols:at + 3 * ncols] = 0 if per_row else nbytes
-            cols.copy_(host[at:at + 3 * ncols], non_blocking=True)
-            at += 3 * ncols
-            row_bytes = max(1, int(nbytes[0]) if per_row else int(nbytes.sum()))
-            step = max(1, SLICE_BYTES // row_bytes)
-            width = 3 if per_row else 2
-            for lo in range(0, len(src_rows), step):
-                hi = min(len(src_rows), lo + step)
-                m = hi - lo
-                h[at:at + m], h[at + m:at + 2 * m] = src_rows[lo:hi], dst_rows[lo:hi]
-                if per_row:
-                    h[at + 2 * m:at + 3 * m] = nbytes[lo:hi]
-                rows = dev[at:at + width * m]
-                rows.copy_(host[at:at + width * m], non_blocking=True)
-                at += width * m
-                grid = (-(-m * ncols * sh.pieces // sh.rows),)
-                _kernel[grid](rows, m, cols, ncols, starts, deltas, len(peer.starts), base, base.data_ptr(),
-                              PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps,
-                              ALIGN16=sh.align16, EVEN=sh.even, ROW_SIZES=per_row, RELATIVE=RELATIVE,
-                              num_warps=NUM_WARPS)
-        stream.synchronize()
+        try:
+            for part in parts:
+                at = _launch(part, at, h, host, dev, starts, deltas, steps, device, peer, check)
+        finally:
+            stream.synchronize()  # whatever was launched has landed before this returns or raises
+
+
+def _launch(part: Part, at: int, h: Any, host: Any, dev: Any, starts: Any, deltas: Any, steps: int, device: int,
+            peer: GpuPeer, check: Callable[[], None] | None) -> int:
+    """Launch one part's slices on the current stream (staging from word ``at``); the next free word."""
+    import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
+
+    src_rows, dst_rows, src_cols, dst_cols, nbytes = part
+    sh = shape(part)
+    dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[sh.width]
+    base = _staging.base(device, sh.width)
+    per_row = row_sizes(part)
+    ncols = len(src_cols)
+    # the columns once, then the rows slice by slice
+    cols = dev[at:at + 3 * ncols]
+    h[at:at + ncols], h[at + ncols:at + 2 * ncols] = src_cols, dst_cols
+    h[at + 2 * ncols:at + 3 * ncols] = 0 if per_row else nbytes
+    cols.copy_(host[at:at + 3 * ncols], non_blocking=True)
+    at += 3 * ncols
+    row_bytes = max(1, int(nbytes[0]) if per_row else int(nbytes.sum()))
+    step = max(1, SLICE_BYTES // row_bytes)
+    width = 3 if per_row else 2
+    for lo in range(0, len(src_rows), step):
+        if check is not None:
+            check()
+        hi = min(len(src_rows), lo + step)
+        m = hi - lo
+        h[at:at + m], h[at + m:at + 2 * m] = src_rows[lo:hi], dst_rows[lo:hi]
+        if per_row:
+            h[at + 2 * m:at + 3 * m] = nbytes[lo:hi]
+        rows = dev[at:at + width * m]
+        rows.copy_(host[at:at + width * m], non_blocking=True)
+        at += width * m
+        grid = (-(-m * ncols * sh.pieces // sh.rows),)
+        _kernel[grid](rows, m, cols, ncols, starts, deltas, len(peer.starts), base, base.data_ptr(),
+                      PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps,
+                      ALIGN16=sh.align16, EVEN=sh.even, ROW_SIZES=per_row, RELATIVE=RELATIVE, num_warps=NUM_WARPS)
+    return at

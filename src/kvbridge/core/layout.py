@@ -66,12 +66,18 @@ class IndexSpace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     index-length mismatch policy: ``page`` lists may be trimmed to the
     shorter side (with a warning); ``slot``, ``row`` and ``token`` lists
     must match.
+
+    ``optional``: a state list of this space may be left out of a request
+    (decode allocated it, prefill sends nothing for it). Only when both
+    sides declare the space optional; otherwise a list decode sent and
+    prefill omitted fails the room on both sides.
     """
 
     name: str
     count: int
     tokens: int = 1
     kind: Literal["page", "slot", "row", "token"] = "page"
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:

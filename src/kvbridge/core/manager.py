@@ -54,6 +54,20 @@ class SessionConfig:
     max_peers: int = 1024
     #: Handshakes a prefill rank accepts per second (bursts of twice as many); more are refused.
     handshake_rate: float = 200.0
+    #: How long decode waits, after it gives up on a room, for every prefill rank to
+    #: confirm it stopped writing (``Fenced``) before it reports FAILED anyway.
+    #: None: ``transfer_timeout + heartbeat_timeout`` (a write in flight ends by its
+    #: deadline; a live prefill stops starting writes within ``heartbeat_timeout`` of
+    #: losing decode). See docs/failures.md.
+    fence_timeout: float | None = None
+    #: How long prefill keeps a request whose room has no ``Sender`` yet (the host
+    #: creates it slightly later) before it tells decode the room failed.
+    sender_grace: float = 5.0
+
+    @property
+    def fence_wait(self) -> float:
+        """``fence_timeout``, or its default ``transfer_timeout + heartbeat_timeout``."""
+        return self.fence_timeout if self.fence_timeout is not None else self.transfer_timeout + self.heartbeat_timeout
 
     @classmethod
     def from_fields(cls, source: object) -> SessionConfig:
@@ -65,7 +79,8 @@ class SessionConfig:
         return cls(**{f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)})
 
     def __post_init__(self) -> None:
-        for name in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "heartbeat_timeout"):
+        for name in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "heartbeat_timeout",
+                     "sender_grace"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_message_bytes", "max_index_list", "max_peers", "handshake_rate"):
@@ -77,6 +92,8 @@ class SessionConfig:
                 f"max_message_bytes ({self.max_message_bytes}) must hold one index list of max_index_list "
                 f"({self.max_index_list}) int32 entries: at least {4 * self.max_index_list + 4096}"
             )
+        if self.fence_timeout is not None and self.fence_timeout <= 0:
+            raise ValueError(f"fence_timeout must be > 0 (or None for the default), got {self.fence_timeout}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"

@@ -27,16 +27,34 @@ __all__ = ["DecodePeer", "PrefillManager"]
 
 log = logging.getLogger(__name__)
 
+MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
+LEASE_POLL = 0.005  # seconds between lease checks while a transfer worker waits for a renewal
+FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
+
 
 class DecodePeer:
-    """A decode rank that completed the handshake with this prefill rank, and its transfer worker."""
+    """A decode rank that completed the handshake with this prefill rank, and its transfer worker.
 
-    def __init__(self, peer_id: str, route: Route) -> None:
+    ``lease_until``: this rank may write to the peer until then (this rank's
+    clock). The handshake grants ``lease`` seconds; a heartbeat renews it to
+    ``lease`` after the clock it echoes (:class:`~kvbridge.core.protocol.Heartbeat`),
+    so a ping that arrives late but echoes a recent clock still renews it, and
+    pings queued while this rank was frozen or cut off do not.
+    ``last_seen``: when anything last arrived from it (it is forgotten after
+    long silence).
+    """
+
+    def __init__(self, peer_id: str, route: Route, lease: float) -> None:
         self.peer_id = peer_id
         self.ident = peer_id.encode()
         self.route = route
         self.last_seen = time.monotonic()
+        self.lease_until = self.last_seen + lease
         self.worker = PeerWorker(peer_id)
+
+    def renew(self, clock: float, lease: float) -> None:
+        """Decode echoed ``clock`` (this rank's, from a heartbeat reply): it was alive after it."""
+        self.lease_until = max(self.lease_until, min(clock, time.monotonic()) + lease)
 
 
 class PrefillManager(TransferManager[Sender]):
@@ -56,10 +74,18 @@ class PrefillManager(TransferManager[Sender]):
         super().__init__(kvargs, backend, config)
         self._pending: dict[int, dict[str, DecodeRequest]] = {}  # requests that arrived before their sender
         self._peers: dict[str, DecodePeer] = {}
+        #: (room, decode peer) -> writes running now; a failed room is fenced towards a peer at zero.
+        self._writing: dict[tuple[int, str], int] = {}
+        #: Rooms a decode gave up on before their sender existed: reason, when (expire after bootstrap_timeout).
+        self._aborted: dict[int, tuple[str, float]] = {}
         self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
         self.layer_index = LayerIndex(kvargs)  # layer-wise sending: which layer each source address belongs to
         self._chan = Channel(self.loop.ctx, zmq.ROUTER, self.auth, endpoint="prefill",
                              max_bytes=self.config.max_message_bytes)
+        # A decode that reconnects (after it gave up on this rank, say it was frozen) keeps its
+        # identity: the new connection must take it over, or its Hello is dropped. (Every message
+        # is still authenticated; holders of the secret are trusted alike: docs/security.md.)
+        self._chan.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.control_address = self._chan.bind(self.config.host)
         self.loop.add_socket(self._chan.sock, self._on_message)
         # Handshakes are a token bucket: `handshake_rate` per second, bursts of twice as many.
@@ -87,6 +113,90 @@ class PrefillManager(TransferManager[Sender]):
     def take_pending(self, room: int) -> Iterable[DecodeRequest]:
         """The requests that arrived for ``room`` before its sender was created (removed here)."""
         return self._pending.pop(room, {}).values()
+
+    def requested(self, room: int) -> bool:
+        """Whether a decode's request for ``room`` waits for the host to create its sender."""
+        with self.lock:
+            return room in self._pending
+
+    def take_aborted(self, room: int) -> str | None:
+        """Why decode gave up on ``room`` before its sender was created, or None (removed here)."""
+        aborted = self._aborted.pop(room, None)
+        return aborted[0] if aborted is not None else None
+
+    # -- fencing: no byte of a failed room is written after decode is told it stopped ----------------
+    def _lapsed(self, sender: Sender, peer: DecodePeer, now: float) -> str | None:
+        """Why ``sender``'s room has waited too long for ``peer``'s lease to be renewed, or None.
+
+        A lapsed lease fails a room only ``heartbeat_timeout`` after the lapse
+        (or after the room's request arrived, if later: a decode that resumed
+        after a freeze renews within a heartbeat round trip). Meanwhile no
+        batch starts: the lapse, not the failure, is what fences.
+        """
+        req = sender.request(peer.peer_id)
+        since = max(peer.lease_until, req.received if req is not None else 0.0)
+        if now - since <= self.config.heartbeat_timeout:
+            return None
+        proof = peer.lease_until - self.config.heartbeat_timeout
+        return (f"decode peer {peer.peer_id!r} gave no sign of life for {now - proof:.1f}s "
+                f"(its lease lapsed {now - peer.lease_until:.1f}s ago; heartbeat_timeout={self.config.heartbeat_timeout}s)")
+
+    def live(self, sender: Sender, peer: DecodePeer, wait: bool = False) -> bool:
+        """Whether ``sender`` may start another batch to ``peer`` now (checked before every batch).
+
+        Not once the room has failed, nor while ``peer``'s lease has lapsed
+        (no proof within ``heartbeat_timeout`` that decode is alive and has not
+        given up: see :class:`DecodePeer`). A lapse that outlasts
+        :meth:`_lapsed`'s margin fails the room; with ``wait`` (a transfer
+        worker, not holding the lock) a shorter one is waited out, else it
+        fails the room at once.
+        """
+        while True:
+            if sender.poll() == Poll.FAILED:
+                return False
+            if self._peers.get(peer.peer_id) is not peer:
+                self.fail_sender(sender, f"decode peer {peer.peer_id!r} was dropped", "peer_dead")
+                return False
+            now = time.monotonic()
+            if now < peer.lease_until:
+                return True
+            why = self._lapsed(sender, peer, now)
+            if why is not None or not wait:
+                self.fail_sender(sender, why or f"decode peer {peer.peer_id!r}'s lease lapsed "
+                                 f"{now - peer.lease_until:.1f}s ago", "peer_dead")
+                return False
+            time.sleep(LEASE_POLL)  # bounded: _lapsed fails the room heartbeat_timeout after the lapse
+
+    def begin_write(self, sender: Sender, peer: DecodePeer) -> bool:
+        """Count a write of ``sender`` to ``peer`` as running; False (nothing counted) if the room is not live.
+
+        Waits out a short lapse of the lease first (without the lock: the I/O
+        thread must be free to take the renewal)."""
+        if not self.live(sender, peer, wait=True):
+            return False
+        with self.lock:
+            if not self.live(sender, peer):
+                return False
+            key = (sender.room, peer.peer_id)
+            self._writing[key] = self._writing.get(key, 0) + 1
+            return True
+
+    def end_write(self, sender: Sender, peer: DecodePeer) -> None:
+        """The write has returned: if the room failed meanwhile, it is now fenced towards ``peer``."""
+        with self.lock:
+            key = (sender.room, peer.peer_id)
+            left = self._writing.pop(key, 1) - 1
+            if left > 0:
+                self._writing[key] = left
+            elif sender.poll() == Poll.FAILED:
+                self.send(lambda: self._chan, P.Fenced(room=sender.room), peer.ident)
+
+    def _tell_failed(self, room: int, peer_id: str, reason: str) -> None:
+        """Send ``Failed``, then ``Fenced`` unless a write to that peer is running (its end sends it)."""
+        ident = peer_id.encode()
+        self.send(lambda: self._chan, P.Failed(room=room, reason=reason), ident)
+        if (room, peer_id) not in self._writing:
+            self.send(lambda: self._chan, P.Fenced(room=room), ident)
 
     def peer(self, peer_id: str) -> DecodePeer | None:
         return self._peers.get(peer_id)
@@ -116,9 +226,7 @@ class PrefillManager(TransferManager[Sender]):
             if not self.finish(sender, Poll.FAILED, reason, kind):
                 return
             for peer_id in sender.peer_ids():
-                peer = self._peers.get(peer_id)
-                if peer is not None:
-                    self.notify(peer, P.Failed(room=sender.room, reason=reason))
+                self._tell_failed(sender.room, peer_id, reason)
 
     def abort_room(self, room: Room, reason: str) -> None:
         assert isinstance(room, Sender)
@@ -142,17 +250,22 @@ class PrefillManager(TransferManager[Sender]):
             return
         with self.lock:
             peer = self._peers.get(peer_id)
+            if peer is None and isinstance(msg, P.Abort):
+                self._on_abort(None, peer_id, msg)
+                return
             if peer is None:
                 reason = f"{type(msg).__name__} from {peer_id!r} before a handshake; send Hello first"
                 self._chan.reject(ident, reason, getattr(msg, "room", None))
                 return
             peer.last_seen = time.monotonic()
             if isinstance(msg, P.Heartbeat):
-                self._reply(ident, P.Heartbeat())
+                if msg.clock is not None:
+                    peer.renew(msg.clock, self.config.heartbeat_timeout)
+                self._reply(ident, P.Heartbeat(clock=time.monotonic()))
             elif isinstance(msg, P.TransferRequest):
                 self._on_request(peer, msg)
             elif isinstance(msg, P.Abort):
-                self._on_abort(peer, msg)
+                self._on_abort(peer, peer_id, msg)
             else:
                 reason = f"prefill does not accept {type(msg).__name__} messages"
                 self._chan.reject(ident, reason, getattr(msg, "room", None))
@@ -184,6 +297,12 @@ class PrefillManager(TransferManager[Sender]):
         if problem is None:
             try:
                 route = pair_layouts(self.kvargs, msg.kvargs)
+                with self.lock:
+                    old = self._peers.get(msg.peer_id)
+                    if old is not None:
+                        # A decode handshakes again only after it gave up on this rank: what
+                        # it asked for before is dead on its side.
+                        self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
                 self.transport.add_peer(msg.peer_id, msg.backend_meta, msg.kvargs.regions, msg.local_meta)
             except IncompatibleLayoutError as exc:
                 problem = str(exc)
@@ -194,10 +313,7 @@ class PrefillManager(TransferManager[Sender]):
             self._chan.reject(ident, problem)
             return
         with self.lock:
-            old = self._peers.pop(msg.peer_id, None)
-            if old is not None:
-                old.worker.stop()
-            self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route)
+            self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route, self.config.heartbeat_timeout)
         self._reply(ident, P.HelloAck(kvargs=self.kvargs))
 
     def _on_request(self, peer: DecodePeer, msg: P.TransferRequest) -> None:
@@ -230,7 +346,7 @@ class PrefillManager(TransferManager[Sender]):
             self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             return
         dst = peer.route.dst
-        req = DecodeRequest(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic())
+        req = DecodeRequest(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic(), msg.strict)
         if sender is None:
             reqs = self._pending.setdefault(msg.room, {})
             problem = req.conflict(reqs)
@@ -241,15 +357,28 @@ class PrefillManager(TransferManager[Sender]):
         if problem is not None:
             self._reply(peer.ident, P.Reject(reason=f"room {msg.room}: {problem}", room=msg.room))
 
-    def _on_abort(self, peer: DecodePeer, msg: P.Abort) -> None:
-        # A peer may abort only what it asked for.
-        pending = self._pending.get(msg.room, {})
-        pending.pop(peer.peer_id, None)
-        if not pending:
-            self._pending.pop(msg.room, None)
-        sender = self.rooms.get(msg.room)
-        if sender is not None and sender.asked_by(peer.peer_id):
-            self.fail_sender(sender, f"aborted by decode: {msg.reason}", "aborted")
+    def _on_abort(self, peer: DecodePeer | None, peer_id: str, msg: P.Abort) -> None:
+        """Stop what ``peer_id`` asked for in the room; answer ``Fenced`` once nothing of it is being written.
+
+        A peer may abort only what it asked for, or a room nobody asked for
+        yet (a decode whose ``init`` failed before its request went out). An
+        unknown peer (dropped, or never handshaken) only gets the answer.
+        """
+        reason = f"aborted by decode: {msg.reason}"
+        if peer is not None:
+            pending = self._pending.get(msg.room)
+            sender = self.rooms.get(msg.room)
+            if pending is not None:
+                pending.pop(peer_id, None)
+                if not pending:
+                    del self._pending[msg.room]
+            elif sender is None and not msg.requested and len(self._aborted) < MAX_ABORTED:
+                self._aborted[msg.room] = (reason, time.monotonic())
+            if sender is not None and (sender.asked_by(peer_id) or
+                                       (sender.poll() == Poll.BOOTSTRAPPING and not sender.peer_ids())):
+                self.fail_sender(sender, reason, "aborted")
+        if (msg.room, peer_id) not in self._writing:
+            self._reply(peer_id.encode(), P.Fenced(room=msg.room))
 
     # -- the bootstrap lease (I/O thread) ----------------------------------------------
     def _renew(self, now: float) -> None:
@@ -278,21 +407,32 @@ class PrefillManager(TransferManager[Sender]):
         self._renew(now)
         with self.lock:
             for room, reqs in list(self._pending.items()):
-                if now - min(r.received for r in reqs.values()) > cfg.bootstrap_timeout:
-                    log.warning("prefill: dropping requests for room %d: no sender created within %.1fs", room, cfg.bootstrap_timeout)
+                if now - min(r.received for r in reqs.values()) > cfg.sender_grace:
+                    reason = f"no sender was created for room {room} within sender_grace={cfg.sender_grace}s of decode's request"
+                    log.warning("prefill: %s", reason)
                     del self._pending[room]
+                    for peer_id in reqs:
+                        self._tell_failed(room, peer_id, reason)
+            for room, (_, when) in list(self._aborted.items()):
+                if now - when > cfg.bootstrap_timeout:
+                    del self._aborted[room]
             for sender in list(self.rooms.values()):
                 overdue = sender.overdue(now, cfg)
                 if overdue is not None:
                     self.fail_sender(sender, *overdue)
             for peer in list(self._peers.values()):
-                if now - peer.last_seen > cfg.heartbeat_timeout:
-                    self._drop_peer(peer, f"decode peer {peer.peer_id!r} sent no heartbeat for {now - peer.last_seen:.1f}s")
+                if now - peer.last_seen > FORGET_AFTER * cfg.heartbeat_timeout:
+                    self._drop_peer(peer, f"decode peer {peer.peer_id!r} sent nothing for {now - peer.last_seen:.1f}s")
+                elif now >= peer.lease_until:
+                    for sender in list(self.rooms.values()):
+                        why = self._lapsed(sender, peer, now) if sender.asked_by(peer.peer_id) else None
+                        if why is not None:
+                            self.fail_sender(sender, why, "peer_dead")
 
     def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
         log.warning("prefill: %s; dropping it", reason)
-        # Fail its rooms while it is still a known peer, so each Failed goes out: a
-        # decode that was only frozen learns of it when it resumes.
+        # Each Failed (and Fenced, once its write has returned) goes out: a decode
+        # that was only frozen learns of it when it resumes.
         for sender in list(self.rooms.values()):
             if sender.asked_by(peer.peer_id):
                 self.fail_sender(sender, reason, "peer_dead")

@@ -35,6 +35,7 @@ __all__ = [
     "Done",
     "Failed",
     "Abort",
+    "Fenced",
     "Heartbeat",
     "Reject",
     "Message",
@@ -119,6 +120,8 @@ class TransferRequest(_Msg, tag="transfer_request", frozen=True):
     room: int
     indices: dict[str, bytes]
     metadata_row: int
+    #: Decode's ``strict_index_lengths``: either side can ask for strictness.
+    strict: bool = False
 
 
 class ChunkDone(_Msg, tag="chunk_done", frozen=True):
@@ -141,14 +144,43 @@ class Failed(_Msg, tag="failed", frozen=True):
 
 
 class Abort(_Msg, tag="abort", frozen=True):
-    """Either direction: the sender of this message gave up on ``room``."""
+    """Either direction: the sender of this message gave up on ``room``.
+
+    ``requested``: decode sent its ``TransferRequest`` for the room before
+    giving up. False (its ``init`` failed) lets prefill fail a sender the host
+    creates later; an abort of a requested room that prefill already finished
+    is only answered.
+    """
 
     room: int
     reason: str
+    requested: bool = True
+
+
+class Fenced(_Msg, tag="fenced", frozen=True):
+    """Prefill -> decode: this rank has stopped ``room``: no write of it is in flight and none will start.
+
+    Sent after ``Failed`` (or in answer to ``Abort``) once the room's running
+    write has returned. Decode reports FAILED only once every prefill rank has
+    fenced the room, or its fence timeout has passed.
+    """
+
+    room: int
 
 
 class Heartbeat(_Msg, tag="heartbeat", frozen=True):
-    pass
+    """Decode pings each prefill rank it uses; the rank answers at once.
+
+    ``clock`` makes the answer a lease: prefill puts its own
+    ``time.monotonic()`` in its reply, and decode echoes the latest one it
+    received from that rank in its next ping. An echoed clock proves decode
+    was alive *after* that instant of prefill's own clock, however late the
+    ping arrives (a queue that built up while prefill was frozen or cut off
+    proves nothing newer than its content), so prefill writes to decode only
+    within ``heartbeat_timeout`` of such a proof (``docs/failures.md``).
+    """
+
+    clock: float | None = None
 
 
 class Reject(_Msg, tag="reject", frozen=True):
@@ -170,6 +202,7 @@ Message = Union[
     Done,
     Failed,
     Abort,
+    Fenced,
     Heartbeat,
     Reject,
 ]

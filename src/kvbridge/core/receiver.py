@@ -28,7 +28,13 @@ class Receiver(Room):
     The host creates it with the prefill server's bootstrap address, calls
     :meth:`init` with where the room's pages, state and metadata row go, and
     polls until SUCCESS (the metadata row, written last, has landed) or
-    FAILED. ``server`` and the other non-host methods are core's.
+    FAILED (no byte of the room lands after that: the host may reuse its
+    pages). ``server`` and the other non-host methods are core's.
+
+    Once the room has given up (an abort, a timeout, a dead peer, prefill's
+    ``Failed``) it is *fencing*: ``poll()`` keeps its last state until every
+    prefill rank confirmed it stopped writing (``Fenced``) or
+    ``SessionConfig.fence_wait`` passed, and only then says FAILED.
     """
 
     def __init__(self, manager: DecodeManager, room: int, bootstrap: str) -> None:
@@ -38,6 +44,8 @@ class Receiver(Room):
         self._init_at: float | None = None
         self._sent = False
         self._done: set[tuple[int, int]] = set()
+        self._fenced: set[tuple[int, int]] = set()  # prefill ranks that confirmed they stopped
+        self._fencing: tuple[str, str, float] | None = None  # (reason, metrics kind, give up waiting at)
         with manager.lock:
             manager.add_room(self)
             self.server: PrefillServer = manager.server(bootstrap)
@@ -73,20 +81,65 @@ class Receiver(Room):
                 if any(s.name == METADATA_SPACE for s in m.kvargs.index_spaces):
                     Indices.check("metadata_row", [metadata_row], m.kvargs.index_space(METADATA_SPACE).count)
             except (KeyError, PlanError, P.ProtocolError) as exc:
-                m.finish(self, Poll.FAILED, f"room {self.room}: {exc.args[0] if exc.args else exc}", "bad_request")
+                reason = f"room {self.room}: {exc.args[0] if exc.args else exc}"
+                m.finish(self, Poll.FAILED, reason, "bad_request")  # nothing was asked for: nothing can land
+                # Prefill may have a sender waiting for this request: tell it now, not at its bootstrap_timeout.
+                m.tell(self.server, P.Abort(room=self.room, reason=f"decode init failed: {reason}", requested=False))
                 return
-            self._request = P.TransferRequest(room=self.room, indices=packed, metadata_row=int(metadata_row))
+            self._request = P.TransferRequest(room=self.room, indices=packed, metadata_row=int(metadata_row),
+                                              strict=m.config.strict_index_lengths)
             self._init_at = time.monotonic()
             if self.server.ready:
                 self._send_request()
 
     def abort(self, reason: str = "aborted by decode") -> None:
-        """Give up on this room; prefill is told. Bytes already in flight may still land."""
-        with self.manager.lock:
-            if self.manager.finish(self, Poll.FAILED, reason, "aborted"):
-                self.abort_remote(reason)
+        """Give up on this room; prefill is told. Returns at once: ``poll()`` says FAILED once
+        prefill confirmed it stopped writing (or the fence timeout passed); only then reuse the pages."""
+        self.fail(reason, "aborted")
 
     # -- core's (the manager's I/O thread, under its lock) ---------------------------------
+    def fail(self, reason: str, kind: str) -> None:
+        """Give up on the room: FAILED now if nothing was asked of prefill, else once it is fenced.
+
+        ``kind`` is the failure's metrics label. The first reason wins.
+        """
+        m = self.manager
+        with m.lock:
+            if self.final or self._fencing is not None:
+                return
+            if not self._sent:
+                m.finish(self, Poll.FAILED, reason, kind)
+                return
+            self._fencing = (reason, kind, time.monotonic() + m.config.fence_wait)
+            self.manager.send_to_ranks(self.server, P.Abort(room=self.room, reason=reason))
+            self._check_fenced()
+
+    def on_fenced(self, rank: tuple[int, int]) -> None:
+        """Prefill ``rank`` confirmed it stopped writing the room.
+
+        Prefill sends ``Failed`` before it when it gives up itself, so a
+        ``Fenced`` for a room that is not fencing here answers an earlier
+        ``Abort`` of the same room id (a failed ``init``) and is ignored.
+        """
+        if self._fencing is not None:
+            self._fenced.add(rank)
+            self._check_fenced()
+
+    def fence_overdue(self, now: float) -> bool:
+        """Past the fence timeout: report FAILED without every rank's confirmation."""
+        if self._fencing is not None and now >= self._fencing[2]:
+            self.manager.finish(self, Poll.FAILED, self._fencing[0], self._fencing[1])
+            return True
+        return False
+
+    @property
+    def fencing(self) -> bool:
+        return self._fencing is not None and not self.final
+
+    def _check_fenced(self) -> None:
+        if self._fencing is not None and len(self._fenced) >= len(self.server.ranks) > 0:
+            self.manager.finish(self, Poll.FAILED, self._fencing[0], self._fencing[1])
+
     def on_ready(self) -> None:
         """The handshake with every prefill rank is done: send the request if ``init`` came already."""
         if self.advance(Poll.WAITING_FOR_INPUT):
@@ -99,18 +152,15 @@ class Receiver(Room):
         self._done.add(rank)
         return len(self._done) == ranks
 
-    def overdue(self, now: float, cfg: SessionConfig) -> tuple[str, bool] | None:
-        """``(reason, tell prefill)`` if a timeout of this room has expired, else None."""
+    def overdue(self, now: float, cfg: SessionConfig) -> str | None:
+        """Why a timeout of this room has expired, or None."""
+        if self._fencing is not None:
+            return None
         if self.poll() == Poll.BOOTSTRAPPING and now - self.created > cfg.bootstrap_timeout:
-            return f"bootstrap did not complete within bootstrap_timeout={cfg.bootstrap_timeout}s", False
+            return f"bootstrap did not complete within bootstrap_timeout={cfg.bootstrap_timeout}s"
         if self._init_at is not None and now - self._init_at > cfg.waiting_timeout:
-            return f"transfer did not complete within waiting_timeout={cfg.waiting_timeout}s", True
+            return f"transfer did not complete within waiting_timeout={cfg.waiting_timeout}s"
         return None
-
-    def abort_remote(self, reason: str) -> None:
-        """Tell every prefill rank this room is given up (if its request went out)."""
-        if self._sent:
-            self.manager.send_to_ranks(self.server, P.Abort(room=self.room, reason=reason))
 
     def _send_request(self) -> None:
         if not self._sent and self._request is not None:

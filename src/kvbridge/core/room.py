@@ -24,7 +24,13 @@ MAX_ROOM = 2**64 - 1
 
 
 class Poll(enum.IntEnum):
-    """Request states. The numeric order lets a host min-reduce them across ranks."""
+    """Request states. The numeric order lets a host min-reduce them across ranks.
+
+    SUCCESS: everything landed, metadata row last. FAILED: nothing of the room
+    lands after it (decode reports it once prefill confirmed it stopped, or
+    ``fence_timeout`` passed), so the host may reuse the room's memory at once.
+    See docs/failures.md.
+    """
 
     FAILED = 0
     BOOTSTRAPPING = 1

@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
 from . import protocol as P
-from .backend import TransferTimeout
+from .backend import TransferCancelled, TransferTimeout
 from .layers import LayeredPlan, layer_list
 from .layout import KV_PAGE_SPACE, METADATA_SPACE
 from .metrics import metrics
@@ -67,6 +67,7 @@ class DecodeRequest:
     indices: dict[str, Indices]
     metadata_row: int
     received: float
+    strict: bool = False  # decode asked for strict_index_lengths
 
     def conflict(self, others: Mapping[str, DecodeRequest]) -> str | None:
         """Why this request cannot join a room's ``others``, or None."""
@@ -111,6 +112,9 @@ class Sender(Room):
             manager.add_room(self)
             for req in manager.take_pending(self.room):
                 self.attach(req)
+            aborted = manager.take_aborted(self.room)
+            if aborted is not None:
+                manager.fail_sender(self, aborted, "aborted")
 
     # -- used by the manager (I/O thread, under its lock) ---------------------------------
     def attach(self, req: DecodeRequest) -> str | None:
@@ -132,6 +136,10 @@ class Sender(Room):
 
     def peer_ids(self) -> list[str]:
         return list(self._requests)
+
+    def request(self, peer_id: str) -> DecodeRequest | None:
+        """Decode peer ``peer_id``'s request for this room, if it sent one."""
+        return self._requests.get(peer_id)
 
     def overdue(self, now: float, cfg: SessionConfig) -> tuple[str, str] | None:
         """``(reason, kind)`` if a timeout of this room has expired, else None."""
@@ -273,7 +281,8 @@ class Sender(Room):
         return "; ".join(out)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
-        """Give up on this room; decode is told. Bytes already in flight may still land."""
+        """Give up on this room; decode is told. No batch starts after this; decode reports
+        FAILED once the batch running now (if any) has returned (``Fenced``)."""
         self.manager.fail_sender(self, reason, "aborted")
 
     # -- planning --------------------------------------------------------------------------
@@ -298,15 +307,19 @@ class Sender(Room):
         dst: dict[str, Indices] = {}
         if len(pages) and dst_pages is not None and route.spaces.get(KV_PAGE_SPACE) is not None:
             src[KV_PAGE_SPACE], dst[KV_PAGE_SPACE] = pages, dst_pages[lo:hi]
-        if state:
-            if not last:
-                raise PlanError("state indices are sent with the last chunk")
+        if state and not last:
+            raise PlanError("state indices are sent with the last chunk")
+        if last:
+            own = {s.name for s in route.src.index_spaces}
             for space, idx in state.items():
                 if space not in route.spaces:
+                    if space not in own and any(s.name == space for s in route.dst.index_spaces):
+                        continue  # another pipeline stage's state: that stage sends it
                     raise PlanError(f"no paired regions use index space {space!r} (paired: {sorted(route.spaces)})")
                 if space not in req.indices:
                     raise PlanError(f"decode rank {req.decode_rank} sent no destination indices for {space!r}")
-                src[space], dst[space] = self._align(route, space, idx, req.indices[space])
+                src[space], dst[space] = self._align(route, space, req, idx)
+            self._check_complete(route, req, state)
         plan = route.plan(src, dst, totals) if src else TransferPlan.empty()
         meta_plan = None
         kv = self.manager.kvargs
@@ -316,13 +329,29 @@ class Sender(Room):
             meta_plan = route.plan({METADATA_SPACE: [self.metadata_row]}, {METADATA_SPACE: [req.metadata_row]}, totals)
         return plan, meta_plan
 
-    def _align(self, route: Route, space: str, src: Indices, dst: Indices) -> tuple[Indices, Indices]:
-        """The one index-length mismatch policy, for every backend and state type."""
+    def _check_complete(self, route: Route, req: DecodeRequest, state: Mapping[str, Indices]) -> None:
+        """Every state list decode allocated must come from prefill too, unless both sides declare the space optional."""
+        for space, dst in req.indices.items():
+            if space in (KV_PAGE_SPACE, METADATA_SPACE) or space in state or not len(dst) or space not in route.spaces:
+                continue
+            if route.src.index_space(space).optional and route.dst.index_space(space).optional:
+                continue
+            raise PlanError(
+                f"decode rank {req.decode_rank} allocated {len(dst)} {space!r} indices but prefill passed no "
+                f"{space!r} list with the last chunk; pass it in send(state_indices=...), or declare the index "
+                "space optional on both sides (IndexSpace.optional)"
+            )
+
+    def _align(self, route: Route, space: str, req: DecodeRequest, src: Indices) -> tuple[Indices, Indices]:
+        """The one index-length mismatch policy, for every backend and state type (strict if either side asks)."""
+        dst = req.indices[space]
         if len(src) == len(dst):
             return src, dst
         kind = route.spaces[space].kind
-        if kind != "page" or self.manager.config.strict_index_lengths:
-            why = "strict_index_lengths is set" if kind == "page" else f"{space!r} is {kind}-indexed"
+        own = self.manager.config.strict_index_lengths
+        if kind != "page" or own or req.strict:
+            why = (("strict_index_lengths is set" if own else "strict_index_lengths is set on decode")
+                   if kind == "page" else f"{space!r} is {kind}-indexed")
             raise PlanError(f"{space}: prefill has {len(src)} indices, decode {len(dst)} ({why}; they must match)")
         n = min(len(src), len(dst))
         log.warning(
@@ -333,10 +362,15 @@ class Sender(Room):
 
     # -- on the peer's worker thread -------------------------------------------------------
     def _write(self, job: _Job, plans: Sequence[TransferPlan | None], what: str) -> bool:
-        """Write ``plans`` in order into the job's peer; False if the room failed (now or before)."""
+        """Write ``plans`` in order into the job's peer; False if the room failed (now or before).
+
+        The room's liveness is checked before every batch (``PrefillManager.live``):
+        once it failed, or decode's lease ran out, no further batch starts, and
+        ``Fenced`` goes out when this write returns.
+        """
         m = self.manager
         peer = job.peer
-        if self.poll() == Poll.FAILED:
+        if not m.begin_write(self, peer):
             return False
         start = time.monotonic()
         deadline = start + m.config.transfer_timeout
@@ -344,9 +378,9 @@ class Sender(Room):
         try:
             for p in plans:
                 if p is not None and len(p):
-                    m.transport.write(peer.peer_id, p, deadline)
-                if self.poll() == Poll.FAILED:  # aborted or timed out meanwhile
-                    return False
+                    m.transport.write(peer.peer_id, p, deadline, lambda: m.live(self, peer, wait=True))
+        except TransferCancelled:
+            return False  # the room failed (live() says why); end_write fences it
         except Exception as exc:
             kind = "timeout" if isinstance(exc, TransferTimeout) else "transfer_error"
             m.fail_sender(self, f"transfer of {what} to {peer.peer_id!r} failed: {exc}", kind)
@@ -354,6 +388,7 @@ class Sender(Room):
         finally:
             self._busy.pop(peer.peer_id, None)
             job.seconds += time.monotonic() - start
+            m.end_write(self, peer)
         return True
 
     def _write_layers(self, job: _Job, chunk: int) -> None:
@@ -404,26 +439,24 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
     with one hand-off to the I/O thread.
 
     With many small requests in flight this is one backend write (and one NIXL request) for many
-    rooms instead of two per room. A failed write fails every room in it.
+    rooms instead of two per room. The fence stays per room: each room's write is counted
+    (``begin_write``/``end_write``), a batch starts only while every room in it is live, and a room
+    that stopped being live is left out of the rest (:func:`_write_live`). A failed write fails every
+    room in it; ``Done`` goes only to rooms still live, under the lock, so it never follows ``Failed``.
     """
-    live = [w for w in writes if w.sender.poll() != Poll.FAILED]
-    if not live:
+    m = writes[0].sender.manager
+    peer = writes[0].job.peer
+    begun = [w for w in writes if m.begin_write(w.sender, peer)]
+    if not begun:
         return
-    m = live[0].sender.manager
-    peer = live[0].job.peer
+    live = begun
     start = time.monotonic()
     deadline = start + m.config.transfer_timeout
-    started = live
-    for w in started:
+    for w in begun:
         w.sender._busy[peer.peer_id] = start
     try:
-        for part in ("body", "meta"):
-            plan = TransferPlan.concat(w.body if part == "body" else w.job.meta_plan or TransferPlan.empty() for w in live)
-            if len(plan):
-                m.transport.write(peer.peer_id, plan, deadline)
-            live = [w for w in live if w.sender.poll() != Poll.FAILED]  # aborted or timed out meanwhile
-            if not live:
-                return
+        live = _write_live(m, peer, live, lambda w: w.body, deadline)
+        live = _write_live(m, peer, live, lambda w: w.job.meta_plan, deadline)
     except Exception as exc:
         kind = "timeout" if isinstance(exc, TransferTimeout) else "transfer_error"
         together = f" (written together with {len(live) - 1} other rooms' chunks)" if len(live) > 1 else ""
@@ -432,18 +465,53 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
         return
     finally:
         seconds = time.monotonic() - start
-        for w in started:
+        for w in begun:
             w.sender._busy.pop(peer.peer_id, None)
             w.job.seconds += seconds
-    # The last chunk's Done says it landed too: no ChunkDone before it (one message, one wake-up
-    # of decode's host fewer per request). Decode is told first; the bookkeeping follows.
-    m.notify(peer, *(P.Done(room=w.sender.room) if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False)
-                     for w in live))
-    for w in live:
-        if w.job.totals:  # something was written
-            metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
-        if w.last:
-            with m.lock:
+            m.end_write(w.sender, peer)  # a room that failed meanwhile is fenced here
+    if not live:
+        return
+    with m.lock:  # failing a room takes the lock too: Done never follows Failed
+        live = [w for w in live if m.live(w.sender, peer)]
+        # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
+        # wake-up of decode's host fewer per request).
+        m.notify(peer, *(P.Done(room=w.sender.room) if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False)
+                         for w in live))
+        for w in live:
+            if w.last:
                 w.sender._unfinished -= 1
                 if w.sender._unfinished == 0:
                     m.finish(w.sender, Poll.SUCCESS)
+    for w in live:
+        if w.job.totals:  # something was written
+            metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
+
+
+def _write_live(
+    m: PrefillManager, peer: DecodePeer, writes: list[_ChunkWrite],
+    part: Callable[[_ChunkWrite], TransferPlan | None], deadline: float,
+) -> list[_ChunkWrite]:
+    """Write every live room's ``part`` together; return the rooms still live afterwards.
+
+    Before every batch the write checks that every room in it is live; when one
+    is not (it failed, or decode's lease lapsed for good), the write stops and
+    is redone for the rooms still live (their bytes again: the same bytes to
+    the same place). Each redo drops at least one room, so there are at most
+    ``len(writes)`` of them.
+    """
+    for _ in range(len(writes) + 1):
+        writes = [w for w in writes if m.live(w.sender, peer, wait=True)]
+        plan = TransferPlan.concat(p for w in writes if (p := part(w)) is not None)
+        if not writes or not len(plan):
+            return writes
+        try:
+            m.transport.write(peer.peer_id, plan, deadline, functools.partial(_all_live, m, peer, writes))
+            return writes
+        except TransferCancelled:
+            continue  # a room stopped being live (live() failed it and says why): redo without it
+    raise AssertionError("unreachable: every redo drops a room")  # pragma: no cover
+
+
+def _all_live(m: PrefillManager, peer: DecodePeer, writes: list[_ChunkWrite]) -> bool:
+    """Whether every room of a grouped write may start another batch (waits out a short lease lapse)."""
+    return all(m.live(w.sender, peer, wait=True) for w in writes)

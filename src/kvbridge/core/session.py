@@ -29,7 +29,10 @@ and mooncake (``kvbridge.core.plugins.BACKEND_PREFERENCE``).
 ``poll()`` never blocks and is monotone: BOOTSTRAPPING < WAITING_FOR_INPUT <
 TRANSFERRING < SUCCESS, with FAILED sticky; ``failure()`` gives the reason.
 Everything a manager holds for a room is released when the room reaches
-SUCCESS or FAILED (including by ``abort()`` or a timeout).
+SUCCESS or FAILED (including by ``abort()`` or a timeout). No byte of a room
+lands after FAILED: decode reports it once every prefill rank confirmed it
+stopped writing (``Fenced``) or ``fence_timeout`` passed, so ``abort()``
+returns at once and ``poll()`` says FAILED a little later (docs/failures.md).
 
 Commit point: prefill writes the KV pages and state of every chunk, then the
 metadata row, and only then sends ``Done``; decode reaches SUCCESS on ``Done``
@@ -41,6 +44,10 @@ Timeouts (:class:`SessionConfig`, seconds):
   ranks, and a prefill sender must receive decode's request, within it;
 - ``waiting_timeout`` (300): after ``init``, decode must see the room complete;
 - ``transfer_timeout`` (60): one chunk's write must complete within it;
+- ``fence_timeout`` (None: ``transfer_timeout + heartbeat_timeout``): how long
+  decode waits for prefill's ``Fenced`` before it reports a given-up room FAILED;
+- ``sender_grace`` (5): how long prefill keeps a request whose room has no
+  ``Sender`` before decode is told it failed;
 - ``heartbeat_interval`` (1) / ``heartbeat_timeout`` (5): decode pings each
   prefill rank it uses; either side declares the other dead after
   ``heartbeat_timeout`` of silence and fails every room shared with it.

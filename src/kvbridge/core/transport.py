@@ -23,12 +23,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, Union
 
 import numpy as np
 
 from . import gpu
-from .backend import Backend, BackendConfig, TransferError, TransferTimeout
+from .backend import _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout
 from .layout import Region
 from .plan import RegionTable, TransferPlan
 from .plugins import PluginError, get_registry, import_object
@@ -41,6 +42,13 @@ log = logging.getLogger(__name__)
 #: What a manager accepts as its backend.
 BackendChoice = Union[str, BackendSpec, Backend, None]
 
+#: Every batch stays within these, whatever the backend allows: the fence is
+#: checked between batches, so they bound what a prefill frozen inside an engine
+#: call can still write when it resumes after decode reported FAILED
+#: (docs/failures.md). Measured cost on nixl: within noise (docs/failures.md).
+FENCE_BATCH_DESCRIPTORS = 1024
+FENCE_BATCH_BYTES = 16 << 20
+
 
 class Transport:
     """A backend plus the policy core applies to every backend alike."""
@@ -52,8 +60,8 @@ class Transport:
         self.name = name
         self.capabilities = capabilities or type(backend).capabilities
         self.fast_path = fast_path
-        self._batch_descriptors = self.capabilities.batch_descriptors
-        self._batch_bytes = self.capabilities.max_bytes_per_batch
+        self._batch_descriptors = min(self.capabilities.batch_descriptors or FENCE_BATCH_DESCRIPTORS, FENCE_BATCH_DESCRIPTORS)
+        self._batch_bytes = min(self.capabilities.max_bytes_per_batch or FENCE_BATCH_BYTES, FENCE_BATCH_BYTES)
         self._regions: list[Region] = []
         # peer -> (its mapped GPU allocations, the one local device when every descriptor qualifies)
         self._gpu_peers: dict[str, tuple[gpu.GpuPeer, int | None]] = {}
@@ -113,48 +121,55 @@ class Transport:
     # -- writes -----------------------------------------------------------------------------
     def batches(self, plan: TransferPlan) -> list[TransferPlan]:
         """``plan`` as the backend will receive it: cut and split within the declared limits (views)."""
-        # A plan within every limit is one batch as it is (most requests: one chunk, one metadata row);
-        # cutting and slicing it cost more than the engine's own write of a few descriptors.
-        if (self._batch_descriptors is None or len(plan) <= self._batch_descriptors) and (
-            self._batch_bytes is None or plan.total_bytes <= self._batch_bytes
-        ):
+        # A plan within every limit (the fence's caps included) is one batch as it is (most requests:
+        # one chunk, one metadata row); cutting and slicing it cost more than the engine's own write.
+        if len(plan) <= self._batch_descriptors and plan.total_bytes <= self._batch_bytes:
             return [plan] if len(plan) else []
-        if self._batch_bytes is not None:
-            plan = plan.cut(self._batch_bytes)
+        plan = plan.cut(self._batch_bytes)
         return list(plan.batches(self._batch_descriptors, self._batch_bytes))
 
-    def write(self, peer: str, plan: TransferPlan, deadline: float) -> None:
-        """Write a validated ``plan`` into ``peer`` batch by batch; the deadline is checked before each.
+    def write(self, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None = None) -> None:
+        """Write a validated ``plan`` into ``peer`` batch by batch; deadline and ``live()`` are checked before each.
 
-        Raises :class:`TransferTimeout` once the deadline has passed (no
-        further batch is started) and passes on the backend's
-        :class:`TransferError`, saying how much had landed before.
+        Raises :class:`TransferTimeout` once the deadline has passed and
+        :class:`TransferCancelled` once ``live()`` is false (no further batch
+        is started either way: this is what fences a failed room), and passes
+        on the backend's :class:`TransferError`, saying how much had landed before.
         """
         route = self._gpu_peers.get(peer)
         if route is not None:
-            plan = self._copy_on_gpu(peer, *route, plan, deadline)
+            self._check(peer, deadline, live, "before it started")
+            plan = self._copy_on_gpu(peer, *route, plan, lambda: self._check(peer, deadline, live, "between GPU copy slices"))
         batches = self.batches(plan)
         landed = 0
-        for i, batch in enumerate(batches):
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(
-                    f"{self.name}: write to peer {peer!r} passed its deadline after {i} of {len(batches)} "
-                    f"batches ({landed} of {plan.total_bytes} B landed)"
-                )
-            try:
-                self.backend.write(peer, batch, deadline)
-            except TransferError as exc:
-                if i == 0:
-                    raise
-                raise type(exc)(f"{exc} (batch {i + 1} of {len(batches)}; the {i} before it, {landed} B, landed)") from exc
-            landed += batch.total_bytes
+        token = _live.set(live)  # the backend re-checks right before it posts (backend.may_post)
+        try:
+            for i, batch in enumerate(batches):
+                self._check(peer, deadline, live, f"after {i} of {len(batches)} batches ({landed} of {plan.total_bytes} B landed)")
+                try:
+                    self.backend.write(peer, batch, deadline)
+                except TransferError as exc:
+                    if i == 0:
+                        raise
+                    raise type(exc)(f"{exc} (batch {i + 1} of {len(batches)}; the {i} before it, {landed} B, landed)") from exc
+                landed += batch.total_bytes
+        finally:
+            _live.reset(token)
+
+    def _check(self, peer: str, deadline: float, live: Callable[[], bool] | None, where: str) -> None:
+        """The one check before every batch: the deadline, then whether the room is still live."""
+        if time.monotonic() >= deadline:
+            raise TransferTimeout(f"{self.name}: write to peer {peer!r} passed its deadline {where}")
+        if live is not None and not live():
+            raise TransferCancelled(f"{self.name}: write to peer {peer!r} stopped {where}: the room is no longer live")
 
     def _copy_on_gpu(
-        self, peer: str, mapped: gpu.GpuPeer, device: int | None, plan: TransferPlan, deadline: float
+        self, peer: str, mapped: gpu.GpuPeer, device: int | None, plan: TransferPlan, check: Callable[[], None]
     ) -> TransferPlan:
-        """Copy the descriptors GPU -> mapped peer GPU with the kernel; return the rest for the backend."""
-        if time.monotonic() >= deadline:
-            raise TransferTimeout(f"{self.name}: write to peer {peer!r} passed its deadline before it started")
+        """Copy the descriptors GPU -> mapped peer GPU with the kernel; return the rest for the backend.
+
+        ``check`` (deadline and liveness) runs before each slice is launched, as before each batch.
+        """
         if device is not None:  # every descriptor qualifies (decided per region at add_peer)
             groups = [(device, plan.factors())]  # as the planner left it: rows x columns, unexpanded
             rest = TransferPlan.empty()
@@ -171,7 +186,9 @@ class Transport:
             rest = TransferPlan(plan.src_addr[~fast], plan.dst_addr[~fast], plan.nbytes[~fast])
         for dev, parts in groups:
             try:
-                gpu.copy(dev, parts, mapped)
+                gpu.copy(dev, parts, mapped, check)
+            except (TransferTimeout, TransferCancelled):
+                raise
             except Exception as exc:
                 raise TransferError(f"{self.name}: GPU copy to peer {peer!r} failed: {exc}") from exc
         return rest

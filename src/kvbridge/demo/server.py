@@ -198,7 +198,7 @@ class RankServer:
             print("READY " + json.dumps(self.info), flush=True)
         try:
             while not self.stopping:
-                for msg in self._receive(busy=bool(self.jobs or self.waiting)):
+                for msg in self._receive(busy=bool(self.jobs or self.waiting or getattr(self, "fencing", None))):
                     self.handle(msg)
                 self.step()
         finally:
@@ -249,7 +249,7 @@ class RankServer:
             job = self.waiting[0]
             job.seq = self.caches.alloc(job.room, self.capacity(job))
             if job.seq is None:
-                if not self.jobs:  # nothing will ever be freed: it can never fit
+                if not self.jobs and not getattr(self, "fencing", None):  # nothing will ever be freed: it can never fit
                     self.waiting.pop(0)
                     self.finish(job, False, f"needs {self.capacity(job)} tokens of cache, more than this server has")
                     continue
@@ -388,6 +388,7 @@ class DecodeServer(RankServer):
     def start(self) -> None:
         self.manager = DecodeManager(self.kvargs, self.transfer.backend, config=self.transfer.session_config())
         self.faults = list(self.args.inject_fault)
+        self.fencing: list[DecodeJob] = []  # aborted, pages held until poll() says FAILED
 
     def check(self, msg: dict[str, Any]) -> str | None:
         n, bootstrap = msg.get("max_new_tokens"), msg.get("bootstrap")
@@ -411,6 +412,9 @@ class DecodeServer(RankServer):
         job.receiver.init(pages, state_indices=state, metadata_row=job.seq.row)
 
     def step(self) -> None:
+        for job in [j for j in self.fencing if j.receiver.poll() in (Poll.FAILED, Poll.SUCCESS)]:
+            self.fencing.remove(job)
+            self.caches.free(job.seq)
         self.admit()
         receiving = [j for j in self.jobs.values() if j.out is None]
         for job, state in zip(receiving, self.control.min([int(j.receiver.poll()) for j in receiving])):
@@ -458,7 +462,10 @@ class DecodeServer(RankServer):
             job.receiver.abort(reason or "failed")
         self.jobs.pop(job.room, None)
         if job.seq is not None:
-            self.caches.free(job.seq)
+            if job.receiver is not None and job.receiver.poll() not in (Poll.FAILED, Poll.SUCCESS):
+                self.fencing.append(job)  # prefill may still be writing its pages: free them at FAILED
+            else:
+                self.caches.free(job.seq)
         out = job.out or Output()
         self.reply({"op": "done", "room": job.room, "ok": ok, "reason": reason, "tokens": out.tokens,
                     "draft": out.draft if self.cfg.draft else [],

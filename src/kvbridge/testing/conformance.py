@@ -69,8 +69,8 @@ from kvbridge.testing.requirements import requires
 __all__ = ["BackendConformance", "requires"]
 
 #: How a prefill sender may fail when its decode dies or freezes mid-transfer.
-DEAD_PEER_REASON = (r"transfer of chunk \d+( \([^)]*\))? to '.+' failed: |transfer did not complete within "
-                    r"transfer_timeout=|decode peer '.+' sent no heartbeat")
+DEAD_PEER_REASON = (r"transfer of chunk \d+( \([^)]*\))? to '.+' failed: |transfer did not complete within transfer_timeout="
+                    r"|decode peer '.+' gave no sign of life for |decode peer '.+' sent nothing for ")
 PAGE, PAGES, BYTES = 256, 64, 4096  # in-process engine pair: a page region and a byte region per side
 ENGINE_TIMEOUT = 5.0  # BackendConfig.transfer_timeout of in-process engines, as in the e2e scenarios
 

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -130,12 +130,13 @@ def check_contract(cls: type) -> BackendSpec:
 class Child:
     """A driver process; its output goes to files so a full pipe never blocks it."""
 
-    def __init__(self, role: str, spec: Scenario | Spec, stem: Path, bootstrap: str | None, scale: float) -> None:
+    def __init__(self, role: str, spec: Scenario | Spec, stem: Path, bootstrap: str | None, scale: float,
+                 module: str | None = None, extra: Sequence[str] = ()) -> None:
         self.role = role
         self.scale = scale
         self.out_path, self.err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
-        module, flag = ("kvbridge.testing.hybrid", "--spec") if isinstance(spec, Spec) else ("kvbridge.testing.e2e", "--scenario")
-        cmd = [sys.executable, "-m", module, role, flag, msgspec.json.encode(spec).decode()]
+        default, flag = ("kvbridge.testing.hybrid", "--spec") if isinstance(spec, Spec) else ("kvbridge.testing.e2e", "--scenario")
+        cmd = [sys.executable, "-m", module or default, role, flag, msgspec.json.encode(spec).decode(), *extra]
         if bootstrap is not None:
             cmd += ["--bootstrap", bootstrap]
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:

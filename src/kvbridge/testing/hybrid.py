@@ -50,6 +50,8 @@ class Spec(msgspec.Struct, kw_only=True):
     extra_swa_pages: int = 0
     extra_slots: int = 0
     strict: bool = False
+    decode_strict: bool = False  # strict_index_lengths on decode only (negotiated: either side can ask)
+    omit_state: list[str] = []  # index spaces whose state list the prefill host leaves out
     c4_row_tokens: int = 3  # decode host rows; prefill device pages hold PAGE // RATIO = 2 (unaligned)
     timeout: float = 60.0
     # Sizes: tiny by default (tests).
@@ -209,9 +211,10 @@ def requests(spec: Spec) -> list[Request]:
     return out
 
 
-def config(spec: Spec) -> SessionConfig:
+def config(spec: Spec, side: str = "prefill") -> SessionConfig:
+    strict = spec.strict or (side == "decode" and spec.decode_strict)
     return SessionConfig(bootstrap_timeout=30, waiting_timeout=spec.timeout, transfer_timeout=30,
-                         heartbeat_interval=0.3, heartbeat_timeout=5, strict_index_lengths=spec.strict,
+                         heartbeat_interval=0.3, heartbeat_timeout=5, strict_index_lengths=strict,
                          backend_options=dict(spec.backend_options), gpu_fast_path=spec.gpu_fast_path)
 
 
@@ -257,15 +260,11 @@ def run_prefill(spec: Spec) -> int:
                 time.sleep(0.002)
             half = len(req.src_pages) // 2
             c4 = c4_token_indices(req.src_pages, PAGE // RATIO, req.tokens, RATIO)
+            # Every rank gets every list, as a host would pass them: core routes each
+            # pipeline stage its own index spaces.
+            state = {SWA_PAGE_SPACE: req.src_swa, SLOT_SPACE: req.src_slot, C4_SPACE: c4, C128_SPACE: req.src_slot}
+            state = {k: v for k, v in state.items() if k not in spec.omit_state}
             for (b, m), s in zip(ranks, senders):
-                state: dict[str, Any] = {}
-                if m.kvargs.index_spaces and any(x.name == SWA_PAGE_SPACE for x in m.kvargs.index_spaces):
-                    state[SWA_PAGE_SPACE] = req.src_swa
-                if any(x.name == SLOT_SPACE for x in m.kvargs.index_spaces):
-                    state[SLOT_SPACE] = req.src_slot
-                if any(x.name == C4_SPACE for x in m.kvargs.index_spaces):
-                    state[C4_SPACE] = c4
-                    state[C128_SPACE] = req.src_slot
                 if spec.layerwise:
                     s.send(req.src_pages[:half], layerwise=True)
                     for layer, draft in s.layers:
@@ -293,7 +292,7 @@ def run_decode(spec: Spec, bootstrap: str) -> int:
     for r in range(spec.decode_tp):
         b = Buffers(spec, r, spec.decode_tp, None, "decode", zero=True)
         args = describe(b.pools, draft_pools=b.draft_pools, dtype="bf16", page_size=PAGE, tp_rank=r, tp_size=spec.decode_tp)
-        ranks.append((b, DecodeManager(args, spec.backend, config=config(spec))))
+        ranks.append((b, DecodeManager(args, spec.backend, config=config(spec, "decode"))))
     deadline = time.monotonic() + spec.timeout
     reqs = requests(spec)
     result: dict[str, Any] = {"role": "decode", "rooms": {}, "mismatches": [], "latency_s": [], "bytes_by_state": {}}

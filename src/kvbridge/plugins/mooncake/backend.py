@@ -42,7 +42,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvbridge.core.backend import Backend, BackendConfig, TransferError, TransferTimeout
+from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
 from kvbridge.core.enginelog import engine_level, routed_stderr
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
@@ -156,8 +156,10 @@ class MooncakeBackend(Backend):
             known = ", ".join(sorted(self._peers)) or "none"
             raise TransferError(f"mooncake: unknown peer {peer!r} (known peers: {known}); call add_peer first")
         # tolist() converts whole arrays in C; the engine wants Python int lists.
-        rc = engine.batch_transfer_sync_write(session, batch.src_addr.tolist(), batch.dst_addr.tolist(),
-                                              batch.nbytes.tolist())
+        src, dst, nbytes = batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist()
+        if not may_post():
+            raise TransferCancelled(f"mooncake: write to peer {peer!r} not posted: its room is no longer live")
+        rc = engine.batch_transfer_sync_write(session, src, dst, nbytes)
         if rc != 0:
             error = TransferTimeout if time.monotonic() > deadline else TransferError
             raise error(

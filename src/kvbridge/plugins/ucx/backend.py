@@ -89,7 +89,7 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from kvbridge.core.backend import Backend, BackendConfig, TransferError, TransferTimeout
+from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
 from kvbridge.core.records import BackendCapabilities
@@ -303,6 +303,8 @@ class UcxBackend(Backend):
         put, free, err_min = ucp.lib.ucp_put_nbx, ucp.lib.ucp_request_free, ucp.ERR_PTR_MIN
         handle, param = p.endpoint.handle, byref(self._put_param)
         t0 = time.monotonic()
+        if not may_post():
+            raise TransferCancelled(f"ucx: write to peer {p.name!r} not posted: its room is no longer live")
         p.dirty = True
         for i, s, d, k, r in zip(range(n), batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist(),
                                  rkeys.tolist()):

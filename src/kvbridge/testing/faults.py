@@ -1,0 +1,393 @@
+"""The fault matrix: kill or freeze one side mid-transfer or between requests, time the survivor.
+
+For every backend, fault and phase, one real victim process (a driver of this
+module) and a survivor in the calling process:
+
+- ``decode-kill`` / ``decode-freeze``: the survivor is a prefill rank, the
+  victim a decode; ``prefill-kill`` / ``prefill-freeze`` the other way round;
+  ``bootstrap-gone``: a decode asks a bootstrap endpoint whose process died.
+- ``mid-transfer``: the fault hits while the room's pages are being written
+  (the prefill host has not sent the last chunk); ``between``: after one room
+  succeeded and before the next.
+
+Each cell reports the survivor's time from the fault to FAILED (with the
+reason), the *late writes* (decode pages of a FAILED room that changed after
+FAILED was reported, counted by whichever side is decode, after a frozen
+victim resumed), whether a frozen prefill reported SUCCESS for a room decode
+had failed, and whether the survivor then served a fresh peer and (frozen
+victims) the resumed one. ``python -m kvbridge.testing.faults`` runs the whole
+matrix and prints the table; ``tests/test_faults.py`` runs a sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvbridge.core.bootstrap import BootstrapServer
+from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
+from kvbridge.core.transport import FENCE_BATCH_DESCRIPTORS
+from kvbridge.testing.e2e import Pools, Scenario, prefill_pools, schedule
+
+FAULTS = ("decode-kill", "decode-freeze", "prefill-kill", "prefill-freeze", "bootstrap-gone")
+PHASES = ("mid-transfer", "between")
+BOUND = 5.0  # seconds: the survivor must reach FAILED within this
+SETTLE = 2.0  # seconds a victim watches a FAILED room's pages after FAILED (and after it resumed)
+
+#: Short timeouts, so a fault ends in FAILED within BOUND: heartbeat 1 s, fence 2 + 1 s.
+MATRIX = Scenario(
+    backend="?", layers=2, page_nbytes=64, prefill_pages=32768, decode_pages=16384, requests=3, max_pages=16384,
+    concurrency=1, max_chunks=1, bootstrap_timeout=4.0, waiting_timeout=60.0, transfer_timeout=2.0,
+    heartbeat_interval=0.2, heartbeat_timeout=1.0, deadline=60.0,
+)
+
+
+def scenario(backend: str, options: dict[str, str] | None = None) -> Scenario:
+    """:data:`MATRIX` for ``backend`` whose first request has at least 10,000 pages (seconds of writes on slow engines)."""
+    sc = msgspec.structs.replace(MATRIX, backend=backend, backend_options=dict(options or {}))
+    return next(s for s in (msgspec.structs.replace(sc, seed=i) for i in range(200))
+                if len(schedule(s)[0].src_pages) >= 10_000)
+
+
+SMALL = 256  # pages of every other room: well within transfer_timeout on every engine
+
+
+def sizes(sc: Scenario, big: bool) -> list[int]:
+    """Pages per room of the schedule: the first keeps its size when ``big`` (the write to interrupt)."""
+    return [len(r.src_pages) if big and i == 0 else min(SMALL, len(r.src_pages)) for i, r in enumerate(schedule(sc))]
+
+
+def source_pages(n: int) -> np.ndarray:
+    """Every other source page: nothing coalesces, one descriptor per page and region."""
+    return np.arange(n) * 2
+
+
+def _line(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+# -- victims --------------------------------------------------------------------------------------
+def run_decode(sc: Scenario, bootstrap: str, gap: float, big: bool) -> int:
+    """Each room in turn; a FAILED room's pages are watched for SETTLE seconds after FAILED."""
+    pools = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
+    mgr = DecodeManager(pools.kvargs, sc.backend, config=sc.session_config())
+    try:
+        for req, n in zip(schedule(sc), sizes(sc, big)):
+            pools.reset()
+            recv = Receiver(mgr, req.room, bootstrap=bootstrap)
+            recv.init(np.arange(n), metadata_row=0)
+            deadline = time.monotonic() + sc.deadline
+            while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            late = None
+            if recv.poll() == Poll.FAILED:
+                at_failed = [a.copy() for a in (*pools.kv, pools.meta)]
+                time.sleep(SETTLE)
+                late = int(sum((a != b).any(axis=1).sum() for a, b in zip((*pools.kv, pools.meta), at_failed)))
+            _line(room=req.room, state=recv.poll().name, reason=recv.failure(), late_pages=late)
+            time.sleep(gap)
+    finally:
+        mgr.close()
+    return 0
+
+
+def run_prefill(sc: Scenario, gap: float, big: bool) -> int:
+    """Each room in turn: all pages but the last as one chunk, then the last page and the metadata row."""
+    pools = prefill_pools(sc)
+    server = BootstrapServer("127.0.0.1")
+    print(f"BOOTSTRAP {server.address}", flush=True)
+    mgr = PrefillManager(pools.kvargs, sc.backend, bootstrap=server.address, config=sc.session_config())
+    try:
+        for req, n in zip(schedule(sc), sizes(sc, big)):
+            sender = Sender(mgr, req.room, metadata_row=0)
+            deadline = time.monotonic() + sc.deadline
+            while sender.poll() == Poll.BOOTSTRAPPING and time.monotonic() < deadline:
+                time.sleep(0.001)
+            pages = source_pages(n)
+            sender.send(pages[:-1])
+            sender.send(pages[-1:], last=True)
+            while sender.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            _line(room=req.room, state=sender.poll().name, reason=sender.failure())
+            time.sleep(gap)
+    finally:
+        mgr.close()
+        server.close()
+    return 0
+
+
+# -- the survivor's side of one cell ------------------------------------------------------------------
+class Cell(msgspec.Struct, kw_only=True):
+    backend: str
+    fault: str
+    phase: str
+    survivor_failed_s: float | None = None  # fault -> survivor's room FAILED (or peer dropped, between requests)
+    reason: str | None = None
+    late_pages: int | None = None
+    prefill_success_after_decode_failed: bool = False
+    served_fresh_peer: bool | None = None
+    resumed_peer_served: bool | None = None
+    error: str | None = None
+
+    @property
+    def late_allowed(self) -> int:
+        """Late pages the guarantee allows: none, except from a prefill frozen inside an engine call
+        (mid-transfer), which may finish that one batch when it resumes (docs/failures.md)."""
+        return FENCE_BATCH_DESCRIPTORS if (self.fault, self.phase) == ("prefill-freeze", "mid-transfer") else 0
+
+    @property
+    def ok(self) -> bool:
+        return (self.error is None and self.survivor_failed_s is not None and self.survivor_failed_s <= BOUND
+                and (self.late_pages or 0) <= self.late_allowed and not self.prefill_success_after_decode_failed
+                and self.served_fresh_peer is not False and self.resumed_peer_served is not False)
+
+
+def _wait(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{what}: not within {timeout}s")
+        time.sleep(0.002)
+    return time.monotonic() - t0
+
+
+def _sender(mgr: PrefillManager, room: int, what: str) -> Sender:
+    """The room's sender, created once decode's request is here: a victim process that starts
+    slowly (a loaded machine) must not use up the sender's bootstrap_timeout."""
+    _wait(lambda: mgr.requested(room), 30.0, what)
+    return Sender(mgr, room)
+
+
+def _rooms(child: Any, n: int, timeout: float) -> list[dict[str, Any]]:
+    """The first ``n`` per-room JSON lines a victim printed (waiting for them)."""
+    def lines() -> list[dict[str, Any]]:
+        return [json.loads(x) for x in child.stdout().splitlines() if x.startswith("{")]
+    _wait(lambda: len(lines()) >= n or child.proc.poll() is not None, timeout, f"{child.role}'s room {n}")
+    got = lines()
+    if len(got) < n:
+        raise RuntimeError(f"{child.role} exited with {child.proc.returncode}: {child.stderr()[-2000:]}")
+    return got[:n]
+
+
+def run_cell(backend: str, fault: str, phase: str, workdir: Path, options: dict[str, str] | None = None) -> Cell:
+    from kvbridge.testing.harness import Child  # pytest-free import path kept narrow
+
+    cell = Cell(backend=backend, fault=fault, phase=phase)
+    sc = scenario(backend, options)
+    started: list[Child] = []
+
+    def child(role: str, bootstrap: str | None = None, gap: float = 0.0, big: bool = False) -> Child:
+        c = Child(role, sc, workdir / f"{len(started)}-{role}", bootstrap, 1.0, module="kvbridge.testing.faults",
+                  extra=["--gap", str(gap)] + (["--big"] if big else []))
+        started.append(c)
+        return c
+
+    try:
+        if fault.startswith("decode"):
+            _decode_victim(cell, sc, fault, phase, child)
+        elif fault.startswith("prefill"):
+            _prefill_victim(cell, sc, fault, phase, child)
+        else:
+            _bootstrap_gone(cell, sc, child)
+    except Exception as exc:  # one cell's failure is reported in its row, the matrix goes on
+        cell.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for c in started:
+            c.kill()
+    return cell
+
+
+def _decode_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Callable[..., Any]) -> None:
+    pools = prefill_pools(sc)
+    server = BootstrapServer("127.0.0.1")
+    mgr = PrefillManager(pools.kvargs, sc.backend, bootstrap=server.address, config=sc.session_config())
+    try:
+        reqs = schedule(sc)
+        big = phase == "mid-transfer"
+        n = sizes(sc, big)
+        victim = child("decode", server.address, gap=3.0 if phase == "between" else 0.0, big=big)
+        sender = _sender(mgr, reqs[0].room, "decode's request")
+        _wait(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "decode's request")
+        if phase == "between":
+            sender.send(source_pages(n[0]), last=True)
+            _wait(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "first room")
+            _rooms(victim, 1, 30.0)
+            peer = mgr.peers()[0]
+        else:
+            sender.send(source_pages(n[0] - 1))  # the host is still prefilling: never the last
+            time.sleep(0.02)  # the write is under way
+        t0 = time.monotonic()
+        victim.freeze() if fault.endswith("freeze") else victim.kill()
+        if phase == "between":
+            cell.survivor_failed_s = _wait(lambda: peer not in mgr.peers(), 30.0, "prefill dropping the decode")
+            cell.reason = "peer dropped"
+        else:
+            _wait(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "prefill's room")
+            cell.survivor_failed_s = time.monotonic() - t0
+            cell.reason = sender.failure() if sender.poll() == Poll.FAILED else "SUCCESS"
+            if sender.poll() != Poll.FAILED:
+                cell.survivor_failed_s = None
+        if fault.endswith("freeze"):
+            victim.thaw()
+            if phase == "mid-transfer":
+                (room,) = _rooms(victim, 1, 30.0)
+                cell.late_pages = room["late_pages"]
+            # The resumed decode's next room: a new sender on this side, served in full.
+            nxt = _sender(mgr, reqs[1].room, "the resumed decode's next request")
+            _wait(lambda: nxt.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "the resumed decode's next request")
+            nxt.send(source_pages(n[1]), last=True)
+            _wait(lambda: nxt.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the resumed decode's next room")
+            cell.resumed_peer_served = nxt.poll() == Poll.SUCCESS
+            victim.kill()
+        cell.served_fresh_peer = _serve_fresh_decode(mgr, sc, server.address, child)
+    finally:
+        mgr.close()
+        server.close()
+
+
+def _serve_fresh_decode(mgr: PrefillManager, sc: Scenario, address: str, child: Callable[..., Any]) -> bool:
+    fresh = child("decode", address)
+    req = schedule(sc)[0]  # the fresh decode runs the same schedule: serve its first room
+    sender = _sender(mgr, req.room, "the fresh decode's request")
+    _wait(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "the fresh decode's request")
+    sender.send(source_pages(sizes(sc, False)[0]), last=True)
+    _wait(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh decode's room")
+    (room,) = _rooms(fresh, 1, 30.0)
+    fresh.kill()
+    return sender.poll() == Poll.SUCCESS and room["state"] == "SUCCESS"
+
+
+def _prefill_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Callable[..., Any]) -> None:
+    pools = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
+    mgr = DecodeManager(pools.kvargs, sc.backend, config=sc.session_config())
+    try:
+        reqs = schedule(sc)
+        big = phase == "mid-transfer"
+        n = sizes(sc, big)
+        victim = child("prefill", big=big)
+        address = victim.bootstrap
+        first = Receiver(mgr, reqs[0].room, bootstrap=address)
+        first.init(np.arange(n[0]), metadata_row=0)
+        if phase == "between":
+            _wait(lambda: first.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "first room")
+            if first.poll() != Poll.SUCCESS:
+                raise RuntimeError(f"first room failed: {first.failure()}")
+            pools.reset()
+            recv = Receiver(mgr, reqs[1].room, bootstrap=address)
+            _wait(lambda: recv.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "second handshake")
+        else:
+            recv = first
+            _wait(lambda: recv.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "handshake")
+            time.sleep(0.05)  # the prefill host has sent its chunk: the write is under way
+        t0 = time.monotonic()
+        victim.freeze() if fault.endswith("freeze") else victim.kill()
+        if phase == "between":
+            recv.init(np.arange(n[1]), metadata_row=0)
+        _wait(lambda: recv.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "decode's room")
+        cell.survivor_failed_s = time.monotonic() - t0 if recv.poll() == Poll.FAILED else None
+        cell.reason = recv.failure() if recv.poll() == Poll.FAILED else "SUCCESS"
+        if recv.poll() == Poll.FAILED:
+            at_failed = [a.copy() for a in (*pools.kv, pools.meta)]
+        if fault.endswith("freeze"):
+            victim.thaw()
+            if recv.poll() == Poll.FAILED:
+                done = 2 if phase == "between" else 1
+                lines = _rooms(victim, done, 30.0)
+                time.sleep(SETTLE)
+                cell.late_pages = int(sum((a != b).any(axis=1).sum() for a, b in zip((*pools.kv, pools.meta), at_failed)))
+                cell.prefill_success_after_decode_failed = lines[-1]["state"] == "SUCCESS"
+                # The resumed prefill serves this decode's next room (a new handshake).
+                pools.reset()
+                nxt = Receiver(mgr, reqs[done].room, bootstrap=address)
+                nxt.init(np.arange(n[done]), metadata_row=0)
+                _wait(lambda: nxt.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the resumed prefill's next room")
+                cell.resumed_peer_served = nxt.poll() == Poll.SUCCESS
+            victim.kill()
+        # A fresh prefill process: this decode handshakes with it and is served.
+        fresh = child("prefill")
+        pools.reset()
+        again = Receiver(mgr, reqs[0].room, bootstrap=fresh.bootstrap)
+        again.init(np.arange(sizes(sc, False)[0]), metadata_row=0)
+        _wait(lambda: again.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh prefill's room")
+        cell.served_fresh_peer = again.poll() == Poll.SUCCESS
+    finally:
+        mgr.close()
+
+
+def _bootstrap_gone(cell: Cell, sc: Scenario, child: Callable[..., Any]) -> None:
+    pools = Pools(sc, sc.decode_pages, meta_rows=sc.concurrency)
+    mgr = DecodeManager(pools.kvargs, sc.backend, config=sc.session_config())
+    try:
+        victim = child("prefill")
+        address = victim.bootstrap
+        victim.kill()
+        t0 = time.monotonic()
+        n = sizes(sc, False)
+        recv = Receiver(mgr, schedule(sc)[0].room, bootstrap=address)
+        recv.init(np.arange(n[0]), metadata_row=0)
+        _wait(lambda: recv.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "decode's room")
+        cell.survivor_failed_s = time.monotonic() - t0
+        cell.reason = recv.failure()
+        fresh = child("prefill")
+        again = Receiver(mgr, schedule(sc)[0].room, bootstrap=fresh.bootstrap)
+        again.init(np.arange(n[0]), metadata_row=0)
+        _wait(lambda: again.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh prefill's room")
+        cell.served_fresh_peer = again.poll() == Poll.SUCCESS
+    finally:
+        mgr.close()
+
+
+def cells(backends: list[str]) -> list[tuple[str, str, str]]:
+    out = []
+    for backend in backends:
+        for fault in FAULTS:
+            for phase in (PHASES if fault != "bootstrap-gone" else ("handshake",)):
+                out.append((backend, fault, phase))
+    return out
+
+
+def table(results: list[Cell]) -> str:
+    head = f"{'backend':9} {'fault':15} {'phase':13} {'to FAILED':>9} {'late':>5} {'fresh':>5} {'resumed':>7}  ok  reason"
+    rows = [head, "-" * len(head)]
+    for c in results:
+        t = f"{c.survivor_failed_s:8.2f}s" if c.survivor_failed_s is not None else "       -"
+        yn = {True: "yes", False: "NO", None: "-"}
+        why = c.error or c.reason or ""
+        rows.append(f"{c.backend:9} {c.fault:15} {c.phase:13} {t:>9} {str(c.late_pages if c.late_pages is not None else '-'):>5} "
+                    f"{yn[c.served_fresh_peer]:>5} {yn[c.resumed_peer_served]:>7}  {'ok' if c.ok else 'NO'}  {why[:90]}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvbridge.testing.faults", description=__doc__.split("\n")[0])
+    parser.add_argument("role", nargs="?", default="matrix", choices=["matrix", "decode", "prefill"])
+    parser.add_argument("--backend", action="append", help="backends for the matrix (default: mooncake and nixl)")
+    parser.add_argument("--scenario", help="victims: the Scenario as JSON")
+    parser.add_argument("--bootstrap", help="decode victim: the prefill bootstrap address")
+    parser.add_argument("--gap", type=float, default=0.0, help="victims: seconds to wait after each room")
+    parser.add_argument("--big", action="store_true", help="victims: the first room keeps its (large) size")
+    args = parser.parse_args(argv)
+    if args.role == "decode":
+        return run_decode(msgspec.json.decode(args.scenario, type=Scenario), args.bootstrap, args.gap, args.big)
+    if args.role == "prefill":
+        return run_prefill(msgspec.json.decode(args.scenario, type=Scenario), args.gap, args.big)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvbridge-faults-") as tmp:
+        for backend, fault, phase in cells(args.backend or ["mooncake", "nixl"]):
+            results.append(run_cell(backend, fault, phase, Path(tmp)))
+            print(table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    print(table(results))
+    return 0 if all(c.ok for c in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
