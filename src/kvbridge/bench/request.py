@@ -46,6 +46,7 @@ from kvbridge import ui
 from kvbridge.bench import common
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.room import Room
 from kvbridge.core.session import (
     KV_PAGE_SPACE,
     METADATA_SPACE,
@@ -226,22 +227,27 @@ def serve_cell(mgr: PrefillManager, c: int, cell: Cell, deadline: float) -> list
     problems: list[str] = []
     window = 2 * cell.inflight
     live: dict[int, tuple[Sender, int]] = {}
+    seen: dict[Room, Poll] = {}  # the state each sender had when this host last acted on it
     created = done = 0
     while done < cell.requests and time.monotonic() < deadline:
         while created < cell.requests and len(live) < window:
             s = Sender(mgr, room_id(c, created), metadata_row=0)
             live[s.room] = (s, created)
+            seen[s] = Poll.BOOTSTRAPPING
             created += 1
-        mgr.wait_any([s for s, _ in live.values()], 1.0)
+        mgr.wait_any(list(seen), 1.0, seen)
         for room, (s, i) in list(live.items()):
             state = s.poll()
             if state == Poll.WAITING_FOR_INPUT:
                 s.send(src_pages(cell, i), last=True)
-            elif state in (Poll.SUCCESS, Poll.FAILED):
+                state = s.poll()
+            if state in (Poll.SUCCESS, Poll.FAILED):
                 if state == Poll.FAILED:
                     problems.append(f"prefill room {room}: {s.failure()}")
-                del live[room]
+                del live[room], seen[s]
                 done += 1
+            else:
+                seen[s] = state
     if done < cell.requests:
         problems.append(f"prefill served {done} of {cell.requests} requests before the deadline")
     return problems

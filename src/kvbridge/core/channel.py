@@ -15,6 +15,7 @@ into a counted, logged, and where possible answered rejection.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -104,8 +105,9 @@ class IOLoop:
         next_tick = time.monotonic() + self._tick_interval
         try:
             while not self._stop.is_set():
-                timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
-                events = dict(self._poller.poll(int(timeout_ms)))
+                # Rounded up: truncated, the last millisecond before each tick polled with 0 (a busy loop).
+                timeout_ms = max(0, math.ceil((next_tick - time.monotonic()) * 1000))
+                events = dict(self._poller.poll(timeout_ms))
                 if self._wake_r in events:
                     try:
                         os.read(self._wake_r, 65536)
@@ -145,6 +147,9 @@ class IOLoop:
         # Bounded: at most 256 messages per socket per wake-up so one chatty peer
         # cannot starve the others or the tick.
         for _ in range(256):
+            # Asking first is cheaper than the zmq.Again exception that would end every wake-up.
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -133,7 +133,9 @@ class TransferManager(Generic[R]):
         #: Guards every room and peer table; rooms and workers take it too.
         self.lock = threading.RLock()
         #: Notified whenever one of this manager's rooms changes state (``Room.wait``, ``wait_any``).
-        self.changed = threading.Condition(self.lock)
+        #: Its own lock, not ``lock``: a woken host then runs at once instead of waiting for the
+        #: notifying thread to leave ``lock`` (states only move forward and are read without it).
+        self.changed = threading.Condition(threading.Lock())
         self.rooms: dict[int, R] = {}
         self.closed = False
         self.loop = IOLoop(
@@ -152,18 +154,24 @@ class TransferManager(Generic[R]):
         """Send ``msg`` on the channel ``channel()`` returns, from the I/O thread (any thread may call)."""
         self.loop.send(channel, P.encode(msg), ident)
 
-    def wait_any(self, rooms: Iterable[Room], timeout: float) -> None:
-        """Block until one of ``rooms`` changes state (or is final already) or ``timeout`` seconds pass.
+    def wait_any(self, rooms: Iterable[Room], timeout: float, seen: Mapping[Room, Poll] | None = None) -> None:
+        """Block until one of ``rooms`` is final or in another state than ``seen`` says, or ``timeout`` seconds pass.
 
-        For a host serving many rooms from one thread: wake on the change, then poll them.
+        For a host serving many rooms from one thread: wake on the change, then poll them. ``seen``
+        holds the states the host last acted on (a room missing from it: its state now). Pass it when
+        a room may change between the host's poll and this call (a sender becoming ready to send):
+        without it that change is the baseline, and the wait lasts until the room's next change.
         """
         rooms = list(rooms)
-        seen = {id(r): r.poll() for r in rooms}
-        pending = [r for r in rooms if not r.final]
-        if len(pending) < len(seen):
+        last = {id(r): seen[r] if seen is not None and r in seen else r.poll() for r in rooms}
+
+        def moved() -> bool:
+            return any(r.final or r.poll() != last[id(r)] for r in rooms)
+
+        if moved():
             return
         with self.changed:
-            self.changed.wait_for(lambda: any(r.poll() != seen[id(r)] for r in pending), timeout)
+            self.changed.wait_for(moved, timeout)
 
     def add_room(self, room: R) -> None:
         """Register a new room (a Sender or Receiver being created)."""

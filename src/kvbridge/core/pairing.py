@@ -25,6 +25,8 @@ from the two regions' :class:`~kvbridge.core.layout.Shard` and TP positions:
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -53,7 +55,7 @@ class _Group:
     segments: npt.NDArray[np.int64]  # (S, 3): src_offset, dst_offset, nbytes
     whole_items: bool  # one segment covering equal-sized items: plan by coalesced runs
 
-    @property
+    @functools.cached_property
     def index_nbytes(self) -> int:
         """Bytes one index moves across the group's regions (coalescing never changes it)."""
         return int(self.src_bases.size * self.segments[:, 2].sum())

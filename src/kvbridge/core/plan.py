@@ -48,10 +48,12 @@ def coalesce_runs(src_idx: npt.ArrayLike, dst_idx: npt.ArrayLike) -> tuple[IntAr
 def _runs(src: IntArray, dst: IntArray) -> tuple[IntArray, IntArray, IntArray]:
     """:func:`coalesce_runs` of checked, equally long int64 lists."""
     n = src.size
-    if n == 0:
-        empty = np.empty(0, np.int64)
-        return empty, empty.copy(), empty.copy()
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    if n <= 1:  # no index or one (a metadata row, a 1-page request): one run or none, no numpy calls
+        return src.copy(), dst.copy(), np.ones(n, np.int64)
+    # Slices rather than np.diff: on the few-index lists of small requests its call overhead dominated.
+    breaks = np.flatnonzero((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)) + 1
+    if not breaks.size:
+        return src[:1].copy(), dst[:1].copy(), np.array([n], np.int64)
     starts = np.concatenate(([0], breaks))
     run_len = np.diff(np.concatenate((starts, [n])))
     return src[starts], dst[starts], run_len
@@ -455,7 +457,7 @@ def _plan_pages(src_b: IntArray, dst_b: IntArray, item: IntArray, src_idx: IntAr
     src_start, dst_start, run_len = _runs(src_idx, dst_idx)
     if src_start.size == 0 or item.size == 0:
         return TransferPlan.empty()
-    if (item == item[0]).all():
+    if item.size == 1 or (item == item[0]).all():
         # Rows are region pairs, columns are runs: kept as an outer sum and
         # expanded batch by batch where it is written (TransferPlan.batches).
         it = item[0]

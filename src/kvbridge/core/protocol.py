@@ -125,7 +125,7 @@ class TransferRequest(_Msg, tag="transfer_request", frozen=True):
 
 
 class ChunkDone(_Msg, tag="chunk_done", frozen=True):
-    """Prefill -> decode: chunk ``chunk`` of ``room`` has landed."""
+    """Prefill -> decode: chunk ``chunk`` of ``room`` has landed (not sent for the last chunk: ``Done`` says it)."""
 
     room: int
     chunk: int

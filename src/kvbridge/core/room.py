@@ -52,7 +52,7 @@ class Room:
         self.ended: float | None = None
         self._state = Poll.BOOTSTRAPPING
         self._reason: str | None = None
-        #: Notified on every change of state; its lock is the manager's (set by Sender and Receiver).
+        #: Notified on every change of state: the manager's ``changed`` (set when the room is added to it).
         self.changed: threading.Condition | None = None
 
     def poll(self) -> Poll:

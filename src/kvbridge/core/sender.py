@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from .metrics import metrics
 from .pairing import Route
 from .plan import Indices, PlanError, TransferPlan
 from .room import Poll, Room
+from .worker import Group
 
 if TYPE_CHECKING:
     from .manager import SessionConfig
@@ -212,7 +213,8 @@ class Sender(Room):
                 self._layered = _LayeredChunk(chunk, last, jobs)
                 return
         for job in jobs:
-            job.peer.worker.submit(functools.partial(self._write_chunk, job, chunk, last))
+            # Grouped: chunks of other rooms queued for this peer meanwhile go out in the same writes.
+            job.peer.worker.submit(Group(_write_chunks, _ChunkWrite(self, job, chunk, last, job.plan)))
 
     @property
     def layers(self) -> tuple[tuple[int, bool], ...]:
@@ -416,22 +418,100 @@ class Sender(Room):
 
     def _write_chunk(self, job: _Job, chunk: int, last: bool, layered: bool = False) -> None:
         """Write the chunk (layer-wise: what had no layer), then (last) the metadata row; then tell the decode rank."""
-        m = self.manager
-        peer = job.peer
-        body = job.layered.group(m.layer_index.tail) if layered and job.layered is not None else job.plan
-        if not self._write(job, [body, job.meta_plan], f"chunk {chunk}"):
-            return
-        if job.totals:  # something was written
-            metrics().transfer(m.backend_name, job.totals, job.seconds)
-        with m.lock:  # failing the room takes the lock too: Done never follows Failed
-            if not m.live(self, peer):
-                return
-            done = P.ChunkDone(room=self.room, chunk=chunk, last=last)
-            if not last:
-                m.notify(peer, done)
-            else:
-                # One hand-off to the I/O thread for both messages (profiled: each hand-off costs ~50 us).
-                m.notify(peer, done, P.Done(room=self.room))
-                self._unfinished -= 1
-                if self._unfinished == 0:
-                    m.finish(self, Poll.SUCCESS)
+        body = job.layered.group(self.manager.layer_index.tail) if layered and job.layered is not None else job.plan
+        _write_chunks([_ChunkWrite(self, job, chunk, last, body)])
+
+
+@dataclass
+class _ChunkWrite:
+    """One room's chunk for one peer: ``body`` (the chunk, or what a layer-wise chunk had without a layer)."""
+
+    sender: Sender
+    job: _Job
+    chunk: int
+    last: bool
+    body: TransferPlan
+
+
+def _write_chunks(writes: list[_ChunkWrite]) -> None:
+    """Chunks queued back to back for one peer (on its worker): every chunk's bytes in one write, then
+    every metadata row in a second (so each row still lands after its pages), then decode is told
+    with one hand-off to the I/O thread.
+
+    With many small requests in flight this is one backend write (and one NIXL request) for many
+    rooms instead of two per room. The fence stays per room: each room's write is counted
+    (``begin_write``/``end_write``), a batch starts only while every room in it is live, and a room
+    that stopped being live is left out of the rest (:func:`_write_live`). A failed write fails every
+    room in it; ``Done`` goes only to rooms still live, under the lock, so it never follows ``Failed``.
+    """
+    m = writes[0].sender.manager
+    peer = writes[0].job.peer
+    begun = [w for w in writes if m.begin_write(w.sender, peer)]
+    if not begun:
+        return
+    live = begun
+    start = time.monotonic()
+    deadline = start + m.config.transfer_timeout
+    for w in begun:
+        w.sender._busy[peer.peer_id] = start
+    try:
+        live = _write_live(m, peer, live, lambda w: w.body, deadline)
+        live = _write_live(m, peer, live, lambda w: w.job.meta_plan, deadline)
+    except Exception as exc:
+        kind = "timeout" if isinstance(exc, TransferTimeout) else "transfer_error"
+        together = f" (written together with {len(live) - 1} other rooms' chunks)" if len(live) > 1 else ""
+        for w in live:
+            m.fail_sender(w.sender, f"transfer of chunk {w.chunk} to {peer.peer_id!r} failed: {exc}{together}", kind)
+        return
+    finally:
+        seconds = time.monotonic() - start
+        for w in begun:
+            w.sender._busy.pop(peer.peer_id, None)
+            w.job.seconds += seconds
+            m.end_write(w.sender, peer)  # a room that failed meanwhile is fenced here
+    if not live:
+        return
+    with m.lock:  # failing a room takes the lock too: Done never follows Failed
+        live = [w for w in live if m.live(w.sender, peer)]
+        # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
+        # wake-up of decode's host fewer per request).
+        m.notify(peer, *(P.Done(room=w.sender.room) if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False)
+                         for w in live))
+        for w in live:
+            if w.last:
+                w.sender._unfinished -= 1
+                if w.sender._unfinished == 0:
+                    m.finish(w.sender, Poll.SUCCESS)
+    for w in live:
+        if w.job.totals:  # something was written
+            metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
+
+
+def _write_live(
+    m: PrefillManager, peer: DecodePeer, writes: list[_ChunkWrite],
+    part: Callable[[_ChunkWrite], TransferPlan | None], deadline: float,
+) -> list[_ChunkWrite]:
+    """Write every live room's ``part`` together; return the rooms still live afterwards.
+
+    Before every batch the write checks that every room in it is live; when one
+    is not (it failed, or decode's lease lapsed for good), the write stops and
+    is redone for the rooms still live (their bytes again: the same bytes to
+    the same place). Each redo drops at least one room, so there are at most
+    ``len(writes)`` of them.
+    """
+    for _ in range(len(writes) + 1):
+        writes = [w for w in writes if m.live(w.sender, peer, wait=True)]
+        plan = TransferPlan.concat(p for w in writes if (p := part(w)) is not None)
+        if not writes or not len(plan):
+            return writes
+        try:
+            m.transport.write(peer.peer_id, plan, deadline, functools.partial(_all_live, m, peer, writes))
+            return writes
+        except TransferCancelled:
+            continue  # a room stopped being live (live() failed it and says why): redo without it
+    raise AssertionError("unreachable: every redo drops a room")  # pragma: no cover
+
+
+def _all_live(m: PrefillManager, peer: DecodePeer, writes: list[_ChunkWrite]) -> bool:
+    """Whether every room of a grouped write may start another batch (waits out a short lease lapse)."""
+    return all(m.live(w.sender, peer, wait=True) for w in writes)

@@ -121,6 +121,10 @@ class Transport:
     # -- writes -----------------------------------------------------------------------------
     def batches(self, plan: TransferPlan) -> list[TransferPlan]:
         """``plan`` as the backend will receive it: cut and split within the declared limits (views)."""
+        # A plan within every limit (the fence's caps included) is one batch as it is (most requests:
+        # one chunk, one metadata row); cutting and slicing it cost more than the engine's own write.
+        if len(plan) <= self._batch_descriptors and plan.total_bytes <= self._batch_bytes:
+            return [plan] if len(plan) else []
         plan = plan.cut(self._batch_bytes)
         return list(plan.batches(self._batch_descriptors, self._batch_bytes))
 

@@ -3,24 +3,43 @@
 Writes to one peer never overlap, so a backend whose batches respect its
 declared limits also respects its per-peer in-flight limit, and a slow or
 frozen peer holds up only its own queue.
+
+Jobs queued back to back that the submitter marked as one kind (a
+:class:`Group` with the same ``run``) are run together, in queue order, by
+one call: with many small requests in flight, their chunks then go out as one
+backend write instead of one each.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Union
 
-__all__ = ["PeerWorker"]
+__all__ = ["Group", "PeerWorker"]
 
 log = logging.getLogger(__name__)
 
-Job = Callable[[], None]
+#: At most this many grouped jobs run in one call (bounds one write's size and latency).
+MAX_GROUP = 64
+
+
+@dataclass(frozen=True)
+class Group:
+    """A job that may run together with the grouped jobs queued right after it: ``run([item, ...])``."""
+
+    run: Callable[[list[Any]], None]
+    item: Any
+
+
+Job = Union[Callable[[], None], Group]
 
 
 class PeerWorker:
-    """Runs submitted jobs one at a time, in order, until stopped.
+    """Runs submitted jobs one at a time (or one group at a time), in order, until stopped.
 
     Its thread starts with the first job and ends after ``idle`` seconds
     without one, so a decode rank that handshakes and sends nothing costs no
@@ -30,44 +49,62 @@ class PeerWorker:
     def __init__(self, name: str, idle: float = 5.0) -> None:
         self.name = f"kvbridge-xfer-{name}"
         self.idle = idle
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._jobs: collections.deque[Job | None] = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
 
     def submit(self, job: Job) -> None:
-        with self._lock:
-            self._jobs.put(job)
-            self._start()
+        with self._ready:
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                self._thread.start()
+            self._ready.notify()
 
     def stop(self) -> None:
         """Run the jobs already queued, then end (does not wait; see :meth:`join`)."""
-        with self._lock:
+        with self._ready:
             if self._thread is not None:
-                self._jobs.put(None)
+                self._jobs.append(None)
+                self._ready.notify()
 
     def join(self, timeout: float) -> None:
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
 
-    def _start(self) -> None:
-        if self._thread is None:  # under the lock
-            self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-            self._thread.start()
+    def _next(self) -> Callable[[], None] | list[Group] | None:
+        """The next job, or the next run of grouped jobs sharing one ``run``; None: the thread ends."""
+        with self._ready:
+            while True:
+                if not self._jobs:
+                    self._ready.wait(self.idle)
+                job = self._jobs.popleft() if self._jobs else None
+                if job is not None:
+                    break
+                if not self._jobs:  # idle, or stopped; a job is queued under this lock: none slips past
+                    self._thread = None
+                    return None
+            if not isinstance(job, Group):
+                return job
+            group = [job]
+            while self._jobs and len(group) < MAX_GROUP:
+                nxt = self._jobs[0]
+                if not isinstance(nxt, Group) or nxt.run != job.run:
+                    break
+                group.append(nxt)
+                self._jobs.popleft()
+            return group
 
     def _work(self) -> None:
         while True:
+            job = self._next()
+            if job is None:
+                return
             try:
-                job = self._jobs.get(timeout=self.idle)
-            except queue.Empty:
-                job = None
-            if job is None:  # idle, or stopped
-                with self._lock:  # a job is queued under this lock: none can slip past this check
-                    if self._jobs.empty():
-                        self._thread = None
-                        return
-                continue
-            try:
-                job()
+                if isinstance(job, list):
+                    job[0].run([g.item for g in job])
+                else:
+                    job()
             except Exception:
                 log.exception("kvbridge transfer job failed unexpectedly")

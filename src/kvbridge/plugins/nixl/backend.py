@@ -120,8 +120,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -282,7 +281,17 @@ def _mem(vram: bool) -> str:
     return "VRAM" if vram else "DRAM"
 
 
-_Side = tuple[bool, npt.NDArray[np.int64]]  # (GPU memory?, device id per descriptor)
+_Side = tuple[bool, "npt.NDArray[np.int64] | int"]  # (GPU memory?, device id per descriptor or for all)
+
+
+def _one_kind(table: RegionTable) -> tuple[bool, int] | None:
+    """``(GPU memory?, device)`` shared by every region of ``table``, or None if they differ (or there are none).
+
+    Decided once per side, so a write between such sides needs no per-descriptor lookup.
+    """
+    if not len(table) or not ((table.vram == table.vram[0]).all() and (table.device == table.device[0]).all()):
+        return None
+    return bool(table.vram[0]), int(table.device[0])
 
 
 @dataclass
@@ -291,6 +300,7 @@ class _Peer:
     agent: str  # the NIXL agent name add_remote_agent returned
     table: PageTable | None  # None when the peer registered no regions, or they mix memory kinds
     regions: RegionTable  # its regions: which memory kind and device each destination is in
+    kind: tuple[bool, int] | None  # (GPU memory?, device) of every region, if they share one
     writes: int = 0  # writes in progress (guarded by the backend's lock)
     retired: bool = False  # removed while a write was in progress; released by the last write
     forget_agent: bool = True  # whether retiring also unloads the remote agent
@@ -326,6 +336,7 @@ class NixlBackend(Backend):
         self._registered: list[Region] = []
         self._reg_descs: list[Any] = []
         self._local_regions = RegionTable(())
+        self._local_kind: tuple[bool, int] | None = None  # (GPU memory?, device) of every local region, if shared
         self._local: PageTable | None = None
         self._stuck: list[nixl_xfer_handle] = []  # requests NIXL refused to cancel at a deadline
         log.debug("nixl agent %s up: progress delay %d us, UCX %s, xfer mode %s",
@@ -350,6 +361,7 @@ class NixlBackend(Backend):
         """Register every region with the agent (per memory kind) and prepare the local page table."""
         agent = self._live_agent()
         self._local_regions = RegionTable(regions)
+        self._local_kind = _one_kind(self._local_regions)
         if not regions:
             return
         try:
@@ -393,7 +405,8 @@ class NixlBackend(Backend):
             ) from exc
         with self._lock:
             old = self._peers.pop(peer, None)
-            self._peers[peer] = _Peer(peer, agent_name, table, RegionTable(regions))
+            table_of_regions = RegionTable(regions)
+            self._peers[peer] = _Peer(peer, agent_name, table, table_of_regions, _one_kind(table_of_regions))
         if old is not None:
             self._retire(old, forget_agent=old.agent != agent_name)
 
@@ -426,23 +439,24 @@ class NixlBackend(Backend):
             log.warning("nixl: %s failed: %r", what, exc)
 
     # -- writes ----------------------------------------------------------------------
-    @contextmanager
-    def _using(self, peer: str) -> Iterator[_Peer]:
+    # _begin/_end rather than a context manager: on a 1-descriptor write its generator cost more than NIXL's post.
+    def _begin(self, peer: str) -> _Peer:
+        """The peer, counted as written to until :meth:`_end` (so removing it meanwhile waits for the write)."""
         with self._lock:
             p = self._peers.get(peer)
             if p is None:
                 known = ", ".join(sorted(self._peers)) or "none"
                 raise TransferError(f"nixl: unknown peer {peer!r} (known peers: {known}); call add_peer first")
             p.writes += 1
-        try:
-            yield p
-        finally:
-            with self._lock:
-                p.writes -= 1
-                release = p.retired and p.writes == 0
-            if release:
-                p.retired = False
-                self._retire(p, forget_agent=p.forget_agent)
+        return p
+
+    def _end(self, p: _Peer) -> None:
+        with self._lock:
+            p.writes -= 1
+            release = p.retired and p.writes == 0
+        if release:
+            p.retired = False
+            self._retire(p, forget_agent=p.forget_agent)
 
     def _page_indices(self, p: _Peer, plan: TransferPlan) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None:
         """Local and remote page-table indices of the plan, or None if a descriptor is not whole pages."""
@@ -478,7 +492,11 @@ class NixlBackend(Backend):
         The post itself may overrun the deadline by the time its CMA copy takes.
         """
         self._live_agent()
-        with self._using(peer) as p:
+        p = self._begin(peer)
+        try:
+            if self._local_kind is not None and p.kind is not None:  # one memory kind and device per side
+                self._post(p, batch, self._local_kind, p.kind, deadline)
+                return
             # A NIXL descriptor list holds one memory kind: one request per (source, destination) kind.
             # (core checked every descriptor lies inside a region of each side)
             src = self._local_regions.locate(batch.src_addr, batch.nbytes)[0]
@@ -489,41 +507,43 @@ class NixlBackend(Backend):
                 sub = batch if pick.all() else TransferPlan(batch.src_addr[pick], batch.dst_addr[pick], batch.nbytes[pick])
                 self._post(p, sub, (kind >= 2, self._local_regions.device[src[pick]]),
                            (kind % 2 == 1, p.regions.device[dst[pick]]), deadline)
+        finally:
+            self._end(p)
 
     def _post(self, p: _Peer, batch: TransferPlan, src: _Side, dst: _Side, deadline: float) -> None:
         """One WRITE request: create, post, poll until DONE, ERR or ``deadline``, release."""
         agent = self._live_agent()
         peer = p.name
-        what = f"{len(batch)} descriptors, {batch.total_bytes} B"
         t0 = time.monotonic()
         handle = None
         try:
             handle = self._request(p, batch, src, dst)
             if not may_post():  # checked after preparing, right before the post that copies
                 self._release(handle)
-                raise TransferCancelled(f"nixl: write to peer {peer!r} ({what}) not posted: its room is no longer live")
+                raise TransferCancelled(f"nixl: write to peer {peer!r} ({_what(batch)}) not posted: its room is no longer live")
             state = self._wait(agent, handle, agent.transfer(handle), deadline)
         except self._errors as exc:
             if handle is not None:
                 self._release(handle)
             raise TransferError(
-                f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) failed: {type(exc).__name__}: {exc}. "
+                f"nixl: write to peer {peer!r} (agent {p.agent}; {_what(batch)}) failed: {type(exc).__name__}: {exc}. "
                 + _hint(type(exc).__name__)
             ) from exc
         released = self._release(handle)
         if state == "PROC":
             raise TransferTimeout(
-                f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) did not complete by its deadline "
+                f"nixl: write to peer {peer!r} (agent {p.agent}; {_what(batch)}) did not complete by its deadline "
                 f"({time.monotonic() - t0:.3f} s after it was posted); the request was "
                 + ("cancelled" if released else "not cancellable and is kept until close")
                 + "; bytes may have partly landed"
             )
         if state != "DONE":
             raise TransferError(
-                f"nixl: write to peer {peer!r} (agent {p.agent}; {what}) ended in state {state!r}; "
+                f"nixl: write to peer {peer!r} (agent {p.agent}; {_what(batch)}) ended in state {state!r}; "
                 "bytes may have partly landed"
             )
-        log.debug("nixl: wrote %s to %r in %.6f s", what, peer, time.monotonic() - t0)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("nixl: wrote %s to %r in %.6f s", _what(batch), peer, time.monotonic() - t0)
 
     @staticmethod
     def _wait(agent: nixl_agent, handle: nixl_xfer_handle, state: str, deadline: float) -> str:
@@ -584,6 +604,10 @@ class NixlBackend(Backend):
             "peers": {k: v.agent for k, v in self._peers.items()},
             "registered_regions": len(self._registered),
         }
+
+
+def _what(batch: TransferPlan) -> str:
+    return f"{len(batch)} descriptors, {batch.total_bytes} B"
 
 
 def _hint(error: str) -> str:
