@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from . import protocol as P
 from .backend import TransferCancelled, TransferTimeout
+from .checksum import ChecksumError, default_algorithm, summarise
 from .layers import LayeredPlan, layer_list
 from .layout import KV_PAGE_SPACE, METADATA_SPACE
 from .metrics import metrics
@@ -67,6 +68,7 @@ class DecodeRequest:
     metadata_row: int
     received: float
     strict: bool = False  # decode asked for strict_index_lengths
+    checksum: bool = False  # either side asked for the end-to-end checksum
 
     def conflict(self, others: Mapping[str, DecodeRequest]) -> str | None:
         """Why this request cannot join a room's ``others``, or None."""
@@ -107,6 +109,7 @@ class Sender(Room):
         self._unfinished = 0  # peers whose last chunk has not landed yet
         self._busy: dict[str, float] = {}  # peer -> start of its running write
         self._layered: _LayeredChunk | None = None
+        self._written: dict[str, list[TransferPlan | None]] = {}  # peer -> its plans, when checksummed
         with manager.lock:
             manager.add_room(self)
             for req in manager.take_pending(self.room):
@@ -198,6 +201,8 @@ class Sender(Room):
                     totals: Totals = {}
                     plan, meta_plan = self._plan_chunk(peer.route, req, pages, state, last, totals)
                     jobs.append(_Job(peer, plan, meta_plan, totals, m.layer_index.split(plan) if layerwise else None))
+                    if req.checksum:
+                        self._written.setdefault(peer_id, []).extend((plan, meta_plan))
             except PlanError as exc:
                 m.fail_sender(self, f"room {self.room} chunk {self._chunks}: {exc}", "bad_request")
                 return
@@ -423,6 +428,13 @@ class Sender(Room):
             return
         if job.totals:  # something was written
             metrics().transfer(m.backend_name, job.totals, job.seconds)
+        summary = None
+        if last and peer.peer_id in self._written:
+            try:
+                summary = summarise(self._written.pop(peer.peer_id), default_algorithm(), m.config.max_message_bytes)
+            except ChecksumError as exc:
+                m.fail_sender(self, f"room {self.room}: {exc}", "checksum")
+                return
         with m.lock:  # failing the room takes the lock too: Done never follows Failed
             if not m.live(self, peer):
                 return
@@ -431,7 +443,7 @@ class Sender(Room):
                 m.notify(peer, done)
             else:
                 # One hand-off to the I/O thread for both messages (profiled: each hand-off costs ~50 us).
-                m.notify(peer, done, P.Done(room=self.room))
+                m.notify(peer, done, P.Done(room=self.room, checksum=summary))
                 self._unfinished -= 1
                 if self._unfinished == 0:
                     m.finish(self, Poll.SUCCESS)
