@@ -68,7 +68,7 @@ fi
 installed_ok() {
   "$VPY" - <<'EOF'
 import importlib.metadata as md, pathlib, sys
-import kvbridge, kvbridge_zmq, mooncake.engine, nixl_cu12, ucxx  # noqa: F401  (the engines load)
+import kvbridge, kvbridge_zmq, mooncake.engine, nixl_cu12, ucxx, xxhash  # noqa: F401  (the engines load)
 here = pathlib.Path.cwd().resolve()
 if not pathlib.Path(kvbridge.__file__).resolve().is_relative_to(here / "src"):
     sys.exit(f"kvbridge in the environment is {kvbridge.__file__}, not this checkout's")
@@ -93,7 +93,7 @@ say "installing kvbridge (editable) with every engine, torch 2.13.0 (CPU), the t
 # pip's exit status is kept; only its notes about configured index folders
 # that lack a package (local mirrors) are dropped from stderr.
 "$VPY" -m pip install --quiet --disable-pip-version-check \
-  torch==2.13.0 -e '.[all,dev]' -e examples/kvbridge-zmq \
+  torch==2.13.0 -e '.[all,checksum,dev]' -e examples/kvbridge-zmq \
   2> >(grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory.$" >&2)
 installed_ok || die "the installation finished but the check above failed"
 echo "$inputs" >"$stamp"

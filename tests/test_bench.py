@@ -8,7 +8,7 @@ import pytest
 
 from kvbridge.cli import build_parser, main
 
-PARTS = ("plan", "transfer", "tp", "request", "scale", "layerwise")
+PARTS = ("plan", "transfer", "tp", "request", "scale", "layerwise", "checksum")
 
 
 def bench_parts():

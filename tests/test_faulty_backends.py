@@ -27,6 +27,7 @@ CASES = {
     "faulty-offbyone": (CONTRACT, BYTE_EXACT, MOVED_OTHER_BYTES),
     "faulty-dropbatch": (CONTRACT, BYTE_EXACT, MOVED_OTHER_BYTES),
     "faulty-early": (CONTRACT, BYTE_EXACT, MOVED_OTHER_BYTES),
+    "faulty-flipbyte": (CONTRACT, BYTE_EXACT, MOVED_OTHER_BYTES),
     "faulty-deadline": ("frozen", FROZEN, "neither returned nor raised within"),
 }
 

@@ -128,12 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     command(sub, "new-backend", "create a backend plugin project: hook, Backend skeleton, conformance test",
             _lazy("kvbridge.scaffold"), add_scaffold_arguments)
 
-    bench = sub.add_parser("bench", help="benchmarks: plan, transfer, tp, request, scale, layerwise (each with --json)",
+    bench = sub.add_parser("bench", help="benchmarks: plan, transfer, tp, request, scale, layerwise, checksum (each with --json)",
                            description="Benchmarks. Each part prints a table (or --json); plan, transfer, tp, request "
                                        "and scale can draw --plot FILE.png (needs kvbridge[plot]).",
                            formatter_class=ui.HelpFormatter)
     bench_sub = bench.add_subparsers(dest="bench", metavar="PART", required=True)
-    from kvbridge.bench import layerwise, plan, request, scale, tp, transfer
+    from kvbridge.bench import checksum, layerwise, plan, request, scale, tp, transfer
 
     command(bench_sub, "plan", "plan building vs SGLang's plan path, same descriptors", _lazy("kvbridge.bench.plan"),
             plan.add_arguments)
@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
             _lazy("kvbridge.bench.scale"), scale.add_arguments)
     command(bench_sub, "layerwise", "layer-wise vs per-chunk sending: TTFT and the transfer left exposed after compute",
             _lazy("kvbridge.bench.layerwise"), layerwise.add_arguments)
+    command(bench_sub, "checksum", "the end-to-end checksum: hash GB/s, and the share of a room's time it adds",
+            _lazy("kvbridge.bench.checksum"), checksum.add_arguments)
     return parser
 
 

@@ -59,6 +59,7 @@ _FLAGS = {
     "sender_grace": "--transfer-sender-grace",
     "fence_timeout": "--transfer-fence-timeout",
     "strict_index_lengths": "--transfer-strict-index-lengths",
+    "checksum": "--transfer-checksum",
     "secret_file": "--transfer-secret-file",
 }
 
@@ -131,6 +132,8 @@ class TransferConfig:
     #: None: ``transfer_timeout + heartbeat_timeout`` (see SessionConfig.fence_timeout).
     fence_timeout: float | None = _SESSION.fence_timeout
     strict_index_lengths: bool = _SESSION.strict_index_lengths
+    #: Verify each room end to end with a hash (CPU memory only; see SessionConfig.checksum).
+    checksum: bool = _SESSION.checksum
     #: A file holding the secret that authenticates control messages (docs/security.md);
     #: unset: ``$KVBRIDGE_SECRET_FILE`` or ``$KVBRIDGE_SECRET``. The secret itself is never a setting.
     secret_file: str | None = _SESSION.secret_file
@@ -159,9 +162,9 @@ class TransferConfig:
                 raise ConfigError(f"bootstrap address {exc}", "bootstrap") from None
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(f"host must be a non-empty address, got {self.host!r}", "host")
-        if not isinstance(self.strict_index_lengths, bool):
-            raise ConfigError(f"strict_index_lengths must be true or false, got {self.strict_index_lengths!r}",
-                              "strict_index_lengths")
+        for flag in ("strict_index_lengths", "checksum"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}", flag)
         if self.secret_file is not None and (not isinstance(self.secret_file, str) or not self.secret_file):
             raise ConfigError(f"secret_file must be a file name, got {self.secret_file!r}", "secret_file")
         for name in _TIMEOUTS:
@@ -221,10 +224,11 @@ class TransferConfig:
                 values["fence_timeout"] = None if text.lower() in ("", "none", "default") else float(text)
             except ValueError:
                 raise ConfigError(f"fence_timeout must be a number of seconds or none, got {text!r}", "fence_timeout") from None
-        if isinstance(values.get("strict_index_lengths"), str):
-            text = values["strict_index_lengths"].strip().lower()
-            if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-                values["strict_index_lengths"] = text in ("true", "1", "yes", "on")
+        for flag in ("strict_index_lengths", "checksum"):
+            if isinstance(values.get(flag), str):
+                text = values[flag].strip().lower()
+                if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                    values[flag] = text in ("true", "1", "yes", "on")
         return cls(**values)
 
     @classmethod
@@ -268,6 +272,7 @@ _ARG_DESTS = {
     "sender_grace": "transfer_sender_grace",
     "fence_timeout": "transfer_fence_timeout",
     "strict_index_lengths": "transfer_strict_index_lengths",
+    "checksum": "transfer_checksum",
     "secret_file": "transfer_secret_file",
 }
 
@@ -378,6 +383,9 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     )
     group.add_argument("--transfer-strict-index-lengths", dest="transfer_strict_index_lengths", action="store_true",
                        help="treat every index-length mismatch as an error (default: trim page lists with a warning)")
+    group.add_argument("--transfer-checksum", dest="transfer_checksum", action="store_true",
+                       help="verify every room end to end with a hash before SUCCESS (either side may ask; "
+                            "CPU memory only; xxh3 with kvbridge[checksum], else crc32)")
     group.add_argument("--transfer-secret-file", dest="transfer_secret_file", default=None, metavar="PATH",
                        help="file holding the secret that authenticates control messages (default: "
                             "$KVBRIDGE_SECRET_FILE, else $KVBRIDGE_SECRET; without one, loopback only)")

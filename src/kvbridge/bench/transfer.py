@@ -162,7 +162,7 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
     options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
     child = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.bench.transfer", "--decode", server.address, "--transfer-backend", backend,
-         *options, "--reps", str(reps), "--regions", str(regions), "--total-mib", str(total_mib)],
+         *options, *(["--transfer-checksum"] if config.checksum else []), "--reps", str(reps), "--regions", str(regions), "--total-mib", str(total_mib)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     results = []
@@ -288,7 +288,7 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if pages < RUN_PAGES or pages % RUN_PAGES:
         parser.error(f"--total-mib / --regions must be a multiple of {RUN_PAGES * PAGE >> 20} MiB")
     cfg = TransferConfig.from_args(args, parser)
-    config = dataclasses.replace(CONFIG, backend_options=dict(cfg.backend_options))
+    config = dataclasses.replace(CONFIG, backend_options=dict(cfg.backend_options), checksum=cfg.checksum)
     if args.decode:
         return run_decode(cfg.backend, config, args.decode, args.reps, args.regions, pages)
     prog = "kvbridge bench transfer"

@@ -13,6 +13,7 @@ import zmq
 from . import protocol as P
 from .bootstrap import MAX_RANKS, check_rank
 from .channel import Channel
+from .checksum import verify
 from .layout import KVArgs
 from .manager import SessionConfig, TransferManager
 from .receiver import Receiver
@@ -174,6 +175,11 @@ class DecodeManager(TransferManager[Receiver]):
             return  # refused (counted, logged)
         msg = got[1]
         rank.last_seen = time.monotonic()
+        bad_sum = None
+        if isinstance(msg, P.Done) and (msg.checksum is not None or self.config.checksum):
+            # Hashed off the lock (it reads every byte of the room); the room is checked under it below.
+            bad_sum = (verify(msg.checksum, self.kvargs.regions) if msg.checksum is not None
+                       else "checksum not verified: this decode rank asked for it but the prefill rank sent none")
         with self.lock:
             if isinstance(msg, P.HelloAck):
                 # The prefill rank paired the two layouts before accepting.
@@ -208,7 +214,9 @@ class DecodeManager(TransferManager[Receiver]):
                 elif isinstance(msg, P.ChunkDone):
                     target.advance(Poll.TRANSFERRING)
                 elif isinstance(msg, P.Done):
-                    if target.rank_done(rank.key, len(server.ranks)):
+                    if bad_sum is not None:
+                        target.fail(f"{rank.label}: {bad_sum}", "checksum")
+                    elif target.rank_done(rank.key, len(server.ranks)):
                         self.finish(target, Poll.SUCCESS)
                 else:
                     kind = "aborted" if isinstance(msg, P.Abort) else "remote"

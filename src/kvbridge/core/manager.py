@@ -12,6 +12,7 @@ from typing import Generic, TypeVar
 from . import protocol as P
 from .auth import auth_for, check_host
 from .channel import IOLoop, SocketGetter
+from .checksum import vram_problem
 from .layout import KVArgs
 from .metrics import metrics
 from .room import Poll, Room
@@ -63,6 +64,10 @@ class SessionConfig:
     #: How long prefill keeps a request whose room has no ``Sender`` yet (the host
     #: creates it slightly later) before it tells decode the room failed.
     sender_grace: float = 5.0
+    #: Verify every room end to end: prefill hashes the bytes it wrote, decode
+    #: the bytes it holds, a difference fails the room (kvbridge.core.checksum).
+    #: Either side may ask. CPU memory only: refused with a GPU region.
+    checksum: bool = False
 
     @property
     def fence_wait(self) -> float:
@@ -115,6 +120,10 @@ class TransferManager(Generic[R]):
         self.config = config or SessionConfig()
         #: Seals and opens every control message (docs/security.md).
         self.auth = auth_for(self.config.secret_file)
+        if self.config.checksum:
+            problem = vram_problem(kvargs.regions, f"this {self.role} rank's")
+            if problem is not None:
+                raise ValueError(f"checksum=True: {problem}")
         check_host(self.config.host, self.auth, f"kvbridge {self.role} manager")
         self.transport = open_transport(
             backend,

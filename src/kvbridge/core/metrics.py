@@ -90,6 +90,7 @@ FAILURE_REASONS: Mapping[str, str] = {
     "aborted": "abort() on this side or the other, or the manager was closed",
     "transfer_error": "the backend's write failed",
     "layout": "the two sides cannot pair: layouts, backend names, or a rejected handshake",
+    "checksum": "the end-to-end checksum did not match, or could not be computed (SessionConfig.checksum)",
     "rejected": "the prefill rank rejected this room's request (e.g. a duplicate)",
     "remote": "the prefill rank reported the room failed (its own metrics say why)",
     "bootstrap": "the bootstrap endpoint answered something unusable",

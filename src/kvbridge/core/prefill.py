@@ -13,6 +13,7 @@ import zmq
 from . import protocol as P
 from .bootstrap import HELD, RENEW, register_rank
 from .channel import Channel, quiet
+from .checksum import vram_problem
 from .layers import LayerIndex
 from .layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
@@ -336,6 +337,10 @@ class PrefillManager(TransferManager[Sender]):
                     indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True)
             if METADATA_SPACE in peer.route.spaces:
                 Indices.check("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
+            if msg.checksum or self.config.checksum:
+                problem = vram_problem(self.kvargs.regions, "prefill") or vram_problem(peer.route.dst.regions, "decode")
+                if problem is not None:
+                    raise P.ProtocolError(problem)
         except (P.ProtocolError, PlanError) as exc:
             reason = f"bad transfer request from decode {peer.peer_id!r}: {exc}"
             # Fail the room only if nobody else has a valid request in it: one
@@ -346,7 +351,8 @@ class PrefillManager(TransferManager[Sender]):
             self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             return
         dst = peer.route.dst
-        req = DecodeRequest(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic(), msg.strict)
+        req = DecodeRequest(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic(), msg.strict,
+                            msg.checksum or self.config.checksum)
         if sender is None:
             reqs = self._pending.setdefault(msg.room, {})
             problem = req.conflict(reqs)

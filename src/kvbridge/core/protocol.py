@@ -32,6 +32,7 @@ __all__ = [
     "HelloAck",
     "TransferRequest",
     "ChunkDone",
+    "Checksum",
     "Done",
     "Failed",
     "Abort",
@@ -122,6 +123,8 @@ class TransferRequest(_Msg, tag="transfer_request", frozen=True):
     metadata_row: int
     #: Decode's ``strict_index_lengths``: either side can ask for strictness.
     strict: bool = False
+    #: Decode's ``checksum``: either side can ask for the end-to-end checksum.
+    checksum: bool = False
 
 
 class ChunkDone(_Msg, tag="chunk_done", frozen=True):
@@ -132,10 +135,25 @@ class ChunkDone(_Msg, tag="chunk_done", frozen=True):
     last: bool
 
 
+class Checksum(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one prefill rank wrote for a room, for decode to check (``kvbridge.core.checksum``).
+
+    ``digest`` is ``algorithm`` over the source bytes in destination-address
+    order; ``ranges`` the destination ranges written, in that order, as
+    little-endian int64 ``(address, nbytes)`` pairs.
+    """
+
+    algorithm: str
+    digest: int
+    ranges: bytes
+
+
 class Done(_Msg, tag="done", frozen=True):
     """Prefill -> decode: everything for ``room``, metadata last, has landed."""
 
     room: int
+    #: Set when either side asked for the end-to-end checksum.
+    checksum: Checksum | None = None
 
 
 class Failed(_Msg, tag="failed", frozen=True):

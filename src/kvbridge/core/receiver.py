@@ -87,7 +87,7 @@ class Receiver(Room):
                 m.tell(self.server, P.Abort(room=self.room, reason=f"decode init failed: {reason}", requested=False))
                 return
             self._request = P.TransferRequest(room=self.room, indices=packed, metadata_row=int(metadata_row),
-                                              strict=m.config.strict_index_lengths)
+                                              strict=m.config.strict_index_lengths, checksum=m.config.checksum)
             self._init_at = time.monotonic()
             if self.server.ready:
                 self._send_request()

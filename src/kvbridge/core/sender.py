@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from . import protocol as P
 from .backend import TransferCancelled, TransferTimeout
+from .checksum import ChecksumError, default_algorithm, summarise
 from .layers import LayeredPlan, layer_list
 from .layout import KV_PAGE_SPACE, METADATA_SPACE
 from .metrics import metrics
@@ -68,6 +69,7 @@ class DecodeRequest:
     metadata_row: int
     received: float
     strict: bool = False  # decode asked for strict_index_lengths
+    checksum: bool = False  # either side asked for the end-to-end checksum
 
     def conflict(self, others: Mapping[str, DecodeRequest]) -> str | None:
         """Why this request cannot join a room's ``others``, or None."""
@@ -108,6 +110,7 @@ class Sender(Room):
         self._unfinished = 0  # peers whose last chunk has not landed yet
         self._busy: dict[str, float] = {}  # peer -> start of its running write
         self._layered: _LayeredChunk | None = None
+        self._written: dict[str, list[TransferPlan | None]] = {}  # peer -> its plans, when checksummed
         with manager.lock:
             manager.add_room(self)
             for req in manager.take_pending(self.room):
@@ -199,6 +202,8 @@ class Sender(Room):
                     totals: Totals = {}
                     plan, meta_plan = self._plan_chunk(peer.route, req, pages, state, last, totals)
                     jobs.append(_Job(peer, plan, meta_plan, totals, m.layer_index.split(plan) if layerwise else None))
+                    if req.checksum:
+                        self._written.setdefault(peer_id, []).extend((plan, meta_plan))
             except PlanError as exc:
                 m.fail_sender(self, f"room {self.room} chunk {self._chunks}: {exc}", "bad_request")
                 return
@@ -471,11 +476,20 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
             m.end_write(w.sender, peer)  # a room that failed meanwhile is fenced here
     if not live:
         return
+    summaries: dict[int, Any] = {}  # checksummed rooms' last chunk: the digest of what was written
+    for w in list(live):
+        if w.last and peer.peer_id in w.sender._written:
+            try:
+                summaries[id(w)] = summarise(w.sender._written.pop(peer.peer_id), default_algorithm(),
+                                             m.config.max_message_bytes)
+            except ChecksumError as exc:
+                m.fail_sender(w.sender, f"room {w.sender.room}: {exc}", "checksum")
+                live.remove(w)
     with m.lock:  # failing a room takes the lock too: Done never follows Failed
         live = [w for w in live if m.live(w.sender, peer)]
         # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
         # wake-up of decode's host fewer per request).
-        m.notify(peer, *(P.Done(room=w.sender.room) if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False)
+        m.notify(peer, *(P.Done(room=w.sender.room, checksum=summaries.get(id(w))) if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False)
                          for w in live))
         for w in live:
             if w.last:

@@ -68,6 +68,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     deadline: float = 300.0  # whole run, seconds
     backend_options: dict[str, str] = {}  # SessionConfig.backend_options
     layerwise: bool = False  # prefill sends every chunk layer-wise, one layer_ready() per layer
+    checksum: bool = False  # SessionConfig.checksum (both sides)
 
     def session_config(self) -> SessionConfig:
         return SessionConfig.from_fields(self)

@@ -10,14 +10,19 @@ the suite against each, asserting which test fails and why.
 - ``faulty-deadline``: waits for a stopped peer to resume, ignoring the deadline
   (as an engine that needs the receiver's help and has no timeout);
 - ``faulty-dropbatch``: silently skips every third batch core hands it;
-- ``faulty-early``: returns before the bytes have landed (copies 50 ms later).
+- ``faulty-early``: returns before the bytes have landed (copies 50 ms later);
+- ``faulty-flipbyte``: writes every batch, then flips one byte of it (a corrupting
+  link; what ``SessionConfig.checksum`` must catch).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from typing import ClassVar
+
+import numpy as np
 
 from kvbridge.core.hookspecs import hookimpl
 from kvbridge.core.plan import TransferPlan
@@ -68,12 +73,21 @@ class EarlySuccess(MemoryBackend):
         threading.Thread(target=later, daemon=True).start()
 
 
+class FlipsByte(MemoryBackend):
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        super().write(peer, batch, deadline)
+        if len(batch):  # the batch's first destination byte, inverted
+            wrong = np.frombuffer(ctypes.string_at(int(batch.src_addr[0]), 1), np.uint8) ^ np.uint8(0xFF)
+            self.copy(self._target(peer), peer, np.array([wrong.ctypes.data]), batch.dst_addr[:1], np.array([1]))
+
+
 #: backend name -> (class, the broken contract in words)
 BROKEN_CONTRACTS: dict[str, tuple[type[MemoryBackend], str]] = {
     "faulty-offbyone": (OffByOne, "writes bytes other than the plan's"),
     "faulty-deadline": (IgnoresDeadline, "does not return by its deadline"),
     "faulty-dropbatch": (DropsBatch, "reports success for a batch it did not write"),
     "faulty-early": (EarlySuccess, "returns before the bytes have landed"),
+    "faulty-flipbyte": (FlipsByte, "corrupts one byte of every batch after writing it"),
 }
 
 

@@ -1,0 +1,176 @@
+"""The optional end-to-end checksum (``SessionConfig.checksum``): did the bytes prefill read land unchanged?
+
+The scheme, chosen because decode needs to derive nothing:
+
+- Prefill keeps every plan it wrote for a room to one decode rank (KV pages
+  of every chunk, state, the metadata row). After the last write, it sorts
+  all their descriptors by *destination* address and hashes the *source*
+  bytes in that order. It sends the digest with ``Done``, together with the
+  destination ranges it wrote (adjacent ones merged), as :class:`protocol.Checksum`.
+- Decode checks that every range lies inside one of its own registered
+  regions, hashes its own bytes over the ranges in the same order, and fails
+  the room (reason names the checksum) on a difference, before SUCCESS.
+
+Sorting by destination makes the byte stream independent of how the room
+was chunked, coalesced, split into batches or sent layer by layer. Each
+prefill rank sends its own digest; decode checks each.
+
+The hash is xxHash's XXH3-64 when the ``xxhash`` package is installed
+(``pip install kvbridge[checksum]``), else ``zlib.crc32``. Prefill names the
+one it used; decode without it fails the room saying what to install.
+CPU memory only: a ``vram`` region on either side refuses the option.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from . import protocol as P
+from .layout import Region
+from .plan import RegionTable, TransferPlan
+
+__all__ = ["ALGORITHMS", "ChecksumError", "default_algorithm", "digest_ranges", "summarise", "verify", "vram_problem"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+class ChecksumError(ValueError):
+    """The checksum could not be computed or did not match; the text says why."""
+
+
+class _Hash(Protocol):
+    def update(self, data: memoryview) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: memoryview) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def intdigest(self) -> int:
+        return self._value
+
+
+def _xxh3() -> _Hash:
+    import xxhash
+
+    h: _Hash = xxhash.xxh3_64()
+    return h
+
+
+def _available() -> dict[str, Callable[[], _Hash]]:
+    algos: dict[str, Callable[[], _Hash]] = {"crc32": _Crc32}
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return algos
+    return {"xxh3_64": _xxh3, **algos}
+
+
+#: Hash name -> factory, best first: what this process can compute.
+ALGORITHMS: dict[str, Callable[[], _Hash]] = _available()
+
+
+def default_algorithm() -> str:
+    """The hash prefill uses: XXH3-64 if ``xxhash`` is installed, else CRC32."""
+    return next(iter(ALGORITHMS))
+
+
+def vram_problem(regions: Sequence[Region], side: str) -> str | None:
+    """Why the checksum cannot cover ``side``'s ``regions`` (a GPU region), or None."""
+    for r in regions:
+        if r.mem == "vram":
+            return (f"the end-to-end checksum covers CPU memory only for now, but {side} region {r.name!r} is in GPU "
+                    f"memory (vram, device {r.device}); turn checksum off for GPU caches")
+    return None
+
+
+def _hash(algorithm: str, addrs: IntArray, nbytes: IntArray) -> int:
+    try:
+        h = ALGORITHMS[algorithm]()
+    except KeyError:
+        raise ChecksumError(
+            f"checksum algorithm {algorithm!r} is not available here (have: {', '.join(ALGORITHMS)}); "
+            "install it on both sides: pip install kvbridge[checksum]"
+        ) from None
+    # One call per contiguous run (the runs are as long as the plan allows), not per byte.
+    for addr, n in zip(addrs.tolist(), nbytes.tolist()):
+        h.update(memoryview((ctypes.c_char * n).from_address(addr)))
+    return h.intdigest()
+
+
+def _merge(addr: IntArray, nbytes: IntArray) -> tuple[IntArray, IntArray]:
+    """Ranges in order, each merged with the next where it continues it exactly."""
+    if not len(addr):
+        return addr, nbytes
+    starts = np.ones(len(addr), bool)
+    starts[1:] = addr[:-1] + nbytes[:-1] != addr[1:]
+    first = np.flatnonzero(starts)
+    ends = np.append(first[1:], len(addr)) - 1
+    return addr[first], addr[ends] + nbytes[ends] - addr[first]
+
+
+def summarise(plans: Sequence[TransferPlan | None], algorithm: str, max_bytes: int) -> P.Checksum:
+    """Prefill: the digest of the source bytes of ``plans``' descriptors in destination order, and the ranges.
+
+    Raises :class:`ChecksumError` if the ranges would not fit in ``max_bytes``
+    (the control message limit).
+    """
+    live = [p for p in plans if p is not None and len(p)]
+    if live:
+        src = np.concatenate([p.src_addr for p in live])
+        dst = np.concatenate([p.dst_addr for p in live])
+        n = np.concatenate([p.nbytes for p in live])
+        order = np.argsort(dst, kind="stable")
+        src, dst, n = src[order], dst[order], n[order]
+    else:
+        src = dst = n = np.zeros(0, np.int64)
+    dst_at, dst_n = _merge(dst, n)
+    if 16 * len(dst_at) + 4096 > max_bytes:
+        raise ChecksumError(
+            f"the checksum's {len(dst_at)} destination ranges need {16 * len(dst_at)} bytes, more than "
+            f"max_message_bytes={max_bytes}; raise max_message_bytes or turn checksum off"
+        )
+    ranges = np.stack([dst_at, dst_n], axis=1).astype("<i8").tobytes()
+    return P.Checksum(algorithm=algorithm, digest=_hash(algorithm, *_merge(src, n)), ranges=ranges)
+
+
+def digest_ranges(summary: P.Checksum, regions: Sequence[Region]) -> int:
+    """Decode: the digest of its own bytes over ``summary``'s ranges, each checked to lie in ``regions``."""
+    if len(summary.ranges) % 16:
+        raise ChecksumError(f"the checksum's range list has {len(summary.ranges)} bytes, not pairs of int64")
+    pairs = np.frombuffer(summary.ranges, "<i8").reshape(-1, 2).astype(np.int64)
+    addr, n = pairs[:, 0].copy(), pairs[:, 1].copy()
+    table = RegionTable(regions)
+    where, inside = table.locate(addr, n)
+    bad = np.flatnonzero(~inside | (n <= 0))
+    if len(bad):
+        i = int(bad[0])
+        raise ChecksumError(f"prefill's checksum covers [{int(addr[i]):#x}, +{int(n[i])}), which is not inside one "
+                            f"registered region of this rank ({len(bad)} such ranges)")
+    if table.vram[where].any():
+        raise ChecksumError("the checksum covers a GPU (vram) region of this rank; it is supported on CPU memory only")
+    return _hash(summary.algorithm, addr, n)
+
+
+def verify(summary: P.Checksum, regions: Sequence[Region]) -> str | None:
+    """Decode: why ``summary`` does not match this rank's bytes, or None when it does."""
+    try:
+        got = digest_ranges(summary, regions)
+    except ChecksumError as exc:
+        return f"checksum not verified: {exc}"
+    if got != summary.digest:
+        total = int(np.frombuffer(summary.ranges, "<i8")[1::2].sum())
+        return (f"checksum mismatch ({summary.algorithm}): prefill read {summary.digest:#018x}, decode holds "
+                f"{got:#018x} over the same {total} bytes; the bytes changed on the way")
+    return None
