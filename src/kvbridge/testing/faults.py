@@ -5,7 +5,10 @@ module) and a survivor in the calling process:
 
 - ``decode-kill`` / ``decode-freeze``: the survivor is a prefill rank, the
   victim a decode; ``prefill-kill`` / ``prefill-freeze`` the other way round;
-  ``bootstrap-gone``: a decode asks a bootstrap endpoint whose process died.
+  ``bootstrap-gone``: a decode asks a bootstrap endpoint whose process died;
+  ``net-cut`` / ``net-flap``: both sides in their own network namespace, the
+  veth between them taken down (:mod:`kvbridge.testing.netcut`; also phase
+  ``handshake``).
 - ``mid-transfer``: the fault hits while the room's pages are being written
   (the prefill host has not sent the last chunk); ``between``: after one room
   succeeded and before the next.
@@ -139,6 +142,7 @@ class Cell(msgspec.Struct, kw_only=True):
     error: str | None = None
     skipped: str | None = None  # why the cell could not run here (no network namespaces)
     failure_expected: bool = True  # net-flap: the room may also succeed on both sides
+    written: str | None = None  # net cells: decode (page, region) pairs of the cut room that had landed at its end
 
     @property
     def late_allowed(self) -> int:
@@ -371,6 +375,7 @@ def table(results: list[Cell]) -> str:
         t = f"{c.survivor_failed_s:8.2f}s" if c.survivor_failed_s is not None else "       -"
         yn = {True: "yes", False: "NO", None: "-"}
         why = c.error or (f"skipped: {c.skipped}" if c.skipped else None) or c.reason or ""
+        why = f"[landed {c.written}] {why}" if c.written else why
         rows.append(f"{c.backend:9} {c.fault:15} {c.phase:13} {t:>9} {str(c.late_pages if c.late_pages is not None else '-'):>5} "
                     f"{yn[c.served_fresh_peer]:>5} {yn[c.resumed_peer_served]:>7}  {'ok' if c.ok else '--' if c.skipped else 'NO'}  {why[:160]}")
     return "\n".join(rows)

@@ -128,7 +128,9 @@ def check_contract(cls: type) -> BackendSpec:
 
 # -- driver processes --------------------------------------------------------------------------
 class Child:
-    """A driver process; its output goes to files so a full pipe never blocks it."""
+    """A driver process; its output goes to files so a full pipe never blocks it.
+
+    ``prefix`` runs it under another command (``ip netns exec NAME``); ``env`` adds to its environment."""
 
     def __init__(self, role: str, spec: Scenario | Spec, stem: Path, bootstrap: str | None, scale: float,
                  module: str | None = None, extra: Sequence[str] = (), prefix: Sequence[str] = (),

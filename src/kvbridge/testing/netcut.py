@@ -44,7 +44,7 @@ import numpy as np
 
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
-from kvbridge.testing.e2e import Pools, Scenario, prefill_pools, schedule
+from kvbridge.testing.e2e import SENTINEL, Pools, Scenario, prefill_pools, schedule
 
 PREFILL_IP, DECODE_IP = "10.77.0.1", "10.77.0.2"
 FLAP = 1.5  # seconds the link is down in a net-flap cell
@@ -100,8 +100,9 @@ class Link:
         return ["ip", "netns", "exec", self.ns[role]]
 
     def env(self, role: str) -> dict[str, str]:
-        """UCX (nixl, ucx) on this side's veth only."""
-        return {"UCX_NET_DEVICES": self.dev[role]}
+        """UCX (nixl, ucx) on this side's veth only, and over TCP as between two hosts: UCX would otherwise
+        put by CMA (``process_vm_writev``), which crosses namespaces of one host without the link."""
+        return {"UCX_NET_DEVICES": self.dev[role], "UCX_TLS": "tcp"}
 
     def set(self, up: bool) -> float:
         """Take prefill's end of the link down (or up); returns the monotonic time it took effect."""
@@ -187,7 +188,9 @@ def run_decode(sc: Scenario, sizes: list[int], gates: Path, bootstrap: str) -> i
             deadline = time.monotonic() + sc.deadline
             while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
                 time.sleep(0.001)
-            _line(room=req.room, state=recv.poll().name, reason=recv.failure(), t=time.monotonic())
+            t = time.monotonic()
+            written = int(sum((a[:n] != SENTINEL).any(axis=1).sum() for a in pools.kv))  # (page, region) pairs landed
+            _line(room=req.room, state=recv.poll().name, reason=recv.failure(), t=t, written=written, of=n * len(pools.kv))
             if recv.poll() == Poll.FAILED:
                 at_failed = [a.copy() for a in (*pools.kv, pools.meta)]
                 if not _gate(gates, f"up{i}"):
@@ -272,6 +275,7 @@ def run_cell(cell: Any, sc: Scenario, workdir: Path) -> None:
         if states["decode"] == "SUCCESS" and states["prefill"] != "SUCCESS":
             raise RuntimeError(f"decode SUCCESS but prefill {states['prefill']}")
         cell.survivor_failed_s = max(times.values()) if times else None
+        cell.written = f"{got['decode']['written']}/{got['decode']['of']}"
         cell.reason = " | ".join(f"{role[0].upper()} {r['state']} {times[role]:.2f}s: {r['reason']}" if role in times
                                  else f"{role[0].upper()} {r['state']}" for role, r in got.items())
         if states["decode"] == "FAILED":
