@@ -6,7 +6,10 @@ FAILED (decode pages compared after a frozen victim resumed), no SUCCESS from a
 resumed prefill for a room decode had failed, and the survivor serving a fresh
 peer and the resumed one. The sample: the two freezes mid-transfer (issue 13,
 finding 2) on Mooncake and NIXL, and a resumed prefill re-handshaking between
-requests (finding 4).
+requests (finding 4). Plus one network-cut cell: prefill and decode in two
+network namespaces joined by a veth pair, the link taken down between rooms
+and brought back after both sides failed the next one (skipped, saying why,
+where namespaces cannot be created).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ SAMPLE = [
     ("mooncake", "prefill-freeze", "mid-transfer"),
     ("nixl", "decode-freeze", "mid-transfer"),
     ("nixl", "prefill-freeze", "between"),
+    ("mooncake", "net-cut", "between"),  # net-cut mid-transfer has late writes on both backends: docs/failures.md
 ]
 
 
@@ -33,9 +37,13 @@ def test_the_survivor_fails_the_room_in_time_and_no_byte_lands_after_failed(
     if not get_registry().backend_available(backend):
         pytest.fail(f"backend {backend!r} is not installed here (scripts/setup.sh installs it)")
     cell = run_cell(backend, fault, phase, tmp_path)
+    if cell.skipped:
+        pytest.skip(cell.skipped)
     assert cell.error is None, table([cell])
     assert cell.survivor_failed_s is not None and cell.survivor_failed_s <= BOUND, table([cell])
     # 0, except that a prefill frozen inside an engine call finishes that one batch on resume (docs/failures.md).
     assert cell.late_pages is not None and cell.late_pages <= cell.late_allowed, table([cell])
     assert not cell.prefill_success_after_decode_failed, table([cell])
-    assert cell.served_fresh_peer and cell.resumed_peer_served, table([cell])
+    assert cell.resumed_peer_served, table([cell])  # net cells: both sides serve a room over the restored link
+    assert cell.served_fresh_peer or fault.startswith("net"), table([cell])  # no fresh process in a net cell
+    assert cell.ok, table([cell])

@@ -128,19 +128,22 @@ def check_contract(cls: type) -> BackendSpec:
 
 # -- driver processes --------------------------------------------------------------------------
 class Child:
-    """A driver process; its output goes to files so a full pipe never blocks it."""
+    """A driver process; its output goes to files so a full pipe never blocks it.
+
+    ``prefix`` runs it under another command (``ip netns exec NAME``); ``env`` adds to its environment."""
 
     def __init__(self, role: str, spec: Scenario | Spec, stem: Path, bootstrap: str | None, scale: float,
-                 module: str | None = None, extra: Sequence[str] = ()) -> None:
+                 module: str | None = None, extra: Sequence[str] = (), prefix: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
         self.role = role
         self.scale = scale
         self.out_path, self.err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
         default, flag = ("kvbridge.testing.hybrid", "--spec") if isinstance(spec, Spec) else ("kvbridge.testing.e2e", "--scenario")
-        cmd = [sys.executable, "-m", module or default, role, flag, msgspec.json.encode(spec).decode(), *extra]
+        cmd = [*prefix, sys.executable, "-m", module or default, role, flag, msgspec.json.encode(spec).decode(), *extra]
         if bootstrap is not None:
             cmd += ["--bootstrap", bootstrap]
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
 
     @property
     def pid(self) -> int:
