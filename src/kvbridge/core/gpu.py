@@ -1,23 +1,26 @@
-"""The same-host GPU fast path: CUDA IPC plus one copy kernel per batch.
+"""The same-host GPU fast path: CUDA IPC plus a copy kernel driven by the plan.
 
 Between processes of one host, moving scattered pages VRAM -> VRAM through an
 engine costs a descriptor each (NIXL/UCX: about 8 GB/s for 64 KiB pages on an
 H200 whose device copy runs at 2 TB/s). Here, instead, the decode side sends
 CUDA IPC handles of the allocations behind its GPU regions in the handshake;
-the prefill side maps them once (``cuIpcOpenMemHandle``) and moves each
-write's descriptors with a single Triton kernel reading the plan's own
-``(src_addr, dst_addr, nbytes)`` arrays: no per-descriptor work on the CPU,
-heterogeneous-TP slices and NHD/HND pages included (they are just
-descriptors). ``write`` returns after the stream has synchronised, so
-completion still means every byte landed.
+the prefill side maps them once (``cuIpcOpenMemHandle``) and copies each
+write with a Triton kernel that reads the plan unexpanded
+(:meth:`~kvbridge.core.plan.TransferPlan.factors`: rows x columns, a
+descriptor being formed on the GPU) and translates the peer's addresses by a
+binary search over its mapped allocations. Host work per write is
+proportional to rows + columns, not descriptors; heterogeneous-TP head slices
+and NHD/HND pages are just columns. ``copy`` returns after its stream has
+synchronised, so completion still means every byte landed.
 
 Nothing here imports torch, Triton or CUDA until a GPU region is seen, so
-core imports cleanly on machines without them. The kernel's work split is
-plain numpy (:func:`work_items`) and is tested on CPU against a reference
-executor (:func:`execute_on_host`).
+core imports cleanly on machines without them. The kernel's work split,
+masks and search are mirrored in numpy (:func:`shape`, :func:`kernel_translate`,
+:func:`execute_on_host`) and tested on CPU.
 
 The host must have finished writing the source (synchronised its own stream)
-before ``Sender.send``, as for every backend.
+before ``Sender.send``, as for every backend: the copy runs on its own stream
+and waits on no other (layer-wise sends pass ``ready=`` events instead).
 """
 
 from __future__ import annotations
