@@ -27,6 +27,8 @@ from typing import Any
 
 import zmq
 
+from kvbridge.demo.parent import follow_parent
+
 __all__ = ["main"]
 
 
@@ -150,6 +152,7 @@ class Router:
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()  # ends with the kvbridge demo that started it, even a SIGKILLed one
     parser = argparse.ArgumentParser(prog="python -m kvbridge.demo.router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefill", required=True, metavar="ADDRESS", help="prefill server's front, tcp://HOST:PORT")
     parser.add_argument("--decode", required=True, metavar="ADDRESS", help="decode server's front, tcp://HOST:PORT")

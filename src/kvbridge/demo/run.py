@@ -33,6 +33,7 @@ import numpy as np
 from kvbridge import ui
 from kvbridge.config import TransferConfig, add_transfer_args
 from kvbridge.core.auth import ENV_SECRET, ENV_SECRET_FILE
+from kvbridge.demo.parent import ENV as PARENT_ENV
 
 __all__ = ["add_arguments", "run_from_args", "prompts"]
 
@@ -102,6 +103,7 @@ class Children:
             # One secret for this run's processes, passed in their environment (never on a
             # command line): every control message between them is authenticated (docs/security.md).
             env[ENV_SECRET] = secrets.token_hex(32)
+        env[PARENT_ENV] = str(os.getpid())  # each child ends with this process, even if it is SIGKILLed
         self.env = env
 
     def start(self, name: str, module: str, args: list[str]) -> None:

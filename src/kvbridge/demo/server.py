@@ -63,6 +63,7 @@ from kvbridge.config import TransferConfig, add_transfer_args
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.metrics import snapshot
 from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
+from kvbridge.demo.parent import follow_parent
 
 from .cache import META, Caches, Seq, Sizes
 from .generate import Output, decode_step, prefill_chunks
@@ -578,6 +579,7 @@ def _rank_main(rank: int, args: argparse.Namespace, transfer: TransferConfig, st
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()  # ends with the kvbridge demo that started it, even a SIGKILLed one
     parser = argparse.ArgumentParser(prog="python -m kvbridge.demo.server", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
