@@ -77,9 +77,6 @@ def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
             row[f"GBps_t{tile}_w{warps}"] = GiB / secs / 1e9
             row[f"ok_t{tile}_w{warps}"] = bool(torch.equal(got, want))
         gpu.TILE, gpu.NUM_WARPS = tunings[0]
-        gpu.RELATIVE = False  # integer-to-pointer casts: no alignment known, 8-byte accesses
-        row["GBps_cast"] = GiB / timed(lambda: gpu.copy(0, parts, peer), reps) / 1e9
-        gpu.RELATIVE = True
         row["GBps_8_allocations"] = GiB / timed(lambda: gpu.copy(0, parts, identity_peer(dst, 8)), reps) / 1e9
         # where the time goes: the host-side part alone (shape + packing)
         t0 = time.perf_counter()

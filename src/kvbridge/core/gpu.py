@@ -294,7 +294,6 @@ _kernel: Any = None
 #: ones are copied, so the host's per-descriptor work hides behind the copy.
 SLICE_BYTES = 128 << 20
 NUM_WARPS = 8
-RELATIVE = True  # address through one aligned base pointer (see the kernel); False: integer-to-pointer casts
 
 
 def _compile() -> Any:
@@ -302,10 +301,9 @@ def _compile() -> Any:
     import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
     @triton.jit
-    def copy_pieces(rows_tab, nrows, cols_tab, ncols, starts, deltas, allocs, base, base_addr, PIECES: tl.constexpr,
+    def copy_pieces(rows_tab, nrows, cols_tab, ncols, starts, deltas, allocs, PIECES: tl.constexpr,
                     ROWS: tl.constexpr, CHUNK: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
-                    STEPS: tl.constexpr, ALIGN16: tl.constexpr, EVEN: tl.constexpr, ROW_SIZES: tl.constexpr,
-                    RELATIVE: tl.constexpr):
+                    STEPS: tl.constexpr, ALIGN16: tl.constexpr, EVEN: tl.constexpr, ROW_SIZES: tl.constexpr):
         # rows_tab: nrows sources, nrows destinations (peer addresses)[, nrows sizes]; cols_tab: ncols
         # source offsets, destination offsets, sizes. Descriptor d is (d // ncols, d % ncols); piece p
         # is elements [(p % PIECES) * CHUNK, +CHUNK) of descriptor p // PIECES; one program copies ROWS
@@ -330,20 +328,11 @@ def _compile() -> Any:
             start = tl.load(starts + cand, mask=ok, other=0)
             pos = tl.where(ok & (start <= t), cand, pos)
         t += tl.load(deltas + pos, mask=live, other=0)
-        if RELATIVE:
-            # Addresses as element offsets from one 16-byte aligned pointer (``base``): the compiler
-            # knows the alignment of base + offset, so 16-byte aligned pieces move as 16-byte vectors
-            # (an integer cast to a pointer carries no alignment).
-            so = (s - base_addr) // WIDTH
-            to = (t - base_addr) // WIDTH
-            if ALIGN16:
-                so = tl.multiple_of(so, 16 // WIDTH)
-                to = tl.multiple_of(to, 16 // WIDTH)
-            sp = base + so
-            tp = base + to
-        else:
-            sp = s.to(tl.pointer_type(DTYPE))
-            tp = t.to(tl.pointer_type(DTYPE))
+        if ALIGN16:
+            s = tl.multiple_of(s, 16)
+            t = tl.multiple_of(t, 16)
+        sp = s.to(tl.pointer_type(DTYPE))
+        tp = t.to(tl.pointer_type(DTYPE))
         idx = first[:, None] + tl.arange(0, CHUNK)[None, :]
         if EVEN:  # whole pieces: a mask constant along each piece, so loads and stores vectorise
             mask = (live & (first < n))[:, None]
@@ -359,17 +348,6 @@ class _Staging(threading.local):
 
     def __init__(self) -> None:
         self.by_device: dict[int, tuple[Any, Any, Any]] = {}
-        self.bases: dict[tuple[int, int], Any] = {}
-
-    def base(self, device: int, width: int) -> Any:
-        """A one-element tensor of ``width``-byte integers on ``device``: the kernel's aligned base pointer."""
-        import torch
-
-        key = (device, width)
-        if key not in self.bases:
-            dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[width]
-            self.bases[key] = torch.empty(16 // width, dtype=dtype, device=f"cuda:{device}")
-        return self.bases[key]
 
     def get(self, device: int, words: int) -> tuple[Any, Any, Any]:
         import torch
@@ -431,7 +409,6 @@ def _launch(part: Part, at: int, h: Any, host: Any, dev: Any, starts: Any, delta
     src_rows, dst_rows, src_cols, dst_cols, nbytes = part
     sh = shape(part)
     dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[sh.width]
-    base = _staging.base(device, sh.width)
     per_row = row_sizes(part)
     ncols = len(src_cols)
     # the columns once, then the rows slice by slice
@@ -455,7 +432,7 @@ def _launch(part: Part, at: int, h: Any, host: Any, dev: Any, starts: Any, delta
         rows.copy_(host[at:at + width * m], non_blocking=True)
         at += width * m
         grid = (-(-m * ncols * sh.pieces // sh.rows),)
-        _kernel[grid](rows, m, cols, ncols, starts, deltas, len(peer.starts), base, base.data_ptr(),
+        _kernel[grid](rows, m, cols, ncols, starts, deltas, len(peer.starts),
                       PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps,
-                      ALIGN16=sh.align16, EVEN=sh.even, ROW_SIZES=per_row, RELATIVE=RELATIVE, num_warps=NUM_WARPS)
+                      ALIGN16=sh.align16, EVEN=sh.even, ROW_SIZES=per_row, num_warps=NUM_WARPS)
     return at
