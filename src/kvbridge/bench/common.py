@@ -57,6 +57,15 @@ def finish(args: argparse.Namespace, prog: str, results: Any, table: Callable[[]
     return ui.EXIT_OK if ok else ui.EXIT_FAILED
 
 
+def finish_backends(args: argparse.Namespace, prog: str, results: list[dict[str, Any]],
+                    table: Callable[[], Any], plot: Callable[[Any, str], None]) -> int:
+    """:func:`finish` for per-backend results that each carry ``problems`` and a ``result`` (PASS or not)."""
+    for res in results:
+        for p in res["problems"][:5]:
+            print(f"{prog}: error: {res['backend']}: {p}", file=sys.stderr)
+    return finish(args, prog, results, table, plot, all(r["result"] == "PASS" for r in results))
+
+
 def bars(path: str, title: str, labels: Sequence[str], series: dict[str, Sequence[float | None]], ylabel: str,
          *, log: bool = False, errors: dict[str, Sequence[tuple[float, float]]] | None = None,
          note: str = "") -> None:

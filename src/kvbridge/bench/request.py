@@ -424,11 +424,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     with ui.progress(len(cell_list) * len(backends), "cells", description="bench request") as tracker:
         for backend in backends:
             results.append(run_backend(backend, cell_list, tracker))
-    for res in results:
-        for p in res["problems"][:5]:
-            print(f"{prog}: error: {res['backend']}: {p}", file=sys.stderr)
-    return common.finish(args, prog, results, lambda: format_table(results), plot,
-                         all(r["result"] == "PASS" for r in results))
+    return common.finish_backends(args, prog, results, lambda: format_table(results), plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 from typing import Any
 
 from kvbridge import ui
@@ -98,11 +97,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     backends = args.backends or request.available(request.ENGINES)
     with ui.progress(len(backends), "backends", description="bench scale") as tracker:
         results = [run_backend(b, args.requests, tracker) for b in backends]
-    for res in results:
-        for p in res["problems"][:5]:
-            print(f"{prog}: error: {res['backend']}: {p}", file=sys.stderr)
-    return common.finish(args, prog, results, lambda: format_table(results), plot,
-                         all(r["result"] == "PASS" for r in results))
+    return common.finish_backends(args, prog, results, lambda: format_table(results), plot)
 
 
 def main(argv: list[str] | None = None) -> int:
