@@ -3,7 +3,8 @@
 Runs :func:`kvbridge.core.gpu.copy` with a peer mapped at its own address
 (one process: no IPC; the kernel and its host-side work are what the
 cross-process fast path runs), next to torch's device-to-device copy of the
-same bytes in the same run. Every case is checked byte-exact with torch
+same bytes in the same run, and the kernel alone (``kernel_only_GBps``: its
+table already on the GPU, timed with CUDA events). Every case is checked byte-exact with torch
 indexing. Needs a CUDA GPU.
 
     python benchmarks/gpu_kernel_bench.py [--json]
@@ -41,6 +42,27 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def kernel_only(part, peer: gpu.GpuPeer, reps: int) -> float:
+    """Seconds of the copy kernel alone (CUDA events; its table already on the GPU, one launch)."""
+    h = np.empty(6 * (len(part[0]) + len(part[2])), np.int64)
+    sh, sizes, r, end = gpu._pack(part, h, 0)
+    table = torch.from_numpy(h[:end]).cuda()
+    starts, deltas = peer.on_device(0)
+    gpu.copy(0, [part], peer)  # compiles the kernel
+    run = lambda: gpu._run(sh, sizes, len(part[0]), len(part[2]), table[r:], table[:r], starts, deltas,  # noqa: E731
+                           gpu.search_steps(len(peer.starts)), len(peer.starts))
+    run()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
 def identity_peer(t: torch.Tensor, allocations: int = 1) -> gpu.GpuPeer:
     """``t`` as a peer's memory mapped at its own address, cut into ``allocations`` (the kernel searches them)."""
     size = t.numel() * t.element_size()
@@ -67,7 +89,7 @@ def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
         parts = [gpu.arrays_part(s_addr, d_addr, nb)]
         row = {"page_kib": kib, "descriptors": n, "d2d_GBps": d2d}
         for tile, warps in tunings:
-            gpu.TILE, gpu.NUM_WARPS = tile, warps
+            gpu.TILE_BYTES, gpu.NUM_WARPS = tile, warps
             dst.zero_()
             torch.cuda.synchronize()
             secs = timed(lambda: gpu.copy(0, parts, peer), reps)
@@ -76,7 +98,8 @@ def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
             want = src.view(-1, w)[torch.as_tensor(s_idx, device="cuda")]
             row[f"GBps_t{tile}_w{warps}"] = GiB / secs / 1e9
             row[f"ok_t{tile}_w{warps}"] = bool(torch.equal(got, want))
-        gpu.TILE, gpu.NUM_WARPS = tunings[0]
+        gpu.TILE_BYTES, gpu.NUM_WARPS = tunings[0]
+        row["kernel_only_GBps"] = GiB / kernel_only(parts[0], peer, reps) / 1e9
         row["GBps_8_allocations"] = GiB / timed(lambda: gpu.copy(0, parts, identity_peer(dst, 8)), reps) / 1e9
         # where the time goes: the host-side part alone (shape + packing)
         t0 = time.perf_counter()
@@ -156,10 +179,10 @@ def hetero(reps: int) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--tune", action="store_true", help="try several tile sizes and warp counts")
+    p.add_argument("--tune", action="store_true", help="try several program sizes (bytes) and warp counts")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    tunings = [(gpu.TILE, gpu.NUM_WARPS)] + ([(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)] if a.tune else [])
+    tunings = [(gpu.TILE_BYTES, gpu.NUM_WARPS)] + ([(2048, 2), (4096, 4), (8192, 2), (8192, 4), (16384, 8)] if a.tune else [])
     out = {"pages": pages(a.reps, tunings), "hetero": hetero(a.reps)}
     if a.json:
         print(json.dumps(out, indent=1))

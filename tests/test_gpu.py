@@ -1,7 +1,7 @@
 """GPU memory: the fast path's work split (on CPU, always), and VRAM end to end (on a CUDA machine).
 
-The kernel of :mod:`kvbridge.core.gpu` copies ``TILE``-element pieces of
-descriptors; :func:`~kvbridge.core.gpu.execute_on_host` runs the same split
+The kernel of :mod:`kvbridge.core.gpu` copies ``TILE_BYTES`` pieces of
+descriptors, a slice of rows per launch; :func:`~kvbridge.core.gpu.execute_on_host` runs the same split
 with ``memmove`` on host memory, checked here against plain numpy slicing.
 The GPU tests run prefill and decode as separate processes with CUDA
 tensors (kvbridge.testing.hybrid, ``device="cuda"``) and skip, naming the
@@ -32,9 +32,10 @@ def descriptors(rng: np.random.Generator, src: np.ndarray, dst: np.ndarray, coun
     return src_off, dst_off[order], sizes[order]
 
 
-# (16 KiB, 64 KiB): whole pieces (TILE 8-byte elements) of unequal descriptors, the masked-by-piece case.
+# (16 KiB, 64 KiB): whole pieces (TILE_BYTES) of unequal descriptors, the masked-by-piece case.
 @pytest.mark.parametrize("unit, longest", [(8, 64 << 10), (2, 256), (1, 33), (4, 20000), (8, 8), (16, 4096), (16 << 10, 64 << 10)])
-def test_the_kernels_work_split_and_translation_copy_every_byte_once_to_its_place(unit, longest):
+def test_the_kernels_work_split_and_translation_copy_every_byte_once_to_its_place(unit, longest, monkeypatch):
+    monkeypatch.setattr(gpu, "SLICE_BYTES", 16 * longest)  # several launches, each with its own shape
     # The destination buffer stands for a peer's memory mapped at another address: descriptors carry
     # the peer's addresses (dst_base), the reference translates them through the mapping as the kernel does.
     rng = np.random.default_rng(unit * longest)
@@ -69,14 +70,34 @@ def test_the_kernels_binary_search_finds_the_allocation_holding_each_address(all
 def test_the_launch_shape_takes_the_widest_element_that_divides_every_address_and_size():
     a = np.array([0x1000, 0x2000], np.int64)
     # 16 elements of 8 bytes per piece; a 64-byte size is only half a piece: pieces need a mask
-    assert gpu.shape(gpu.arrays_part(a, a + 64, np.array([64, 128]))) == gpu.Shape(8, 16, 1, gpu.TILE // 16, True, False)
+    tile = gpu.TILE_BYTES // 8  # 8-byte elements per program
+    assert gpu.shape(gpu.arrays_part(a, a + 64, np.array([64, 128]))) == gpu.Shape(8, 16, 1, tile // 16, True, False)
     assert gpu.shape(gpu.arrays_part(a, a + 64, np.array([256, 256]))).even  # equal sizes: whole pieces
     assert gpu.shape(gpu.arrays_part(a, a + 4, np.array([64, 128]))).width == 4
     assert gpu.shape(gpu.arrays_part(a, a, np.array([6, 128]))).width == 2
     assert gpu.shape(gpu.arrays_part(a + 1, a, np.array([64, 128]))).width == 1
-    # 131072 elements: TILE-element pieces, 64 per descriptor
+    # 131072 elements: pieces of a whole program each
     big = gpu.shape(gpu.arrays_part(a, a, np.array([1 << 20, 8])))
-    assert (big.chunk, big.pieces, big.rows, big.even) == (gpu.TILE, (1 << 17) // gpu.TILE, 1, False)
+    assert (big.chunk, big.pieces, big.rows, big.even) == (tile, (1 << 17) // tile, 1, False)
+
+
+@pytest.mark.parametrize("cut", ["rows, sizes per row", "rows", "columns"])
+def test_slices_cover_every_descriptor_once_in_launches_of_about_slice_bytes(cut, monkeypatch):
+    monkeypatch.setattr(gpu, "SLICE_BYTES", 1 << 15)
+    many = np.arange(1000, dtype=np.int64) * 4096
+    two = np.array([0, 256], np.int64)
+    part = {"rows, sizes per row": gpu.arrays_part(many, many + 7, np.full(1000, 512, np.int64)),
+            "rows": (many, many + 7, two, two, np.array([256, 256], np.int64)),
+            "columns": (two, two + 7, many, many, np.full(1000, 256, np.int64))}[cut]  # 2 rows of 256-byte columns
+    got = gpu.slices(part)
+    assert [len(p[0 if cut != "columns" else 2]) for p in got] == [64] * 15 + [40]  # 32 KiB of 512-byte rows/columns
+    want = {(int(s + sc), int(d + dc), int(nb[i] if gpu.row_sizes(p) else nb[j]))
+            for p in [part] for i, (s, d) in enumerate(zip(p[0], p[1])) for j, (sc, dc) in enumerate(zip(p[2], p[3]))
+            for nb in [p[4]]}
+    have = [(int(s + sc), int(d + dc), int(nb[i] if gpu.row_sizes(p) else nb[j]))
+            for p in got for i, (s, d) in enumerate(zip(p[0], p[1])) for j, (sc, dc) in enumerate(zip(p[2], p[3]))
+            for nb in [p[4]]]
+    assert len(have) == len(want) and set(have) == want  # every descriptor once
 
 
 def outer_plans(src_base: int, dst_base: int):

@@ -40,13 +40,16 @@ from .layout import Region
 
 __all__ = [
     "GpuPeer", "Part", "Shape", "arrays_part", "available", "boot_id", "copy", "execute_on_host", "kernel_translate",
-    "local_metadata", "open_peer", "shape",
+    "local_metadata", "open_peer", "shape", "slices",
 ]
 
 log = logging.getLogger(__name__)
 
 IntArray = npt.NDArray[np.int64]
-TILE = 2048  # elements one kernel program copies
+#: Bytes one kernel program copies. Small programs win: on an H200, 4 KiB programs of 2 warps moved
+#: scattered 64 KiB pages at 0.97 of the device-to-device copy (16 KiB pages: 0.92), 16 KiB programs
+#: of 8 warps at 0.63 (``benchmarks/gpu_kernel_bench.py --tune``).
+TILE_BYTES = 4096
 
 
 # -- the work split (numpy; tested on CPU) ------------------------------------------------------------
@@ -70,9 +73,10 @@ def row_sizes(part: Part) -> bool:
 
 class Shape(NamedTuple):
     """How one launch splits a part's descriptors: element ``width`` in bytes, ``chunk`` elements per
-    piece, ``pieces`` per descriptor (of the longest), ``rows`` pieces per program (rows x chunk =
-    :data:`TILE`); ``align16``: every address and size is a multiple of 16 bytes; ``even``: every size is
-    a multiple of a piece, so pieces need no per-element mask (loads and stores then vectorise)."""
+    piece, ``pieces`` per descriptor (of the longest), ``rows`` pieces per program (rows x chunk x width
+    = :data:`TILE_BYTES`); ``align16``: every address and size is a multiple of 16 bytes; ``even``: every size is
+    a multiple of a piece, so pieces need no per-element mask (loads and stores then vectorise);
+    ``uniform``: the one size of every descriptor (its table then has no sizes), or 0."""
 
     width: int
     chunk: int
@@ -80,6 +84,7 @@ class Shape(NamedTuple):
     rows: int
     align16: bool
     even: bool
+    uniform: int = 0
 
 
 def shape(part: Part) -> Shape:
@@ -93,11 +98,41 @@ def shape(part: Part) -> Shape:
     for a in part[:4]:
         bits |= int(np.bitwise_or.reduce(a))
     width = next(w for w in (8, 4, 2, 1) if bits % w == 0)
-    longest = max(1, int(nbytes.max()) // width)
-    chunk = min(TILE, 1 << (longest - 1).bit_length())
+    most = int(nbytes.max())
+    longest = max(1, most // width)
+    tile = TILE_BYTES // width
+    chunk = min(tile, 1 << (longest - 1).bit_length())
     # the largest power of two dividing every size, against a piece's bytes
     even = (size_bits & -size_bits) >= chunk * width
-    return Shape(width, chunk, -(-longest // chunk), TILE // chunk, bits % 16 == 0, even)
+    uniform = most if int(nbytes.min()) == most else 0
+    return Shape(width, chunk, -(-longest // chunk), tile // chunk, bits % 16 == 0, even, uniform)
+
+
+#: A part goes to the GPU in slices of about this many bytes, one launch each; a failed room's fence is
+#: checked between slices. Each launch costs 0.1-0.4 ms of host work (shape, table, launch: measured on
+#: an H200's host), more than packing a later slice while an earlier one copies saves, so slices are
+#: large: a 1 GiB write is one launch.
+SLICE_BYTES = 1 << 30
+
+
+def slices(part: Part) -> list[Part]:
+    """``part`` cut into the launches :func:`copy` makes (each has its own :func:`shape`).
+
+    A part is rows x columns; it is cut along whichever is longer (a plan of one region's scattered
+    pages is one row of many columns), each slice again rows x columns.
+    """
+    src_rows, dst_rows, src_cols, dst_cols, nbytes = part
+    per_row = row_sizes(part)
+    by_rows = len(src_rows) >= len(src_cols)
+    count = len(src_rows) if by_rows else len(src_cols)
+    # bytes per unit cut (a row, or a column), estimated from the first
+    unit = int(nbytes[0]) if per_row else int(nbytes.sum()) if by_rows else int(nbytes[0]) * len(src_rows)
+    step = max(1, SLICE_BYTES // max(1, unit))
+    if by_rows:
+        return [(src_rows[lo:lo + step], dst_rows[lo:lo + step], src_cols, dst_cols,
+                 nbytes[lo:lo + step] if per_row else nbytes) for lo in range(0, count, step)]
+    return [(src_rows, dst_rows, src_cols[lo:lo + step], dst_cols[lo:lo + step], nbytes[lo:lo + step])
+            for lo in range(0, count, step)]
 
 
 def search_steps(allocations: int) -> int:
@@ -120,7 +155,7 @@ def kernel_translate(dst: IntArray, starts: IntArray, deltas: IntArray) -> IntAr
 def execute_on_host(parts: Sequence[Part], peer: GpuPeer) -> None:
     """The kernel's work split, sizes, masks and translation run with ``ctypes.memmove`` on host memory:
     the CPU reference of :func:`copy`, program by program."""
-    for part in parts:
+    for part in (piece for whole in parts for piece in slices(whole)):
         src_rows, dst_rows, src_cols, dst_cols, nbytes = part
         sh = shape(part)
         cols = len(src_cols)
@@ -290,10 +325,7 @@ def open_peer(metadata: bytes) -> GpuPeer | None:
 
 # -- the kernel ---------------------------------------------------------------------------------------
 _kernel: Any = None
-#: Descriptors per kernel launch at most: a write's later slices are packed and sent while earlier
-#: ones are copied, so the host's per-descriptor work hides behind the copy.
-SLICE_BYTES = 128 << 20
-NUM_WARPS = 8
+NUM_WARPS = 2  # per program of TILE_BYTES
 
 
 def _compile() -> Any:
@@ -301,11 +333,12 @@ def _compile() -> Any:
     import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
     @triton.jit
-    def copy_pieces(rows_tab, nrows, cols_tab, ncols, starts, deltas, allocs, PIECES: tl.constexpr,
+    def copy_pieces(rows_tab, nrows, cols_tab, ncols, size, starts, deltas, allocs, PIECES: tl.constexpr,
                     ROWS: tl.constexpr, CHUNK: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
-                    STEPS: tl.constexpr, ALIGN16: tl.constexpr, EVEN: tl.constexpr, ROW_SIZES: tl.constexpr):
-        # rows_tab: nrows sources, nrows destinations (peer addresses)[, nrows sizes]; cols_tab: ncols
-        # source offsets, destination offsets, sizes. Descriptor d is (d // ncols, d % ncols); piece p
+                    STEPS: tl.constexpr, ALIGN16: tl.constexpr, EVEN: tl.constexpr, SIZES: tl.constexpr):
+        # rows_tab: nrows sources, nrows destinations (peer addresses)[, nrows sizes if SIZES == 1];
+        # cols_tab: ncols source offsets, destination offsets[, sizes if SIZES == 2]; SIZES == 0: every
+        # descriptor moves ``size`` bytes. Descriptor d is (d // ncols, d % ncols); piece p
         # is elements [(p % PIECES) * CHUNK, +CHUNK) of descriptor p // PIECES; one program copies ROWS
         # pieces. Destinations are translated into this process through the peer's mapped allocations
         # (sorted starts, deltas) by a branchless binary search of STEPS steps.
@@ -317,10 +350,12 @@ def _compile() -> Any:
         c = d % ncols
         s = tl.load(rows_tab + r, mask=live, other=0) + tl.load(cols_tab + c, mask=live, other=0)
         t = tl.load(rows_tab + nrows + r, mask=live, other=0) + tl.load(cols_tab + ncols + c, mask=live, other=0)
-        if ROW_SIZES:
+        if SIZES == 1:
             n = tl.load(rows_tab + 2 * nrows + r, mask=live, other=0) // WIDTH
-        else:
+        elif SIZES == 2:
             n = tl.load(cols_tab + 2 * ncols + c, mask=live, other=0) // WIDTH
+        else:
+            n = tl.zeros_like(r) + size // WIDTH
         pos = tl.zeros_like(t)
         for i in tl.static_range(STEPS):
             cand = pos + (1 << (STEPS - 1 - i))
@@ -371,12 +406,11 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
 
     Destinations are the peer's own addresses; the kernel translates them.
     The descriptors must lie in local GPU memory of ``device`` and in the
-    peer's mapped allocations (core checked both). Each part's rows are sent
-    in slices of about :data:`SLICE_BYTES`, so packing slice k+1 on the CPU
-    overlaps copying slice k; one synchronisation at the end. ``check`` runs
-    before each slice is launched and may raise to stop there (a failed
-    room's fence); the slices already launched are still waited for, so
-    nothing is left running when this returns or raises.
+    peer's mapped allocations (core checked both). Each part goes in
+    :func:`slices`, one launch each, and one synchronisation at the end. ``check`` runs before
+    each slice is launched and may raise to stop there (a failed room's
+    fence); the slices already launched are still waited for, so nothing is
+    left running when this returns or raises.
     """
     global _kernel
     parts = [p for p in parts if len(p[0]) and len(p[2])]
@@ -389,50 +423,55 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
     _on_device(device)
     starts, deltas = peer.on_device(device)
     steps = search_steps(len(peer.starts))
-    words = sum(3 * len(p[0]) + 3 * len(p[2]) for p in parts)
+    pieces = [piece for part in parts for piece in slices(part)]
+    words = sum(3 * len(p[0]) + 3 * len(p[2]) for p in pieces)
     stream, host, dev = _staging.get(device, words)
     h = host.numpy()
     at = 0
     with torch.cuda.stream(stream):
         try:
-            for part in parts:
-                at = _launch(part, at, h, host, dev, starts, deltas, steps, device, peer, check)
+            for piece in pieces:
+                if check is not None:
+                    check()
+                at = _launch(piece, at, h, host, dev, starts, deltas, steps, len(peer.starts))
         finally:
             stream.synchronize()  # whatever was launched has landed before this returns or raises
 
 
-def _launch(part: Part, at: int, h: Any, host: Any, dev: Any, starts: Any, deltas: Any, steps: int, device: int,
-            peer: GpuPeer, check: Callable[[], None] | None) -> int:
-    """Launch one part's slices on the current stream (staging from word ``at``); the next free word."""
-    import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
+def _launch(part: Part, at: int, h: Any, host: Any, dev: Any, starts: Any, deltas: Any, steps: int, allocs: int) -> int:
+    """Launch one slice on the current stream, its table staged from word ``at``; the next free word."""
+    sh, sizes, r, end = _pack(part, h, at)
+    dev[at:end].copy_(host[at:end], non_blocking=True)
+    _run(sh, sizes, len(part[0]), len(part[2]), dev[r:end], dev[at:r], starts, deltas, steps, allocs)
+    return end
 
+
+def _pack(part: Part, h: Any, at: int) -> tuple[Shape, int, int, int]:
+    """Write ``part``'s table into ``h`` from word ``at``: columns (sources, destinations[, sizes]), then rows
+    (sources, destinations[, sizes]). Returns the shape, where sizes are kept (0: one size for all, 1: per
+    row, 2: per column), the first row word and the end."""
     src_rows, dst_rows, src_cols, dst_cols, nbytes = part
     sh = shape(part)
-    dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[sh.width]
-    per_row = row_sizes(part)
-    ncols = len(src_cols)
-    # the columns once, then the rows slice by slice
-    cols = dev[at:at + 3 * ncols]
+    sizes = 0 if sh.uniform else 1 if row_sizes(part) else 2
+    m, ncols = len(src_rows), len(src_cols)
     h[at:at + ncols], h[at + ncols:at + 2 * ncols] = src_cols, dst_cols
-    h[at + 2 * ncols:at + 3 * ncols] = 0 if per_row else nbytes
-    cols.copy_(host[at:at + 3 * ncols], non_blocking=True)
-    at += 3 * ncols
-    row_bytes = max(1, int(nbytes[0]) if per_row else int(nbytes.sum()))
-    step = max(1, SLICE_BYTES // row_bytes)
-    width = 3 if per_row else 2
-    for lo in range(0, len(src_rows), step):
-        if check is not None:
-            check()
-        hi = min(len(src_rows), lo + step)
-        m = hi - lo
-        h[at:at + m], h[at + m:at + 2 * m] = src_rows[lo:hi], dst_rows[lo:hi]
-        if per_row:
-            h[at + 2 * m:at + 3 * m] = nbytes[lo:hi]
-        rows = dev[at:at + width * m]
-        rows.copy_(host[at:at + width * m], non_blocking=True)
-        at += width * m
-        grid = (-(-m * ncols * sh.pieces // sh.rows),)
-        _kernel[grid](rows, m, cols, ncols, starts, deltas, len(peer.starts),
-                      PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps,
-                      ALIGN16=sh.align16, EVEN=sh.even, ROW_SIZES=per_row, num_warps=NUM_WARPS)
-    return at
+    r = at + (3 if sizes == 2 else 2) * ncols
+    if sizes == 2:
+        h[at + 2 * ncols:r] = nbytes
+    h[r:r + m], h[r + m:r + 2 * m] = src_rows, dst_rows
+    end = r + (3 if sizes == 1 else 2) * m
+    if sizes == 1:
+        h[r + 2 * m:end] = nbytes
+    return sh, sizes, r, end
+
+
+def _run(sh: Shape, sizes: int, m: int, ncols: int, rows: Any, cols: Any, starts: Any, deltas: Any, steps: int,
+         allocs: int) -> None:
+    """Launch the kernel over ``m`` rows x ``ncols`` columns whose tables are on the GPU."""
+    import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
+
+    dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[sh.width]
+    grid = (-(-m * ncols * sh.pieces // sh.rows),)
+    _kernel[grid](rows, m, cols, ncols, sh.uniform, starts, deltas, allocs,
+                  PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps,
+                  ALIGN16=sh.align16, EVEN=sh.even, SIZES=sizes, num_warps=NUM_WARPS)
