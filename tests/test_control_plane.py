@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 
 from kvbridge.core import protocol as P
 from kvbridge.core.layout import KVArgs
-from kvbridge.core.session import Poll, Receiver, Sender
-from kvbridge.testing.e2e import Pools, meta_row_for, schedule
+from kvbridge.core.bootstrap import BootstrapServer
+from kvbridge.core.session import Poll, PrefillManager, Receiver, Sender
+from kvbridge.testing.e2e import Pools, meta_row_for, prefill_pools, schedule
 from kvbridge.testing.harness import START_WAIT, BackendHarness, finished, send_all, wait_until
 
 HOSTILE_META = b"127.0.0.1:1"  # engine metadata in Hellos that are refused before the backend sees them
@@ -313,6 +314,35 @@ class TestControlPlane(BackendHarness):
         assert re.fullmatch(r"prefill tp0/pp0 at 127\.0\.0\.1:\d+ rejected the handshake: (.*)", recv.failure() or "")
         assert recv.failure().endswith(f" rejected the handshake: {problem}")  # type: ignore[union-attr]
         assert decode.mgr.active_rooms() == 0
+
+    def test_a_handshake_one_prefill_rank_rejects_fails_the_room_on_the_other_ranks_at_once(self, local_decode):
+        # Prefill TP 2 (replicated pages: tp0 sends), and tp1 runs another page size: tp1 rejects the
+        # handshake, tp0 accepts it. tp0's sender must fail with the reason, not wait for bootstrap_timeout.
+        sc = self.scenario(requests=1, bootstrap_timeout=30.0)
+        server = BootstrapServer("127.0.0.1")
+        managers: list[PrefillManager] = []
+        try:
+            for tp_rank, page_size in ((0, 16), (1, 32)):
+                pools = prefill_pools(sc)
+                kvargs = msgspec.structs.replace(pools.kvargs, tp_rank=tp_rank, tp_size=2, page_size=page_size)
+                managers.append(PrefillManager(kvargs, sc.backend, bootstrap=server.address, config=sc.session_config()))
+            room = schedule(sc)[0].room
+            senders = [Sender(m, room, metadata_row=0) for m in managers]
+            decode = local_decode(sc)
+            recv = Receiver(decode.mgr, room, bootstrap=server.address)
+            recv.init([0, 1], metadata_row=0)
+            wait_until(finished(recv), 10.0, "receiver")
+            assert recv.poll() == Poll.FAILED
+            assert re.search(r"prefill tp1/pp0 at \S+ rejected the handshake: incompatible layouts: ", recv.failure() or "")
+            took = wait_until(finished(senders[0]), 5.0, "tp0's sender")
+            assert took < 5.0 < sc.bootstrap_timeout
+            assert senders[0].poll() == Poll.FAILED
+            assert "rejected the handshake" in (senders[0].failure() or ""), senders[0].failure()
+            assert "page size differs" in (senders[0].failure() or ""), senders[0].failure()
+        finally:
+            for m in managers:
+                m.close()
+            server.close()
 
     # -- bootstrap timeout -----------------------------------------------------------------------------
     def test_receiver_fails_within_the_bootstrap_timeout_when_nothing_listens(self, local_decode):

@@ -241,6 +241,48 @@ def test_frozen_destination_over_tcp_times_out_within_the_deadline_then_recovers
         tcp.backend.close()
 
 
+def _socket_buffer_max() -> int:
+    """The most bytes the kernel holds for one TCP connection: the sender's buffer plus the receiver's."""
+    with open("/proc/sys/net/ipv4/tcp_wmem") as w, open("/proc/sys/net/ipv4/tcp_rmem") as r:
+        return int(w.read().split()[2]) + int(r.read().split()[2])
+
+
+def test_a_timed_out_write_leaves_no_puts_queued_that_land_after_it_returned():
+    # Over TCP to a frozen destination most puts are still queued in UCX when the deadline passes.
+    # write() must drop them (the contract: nothing left in the engine once it returns): after the
+    # destination resumes, only what the kernel had already taken into the socket's buffers lands.
+    item, count = 1 << 20, 128
+    layout = [("big", item, count, "kv_page")]
+    dest = pair.start_destination("ucx", layout)
+    tcp = UcxBackend(_config("prefill", UCX_TLS="tcp"))
+    try:
+        bufs, regions = pattern_buffers(layout)
+        tcp.register(regions)
+        tcp.add_peer("frozen", dest.metadata, dest.regions)
+        plan = pair.page_plan(regions, dest.regions, list(range(count)), list(range(count)), slice(0, 1))
+        tcp.write("frozen", pair.page_plan(regions, dest.regions, [0], [0], slice(0, 1)), time.monotonic() + 5)
+        freeze(dest.process.pid)
+        with pytest.raises(TransferTimeout, match="peer 'frozen'.*deadline"):
+            tcp.write("frozen", plan, time.monotonic() + 1.0)
+        os.kill(dest.process.pid, signal.SIGCONT)
+        # Whatever still arrives does so once the destination runs again: wait until its memory settles.
+        landed, stable_since, t0 = -1, time.monotonic(), time.monotonic()
+        while time.monotonic() - stable_since < 2.0 and time.monotonic() - t0 < WAIT:
+            now = int((dest.buffers()[0] == bufs[0]).sum()) - item  # item 0 landed before the freeze
+            if now != landed:
+                landed, stable_since = now, time.monotonic()
+            time.sleep(0.2)
+        assert landed <= _socket_buffer_max(), (
+            f"{landed} B of {count * item} landed after the timed-out write returned: puts were left queued in UCX"
+        )
+        tcp.write("frozen", plan, time.monotonic() + 10)  # a new endpoint: the peer works again
+        np.testing.assert_array_equal(dest.buffers()[0], bufs[0])
+    finally:
+        os.kill(dest.process.pid, signal.SIGCONT)
+        tcp.close()
+        dest.stop()
+
+
 def test_frozen_destination_over_cma_still_receives_the_bytes(source, fresh_dest):
     # CMA writes straight into the stopped process: the write completes and
     # the bytes are there when it resumes.

@@ -65,6 +65,8 @@ class PrefillServer:
         self.ready = False
         self.failed: str | None = None
         self.queued: list[P.Message] = []  # for every rank once the handshake completes
+        #: Once given up on: its sockets stay open at least until then, so the Aborts sent last get out.
+        self.linger_until = 0.0
 
 
 class DecodeManager(TransferManager[Receiver]):
@@ -234,9 +236,17 @@ class DecodeManager(TransferManager[Receiver]):
             server.queued.clear()
             if self._servers.get(server.address) is server:
                 del self._servers[server.address]
-            for recv in list(self.rooms.values()):
-                if recv.server is server:
-                    recv.fail(reason, kind)
+            rooms = [recv for recv in self.rooms.values() if recv.server is server]
+            if not server.ready and server.ranks:
+                # Ranks that accepted the handshake (one rejected it, or the rest never answered) hold
+                # senders waiting for a request that will not come: tell them now, with the reason,
+                # rather than leave them to their bootstrap_timeout. (A rank that never got the Hello
+                # ignores an Abort from a stranger; one that accepts the Hello later reads it next.)
+                server.linger_until = time.monotonic() + self.config.heartbeat_interval
+                for recv in rooms:
+                    self.send_to_ranks(server, P.Abort(room=recv.room, reason=reason, requested=False))
+            for recv in rooms:
+                recv.fail(reason, kind)
             # Its sockets stay open while its rooms wait for Fenced (see _tick).
             if server not in self._retired:
                 self._retired.append(server)
@@ -280,10 +290,11 @@ class DecodeManager(TransferManager[Receiver]):
                 overdue = recv.overdue(now, cfg)
                 if overdue is not None:
                     recv.fail(overdue, "timeout")
-            fencing = {id(r.server) for r in self.rooms.values() if r.fencing}
-            retired, self._retired = self._retired, [s for s in self._retired if id(s) in fencing]
+            keep = {id(r.server) for r in self.rooms.values() if r.fencing}
+            keep.update(id(s) for s in self._retired if now < s.linger_until)
+            retired, self._retired = self._retired, [s for s in self._retired if id(s) in keep]
         for server in retired:
-            if id(server) not in fencing:
+            if id(server) not in keep:
                 self._close_server(server)
 
     def _shutdown(self) -> None:

@@ -27,13 +27,20 @@ Behaviour this adapter is built around (docs/engines.md, NIXL):
   measured 0.03 instead of 1.0 core idle and higher bandwidth on a 2-core box.
 - **No transfer timeout.** NIXL waits forever on a stalled peer, so
   :meth:`NixlBackend.write` posts its batch as one request, polls
-  ``check_xfer_state`` and, at the deadline, releases (cancels) the request
+  ``check_xfer_state`` and, at the deadline, releases the request
   and raises :class:`TransferTimeout`. A dead peer raises ``nixlRemoteDisconnectError``, which becomes
   :class:`TransferError` naming the peer (measured here: on the first write
   after the kill, within 1 ms). Between processes on one host UCX puts by CMA,
   which writes into a *stopped* (SIGSTOP) process without its help, so such
   writes still complete; over TCP (``ucx_engine_config=TLS=tcp``) they stall
   and time out at the deadline, and the peer works again after SIGCONT.
+  **Releasing does not cancel puts UCX has queued**: NIXL cancels the UCX
+  requests, and UCP cancels only receives. Measured (128 MiB to a stopped
+  peer over TCP, 1 s deadline): 127 of 128 MiB landed after the write had
+  raised, and ``remove_remote_agent`` does not stop them either (NIXL closes
+  the endpoint in flush mode). NIXL offers no forced close, so a timed-out
+  write can leave up to its batch in flight; core keeps batches within
+  16 MiB and 1024 descriptors for this reason (docs/failures.md).
 - **The post does the copy.** With CMA, ``transfer()`` copies every byte
   before it returns (1 GiB: 0.2-0.3 s inside the call, state already DONE),
   so a deadline cannot interrupt it. The backend therefore declares
@@ -338,7 +345,7 @@ class NixlBackend(Backend):
         self._local_regions = RegionTable(())
         self._local_kind: tuple[bool, int] | None = None  # (GPU memory?, device) of every local region, if shared
         self._local: PageTable | None = None
-        self._stuck: list[nixl_xfer_handle] = []  # requests NIXL refused to cancel at a deadline
+        self._stuck: list[nixl_xfer_handle] = []  # requests NIXL refused to release at a deadline
         log.debug("nixl agent %s up: progress delay %d us, UCX %s, xfer mode %s",
                   self.agent_name, self.progress_delay_us, params, self.xfer_mode)
 
@@ -534,8 +541,8 @@ class NixlBackend(Backend):
             raise TransferTimeout(
                 f"nixl: write to peer {peer!r} (agent {p.agent}; {_what(batch)}) did not complete by its deadline "
                 f"({time.monotonic() - t0:.3f} s after it was posted); the request was "
-                + ("cancelled" if released else "not cancellable and is kept until close")
-                + "; bytes may have partly landed"
+                + ("released" if released else "not releasable and is kept until close")
+                + "; bytes may have partly landed, and puts UCX had queued may still land"
             )
         if state != "DONE":
             raise TransferError(
@@ -561,7 +568,7 @@ class NixlBackend(Backend):
         return state
 
     def _release(self, handle: nixl_xfer_handle) -> bool:
-        """Release (and so cancel) a request; keep it for close if NIXL refuses."""
+        """Release a request (puts UCX already queued still go out); keep it for close if NIXL refuses."""
         try:
             handle.release()
             return True

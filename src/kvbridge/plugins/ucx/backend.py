@@ -53,8 +53,11 @@ through ctypes, 3 us inside UCP's progress (one ``process_vm_writev`` each).
 **Timeouts.** UCX never notices a frozen (SIGSTOPped) peer. Over CMA the puts
 still land in the stopped process, so the write succeeds (the bytes are
 there). Over TCP, flush waits for the peer; :meth:`UcxBackend.write` stops at
-``deadline`` and raises :class:`TransferTimeout`; the puts stay queued and may
-still land later.
+``deadline`` and raises :class:`TransferTimeout`. A write that fails or times
+out with puts still queued force-closes the peer's endpoint, which drops them,
+and connects a new one for the next write, so nothing of the batch is left in
+UCX when ``write`` returns; what the kernel already took into the TCP socket's
+buffers (at most ``tcp_wmem`` + the peer's ``tcp_rmem``) can still arrive.
 
 **Progress.** UCXX's progress thread runs in blocking (epoll) mode so an idle
 backend costs no CPU, but it does not pick up puts posted from another thread
@@ -118,6 +121,7 @@ _decode = msgspec.msgpack.Decoder(_Meta).decode
 @dataclass(eq=False)
 class _Peer:
     name: str
+    meta: _Meta | None = None  # what the peer sent, kept to reconnect after a failed write
     endpoint: Any = None  # ucxx UCXEndpoint
     starts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     rkeys: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
@@ -210,25 +214,31 @@ class UcxBackend(Backend):
                     f"ucx: peer {peer!r} describes region {r.name!r} ({r.nbytes} B at {r.addr:#x}) "
                     "but registered no UCX memory covering it"
                 )
-        ucx = self._ucx
+        p = _Peer(peer, meta)
+        self._connect(p)
+        self._install(p)
+
+    def _connect(self, p: _Peer) -> None:
+        """Give ``p`` a new endpoint to its worker address and unpack its remote keys on it."""
+        assert p.meta is not None
+        meta, ucx = p.meta, self._ucx
         try:
             address = ucx.UCXAddress.create_from_buffer(meta.worker_address)
-            endpoint = ucx.UCXEndpoint.create_from_worker_address(self._worker, address, self.error_handling)
+            p.endpoint = ucx.UCXEndpoint.create_from_worker_address(self._worker, address, self.error_handling)
         except Exception as exc:
-            raise TransferError(f"ucx: cannot create an endpoint to peer {peer!r}: {exc}") from exc
-        p = _Peer(peer, endpoint)
+            raise TransferError(f"ucx: cannot create an endpoint to peer {p.name!r}: {exc}") from exc
+        p.dirty = False
         order = sorted(range(len(meta.regions)), key=lambda i: meta.regions[i][0])
         rkeys = []
         try:
             for i in order:
-                rkeys.append(self._ucp.rkey_unpack(endpoint.handle, meta.regions[i][2]))
+                rkeys.append(self._ucp.rkey_unpack(p.endpoint.handle, meta.regions[i][2]))
         except self._ucp.UcpError as exc:
             p.rkeys = np.array(rkeys, np.uint64)
             self._teardown(p)
-            raise TransferError(f"ucx: cannot unpack remote key {len(rkeys)} of peer {peer!r}: {exc}") from exc
+            raise TransferError(f"ucx: cannot unpack remote key {len(rkeys)} of peer {p.name!r}: {exc}") from exc
         p.starts = np.array([meta.regions[i][0] for i in order], np.int64)
         p.rkeys = np.array(rkeys, np.uint64)
-        self._install(p)
 
     def _install(self, p: _Peer) -> None:
         with self._lock:
@@ -290,9 +300,25 @@ class UcxBackend(Backend):
                 if p.removed or p.endpoint is None:
                     raise TransferError(f"ucx: peer {peer!r} was removed")
                 self._write(p, batch, deadline)
+            except TransferError:
+                if p.dirty and not (p.removed or self._closed):
+                    self._drop_queued(p)
+                raise
             finally:
                 if p.removed or self._closed:
                     self._teardown(p)
+
+    def _drop_queued(self, p: _Peer) -> None:
+        """A write failed or timed out with puts possibly still queued: force-close the endpoint, which
+        drops them (core's contract: nothing of the batch left in the engine once ``write`` returns),
+        and connect a new one for the peer's next write. Bytes the kernel already took into a TCP
+        socket's buffers are past UCX's reach and may still arrive (docs/failures.md)."""
+        self._teardown(p)
+        try:
+            self._connect(p)
+        except TransferError as exc:
+            log.warning("ucx: reconnecting to peer %r after a failed write: %s; later writes to it fail", p.name, exc)
+            p.removed = True
 
     def _write(self, p: _Peer, batch: TransferPlan, deadline: float) -> None:
         n = len(batch)
