@@ -8,12 +8,15 @@ independently of the segment computation.
 
 import ctypes
 import itertools
+import time
 
 import numpy as np
 import pytest
 
 from kvbridge.core.layout import IndexSpace, KVArgs, Region, Shard
 from kvbridge.core.pairing import IncompatibleLayoutError, pair_layouts
+from kvbridge.core.records import BackendCapabilities
+from kvbridge.core.transport import Transport, open_transport
 
 PAGES, TOKENS, HEAD_DIM = 12, 4, 2  # small: every combination runs in milliseconds
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (4, 4)]
@@ -197,3 +200,89 @@ def test_decode_pp_above_one_is_rejected_at_handshake():
     b = KVArgs(regions=a.regions, index_spaces=a.index_spaces, dtype="bfloat16", page_size=TOKENS, pp_rank=0, pp_size=2)
     with pytest.raises(IncompatibleLayoutError, match="decode PP 2 is not supported"):
         pair_layouts(a, b)
+
+
+# -- host staging (kvbridge.core.staging): the same oracle, written through Transport over the
+#    engine-less memory backend (the conformance suite runs the hybrid model across TP pairs on
+#    every backend, in processes) ------------------------------------------------------------------
+STAGE_HEADS = 8
+SRC_PAGES, DST_PAGES = [3, 4, 5, 9, 0, 1], [0, 1, 2, 10, 6, 7]
+
+
+def _transports(n, sends):
+    out = []
+    for r in range(n):
+        t = open_transport("memory", host="127.0.0.1", name=f"{'p' if sends else 'd'}{r}", transfer_timeout=5, options={})
+        out.append(t)
+    return out
+
+
+def _staged_pair(tp_p, tp_d, *, sends=True, layout="nhd", capabilities=None):
+    """Every prefill rank writes to every decode rank through Transport; returns (got, oracle, staging stats)."""
+    g = global_kv(2, STAGE_HEADS, seed=tp_p * 10 + tp_d)
+    src_pools = [rank_pool(g, heads_of(r, tp_p, STAGE_HEADS), layout) for r in range(tp_p)]
+    src_args = [describe(p, r, tp_p, STAGE_HEADS, layout) for r, p in enumerate(src_pools)]
+    got = [np.zeros_like(rank_pool(g, heads_of(r, tp_d, STAGE_HEADS), layout)) for r in range(tp_d)]
+    want = [np.zeros_like(p) for p in got]
+    dst_args = [describe(p, r, tp_d, STAGE_HEADS, layout) for r, p in enumerate(got)]
+    want_args = [describe(p, r, tp_d, STAGE_HEADS, layout) for r, p in enumerate(want)]
+    src_t, dst_t = _transports(tp_p, True), _transports(tp_d, False)
+    if capabilities is not None:  # what a backend declaring them would get from open_transport
+        src_t = [Transport(t.backend, t.name, capabilities) for t in src_t]
+    try:
+        for t, a in zip(src_t, src_args):
+            t.register(a.regions, sends=sends)
+        for t, a in zip(dst_t, dst_args):
+            t.register(a.regions, sends=False)
+        for p in range(tp_p):
+            for d in range(tp_d):
+                src_t[p].add_peer(f"d{d}", dst_t[d].metadata(), dst_args[d].regions)
+                plan = pair_layouts(src_args[p], dst_args[d]).plan({"kv_page": SRC_PAGES}, {"kv_page": DST_PAGES})
+                src_t[p].write(f"d{d}", plan, time.monotonic() + 5)
+                execute(pair_layouts(src_args[p], want_args[d]).plan({"kv_page": SRC_PAGES}, {"kv_page": DST_PAGES}))
+        stats = [t.describe().get("staging") for t in src_t]
+    finally:
+        for t in src_t + dst_t:
+            t.close()
+    return got, want, stats
+
+
+@pytest.mark.parametrize("tp_p, tp_d", [(1, 2), (1, 4), (2, 4), (1, 8)])
+def test_token_rows_to_more_decode_ranks_are_staged_and_land_byte_exact(tp_p, tp_d):
+    got, want, stats = _staged_pair(tp_p, tp_d)
+    for d, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"decode rank {d}")
+    assert all(w.any() for w in want)
+    for s in stats:
+        # 2 layers x K/V x 6 pages x 4 token rows, per decode peer; runs: one per destination run.
+        assert s["windows"] == tp_d // tp_p and s["pieces"] == s["windows"] * 2 * 2 * 6 * 4
+        assert s["posted"] < s["pieces"] // 4
+
+
+@pytest.mark.parametrize("tp_p, tp_d", [(2, 1), (4, 1), (4, 2)])
+def test_token_rows_to_fewer_decode_ranks_are_written_as_planned(tp_p, tp_d):
+    # The destination is strided there: gathering on prefill merges nothing, so nothing is staged.
+    got, want, stats = _staged_pair(tp_p, tp_d)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert all(s["windows"] == 0 for s in stats)
+
+
+def test_head_major_pages_and_decode_ranks_register_no_staging_buffer():
+    # HND: a head slice is contiguous in a page, nothing strided to gather; decode never sends.
+    got, want, stats = _staged_pair(1, 4, layout="hnd")
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert stats == [None]
+
+
+def test_a_backend_that_opts_out_gets_every_descriptor_as_planned(monkeypatch):
+    from kvbridge.testing.memory import MemoryBackend
+
+    registered = []
+    monkeypatch.setattr(MemoryBackend, "register", lambda self, regions: (registered.extend(regions),
+                                                                           self._regions.extend((r.addr, r.nbytes) for r in regions)))
+    got, want, stats = _staged_pair(1, 2, capabilities=BackendCapabilities(host_staging=False, cross_host=False))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert stats == [None] and not any(r.name == "kvbridge-staging" for r in registered)

@@ -135,7 +135,7 @@ class TransferManager(Generic[R]):
         )
         self.backend_name = self.transport.name
         try:
-            self.transport.register(kvargs.regions)
+            self.transport.register(kvargs.regions, sends=self.role == "prefill")
         except BaseException:
             self.transport.close()
             raise

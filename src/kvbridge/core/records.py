@@ -50,6 +50,11 @@ class BackendCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     #: Moves bytes between hosts. ``False`` (e.g. a same-host shared-memory
     #: transport) keeps the backend out of the default choice.
     cross_host: bool = True
+    #: Core may post some descriptors from a staging buffer of its own (host memory,
+    #: registered with the rank's regions): heterogeneous-TP token rows gathered into
+    #: contiguous runs (``kvbridge.core.staging``). ``False`` opts out: every
+    #: descriptor is posted as planned, and only the rank's own regions are registered.
+    host_staging: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_descriptors_per_batch", "max_descriptors_in_flight", "max_bytes_per_batch"):

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Callable
 from typing import Any, Union
 
 import numpy as np
 
-from . import gpu
+from . import gpu, staging
 from .backend import _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout
 from .layout import Region
 from .plan import RegionTable, TransferPlan
@@ -66,6 +66,7 @@ class Transport:
         # peer -> (its mapped GPU allocations, the one local device when every descriptor qualifies)
         self._gpu_peers: dict[str, tuple[gpu.GpuPeer, int | None]] = {}
         self._vram = RegionTable(())  # local GPU regions: which device a source address lives on
+        self._staging: staging.Staging | None = None  # host staging of strided sources (core/staging.py)
 
     # -- memory -----------------------------------------------------------------------------
     def check_memory(self, regions: Sequence[Region], whose: str) -> None:
@@ -79,9 +80,15 @@ class Transport:
                     "use a backend that declares it (`kvbridge plugins` lists what each moves)"
                 )
 
-    def register(self, regions: Sequence[Region]) -> None:
+    def register(self, regions: Sequence[Region], *, sends: bool = True) -> None:
+        """Register the rank's regions; a rank that ``sends`` strided host pieces also registers a
+        staging buffer with them (``core/staging.py``), unless the backend opts out."""
         self.check_memory(regions, "local")
-        self.backend.register(regions)
+        stage = None
+        if sends and self.capabilities.host_staging and "dram" in self.capabilities.memory_kinds and staging.wanted(regions):
+            stage = staging.Staging(regions)
+        self.backend.register([*regions, stage.region] if stage is not None else regions)
+        self._staging = stage
         self._regions = list(regions)
         self._vram = RegionTable([r for r in regions if r.mem == "vram"])
 
@@ -140,21 +147,45 @@ class Transport:
         if route is not None:
             self._check(peer, deadline, live, "before it started")
             plan = self._copy_on_gpu(peer, *route, plan, lambda: self._check(peer, deadline, live, "between GPU copy slices"))
-        batches = self.batches(plan)
         landed = 0
+        posted = 0
         token = _live.set(live)  # the backend re-checks right before it posts (backend.may_post)
+
+        def post(batch: TransferPlan, of: str = "") -> None:
+            nonlocal landed, posted
+            self._check(peer, deadline, live, f"after {posted}{of} batches ({landed} of {plan.total_bytes} B landed)")
+            try:
+                self.backend.write(peer, batch, deadline)
+            except TransferError as exc:
+                if posted == 0:
+                    raise
+                raise type(exc)(f"{exc} (batch {posted + 1}; the {posted} before it, {landed} B, landed)") from exc
+            landed += batch.total_bytes
+            posted += 1
+
         try:
-            for i, batch in enumerate(batches):
-                self._check(peer, deadline, live, f"after {i} of {len(batches)} batches ({landed} of {plan.total_bytes} B landed)")
+            for window in self._windows(plan):
+                staged = self._staging.stage(window, self._batch_bytes) if self._staging is not None else None
+                if staged is None:
+                    batches = self.batches(window)
+                    of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
+                    for batch in batches:
+                        post(batch, of)
+                    continue
                 try:
-                    self.backend.write(peer, batch, deadline)
-                except TransferError as exc:
-                    if i == 0:
-                        raise
-                    raise type(exc)(f"{exc} (batch {i + 1} of {len(batches)}; the {i} before it, {landed} B, landed)") from exc
-                landed += batch.total_bytes
+                    for batch in staged.batches(self._batch_descriptors):
+                        post(batch)
+                finally:
+                    staged.release()  # write() returned or raised: the engine reads the slice no more
         finally:
             _live.reset(token)
+
+    def _windows(self, plan: TransferPlan) -> Iterator[TransferPlan]:
+        """The plan in windows that staging may gather (one slice each), or whole when it cannot help."""
+        if self._staging is None or len(plan) < 2 or plan.total_bytes > len(plan) * staging.MAX_PIECE:
+            yield plan  # pieces too large on average to be worth copying: the batches of today
+            return
+        yield from plan.batches(staging.WINDOW_DESCRIPTORS, min(self._staging.slice_bytes, self._batch_bytes))
 
     def _check(self, peer: str, deadline: float, live: Callable[[], bool] | None, where: str) -> None:
         """The one check before every batch: the deadline, then whether the room is still live."""
@@ -194,7 +225,8 @@ class Transport:
         return rest
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "gpu_fast_path_peers": sorted(self._gpu_peers), **self.backend.describe()}
+        staged = {"staging": self._staging.stats()} if self._staging is not None else {}
+        return {"backend": self.name, "gpu_fast_path_peers": sorted(self._gpu_peers), **staged, **self.backend.describe()}
 
 
 def backend_name(backend: Backend) -> str:

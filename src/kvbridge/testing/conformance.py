@@ -371,6 +371,20 @@ class BackendConformance(BackendHarness):
         spec = self.hybrid_spec(prefill_tp=2, decode_tp=4, layout="nhd", draft=True)
         all_succeeded(*self.run_hybrid(children, spec)[:2])
 
+    @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (1, 4), (4, 1)])
+    def test_every_state_handler_arrives_byte_exact_across_tp(
+        self, children: Callable[..., Child], prefill_tp: int, decode_tp: int
+    ) -> None:
+        # The hybrid model of the test above, across the other TP pairs. Prefill TP < decode TP
+        # with token-major pages sends strided token rows; where the backend allows host staging
+        # (BackendCapabilities.host_staging, the default), core gathers them into its registered
+        # staging buffer and posts contiguous runs: that path must land the same bytes.
+        spec = self.hybrid_spec(prefill_tp=prefill_tp, decode_tp=decode_tp, layout="nhd", draft=True, requests=2)
+        p, d, _ = self.run_hybrid(children, spec)
+        all_succeeded(p, d)
+        if prefill_tp < decode_tp and get_registry().backend_spec(self.backend).capabilities.host_staging:
+            assert p["staged_windows"] > 0, "host memory, NHD pages, prefill TP < decode TP: core should have staged"
+
     # -- 4. layer-wise sending: each layer posted as the host finishes it -----------------------------
     def test_layerwise_every_state_handler_arrives_byte_exact_from_prefill_tp2_to_decode_tp4(
         self, children: Callable[..., Child]

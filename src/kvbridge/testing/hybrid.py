@@ -279,10 +279,12 @@ def run_prefill(spec: Spec) -> int:
             _wait(senders, deadline)
             states[str(req.room)] = [[s.poll().name, s.failure()] for s in senders]
         time.sleep(0.3)
+        # Windows written through host staging (kvbridge.core.staging), summed over the ranks.
+        staged = sum(m.transport.describe().get("staging", {}).get("windows", 0) for _, m in ranks)
     finally:
         _close_all([m for _, m in ranks])
         server.close()
-    print(json.dumps({"role": "prefill", "rooms": states}), flush=True)
+    print(json.dumps({"role": "prefill", "rooms": states, "staged_windows": staged}), flush=True)
     return 0
 
 

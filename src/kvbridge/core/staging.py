@@ -1,0 +1,162 @@
+"""Host staging: strided source pieces gathered into a registered buffer, posted as contiguous runs.
+
+Heterogeneous TP with token-major (NHD) pages, prefill TP < decode TP: each
+decode rank gets a slice of every token row, so a page is ``page_size``
+pieces strided in the source but back to back in the destination, and the
+plan holds one descriptor per token row. Engines cost microseconds per
+descriptor; copying a few hundred bytes in memory costs a fraction of that.
+So, for source pieces in host memory, :class:`Staging` gathers a window of
+the plan (at most one slice of the staging buffer) into that slice with one
+``numpy.take`` and the transport posts one descriptor per destination run
+instead of one per piece. The plan itself is unchanged (bounds checks,
+checksums and layer splits read the real descriptors); staging is how the
+transport writes it.
+
+Chosen per window, from the descriptors themselves (so layer-wise slices and
+mixed plans qualify alike): the window's sources lie in this rank's
+registered host regions, its pieces average at most :data:`MAX_PIECE` bytes,
+and merging neighbours contiguous in the destination at least halves the
+descriptors. Otherwise, or when every slice is busy (one per concurrently
+written peer), the window is written as it is. Memory is bounded:
+:data:`SLICES` slices of :data:`SLICE_BYTES`, registered once with the rest.
+
+Prefill TP > decode TP is the mirror case (source contiguous, destination
+strided): gathering on prefill cannot merge anything there; it would need a
+staging buffer on decode, scattered before ``SUCCESS``. Not done; see
+``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .layout import Region
+from .plan import RegionTable, TransferPlan
+
+__all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "MAX_PIECE"]
+
+#: Slices of the staging buffer: windows staged at once (one per peer being written).
+SLICES = 4
+#: Bytes of one slice: the most one staged window gathers (and posts, in one or more batches).
+SLICE_BYTES = 4 << 20
+#: Mean bytes per descriptor above which a window is written as it is: there, posting a
+#: descriptor costs less than copying its bytes (measured: ``kvbridge bench tp``).
+MAX_PIECE = 16 << 10
+#: Most descriptors in one window (bounds the index arrays of a window of tiny pieces).
+WINDOW_DESCRIPTORS = 1 << 16
+
+
+def wanted(regions: Sequence[Region]) -> bool:
+    """Whether a rank with these regions may send strided pieces from host memory.
+
+    True when one of them is host memory whose items split into several rows
+    across TP (token-major pages, Mamba conv rows): only those give plans that
+    staging shortens.
+    """
+    return any(r.mem == "dram" and r.shard.kind == "split" and r.shard.outer > 1 for r in regions)
+
+
+class _Raw:
+    """A numpy view of ``count`` items of ``itemsize`` bytes at a raw address (no copy, no ctypes type)."""
+
+    def __init__(self, addr: int, count: int, itemsize: int) -> None:
+        self.__array_interface__ = {
+            "shape": (count,), "typestr": f"|V{itemsize}", "data": (addr, False), "version": 3,
+        }
+
+
+class Staging:
+    """A bounded pool of registered host slices, and the gather that fills them."""
+
+    def __init__(self, sources: Sequence[Region], slices: int = SLICES, slice_bytes: int = SLICE_BYTES) -> None:
+        if slices <= 0 or slice_bytes <= 0:
+            raise ValueError(f"staging needs slices > 0 and slice_bytes > 0, got {slices} and {slice_bytes}")
+        self.slice_bytes = slice_bytes
+        # Zeroed, so its pages are mapped before an engine registers (pins) them.
+        self._buf = np.zeros(slices * slice_bytes, np.uint8)
+        self.region = Region(name="kvbridge-staging", addr=self._buf.ctypes.data, nbytes=self._buf.nbytes,
+                             stride=slice_bytes, role="state", index_space="kvbridge_staging")
+        self._sources = RegionTable([r for r in sources if r.mem == "dram"])
+        self._free = list(range(slices))
+        self._lock = threading.Lock()
+        #: Counters for ``Transport.describe()`` and the benchmarks: windows staged, the
+        #: descriptors they held and the descriptors posted for them.
+        self.windows = self.pieces = self.posted = 0
+
+    def stage(self, window: TransferPlan, max_bytes: int) -> Staged | None:
+        """Gather ``window`` into a free slice if that cuts its descriptors, else ``None``.
+
+        ``max_bytes`` is the most one batch may carry; the window must fit one slice and it.
+        """
+        n = len(window)
+        total = window.total_bytes
+        if n < 2 or total > min(self.slice_bytes, max_bytes) or total > n * MAX_PIECE:
+            return None
+        src, dst, nbytes = window.src_addr, window.dst_addr, window.nbytes
+        joins = dst[:-1] + nbytes[:-1] == dst[1:]  # neighbours contiguous in the destination
+        if 2 * (n - int(np.count_nonzero(joins))) > n:
+            return None
+        if not self._sources.locate(src, nbytes)[1].all():
+            return None  # a source outside this rank's registered host memory (GPU, or a plan built elsewhere)
+        base = int(src.min())
+        rel = src - base
+        unit = int(np.gcd.reduce(np.concatenate((nbytes, rel))))  # every piece is whole units of this
+        units = total // unit
+        if units > 4 * n:
+            return None  # odd sizes or offsets: the index array would outgrow the descriptors
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        try:
+            start = slot * self.slice_bytes
+            out = self._buf[start:start + total].view(f"V{unit}")
+            first = rel // unit
+            if units == n:
+                idx = first
+            else:  # pieces of several sizes: every unit of every piece
+                count = nbytes // unit
+                idx = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(units, dtype=np.int64)
+            span = (int((src + nbytes).max()) - base) // unit
+            np.take(np.asarray(_Raw(base, span, unit)), idx, out=out, mode="clip")  # clip: no buffered copy of out
+            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+            offsets = np.cumsum(nbytes) - nbytes
+            runs = TransferPlan(self.region.addr + start + offsets[starts], dst[starts].copy(),
+                                np.add.reduceat(nbytes, starts))
+        except BaseException:
+            self._release(slot)
+            raise
+        with self._lock:
+            self.windows += 1
+            self.pieces += n
+            self.posted += len(runs)
+        return Staged(self, slot, runs)
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"slices": len(self._buf) // self.slice_bytes, "slice_bytes": self.slice_bytes,
+                    "windows": self.windows, "pieces": self.pieces, "posted": self.posted}
+
+
+class Staged:
+    """A gathered window: its runs to post, holding its slice until :meth:`release`."""
+
+    def __init__(self, staging: Staging, slot: int, runs: TransferPlan) -> None:
+        self._staging, self._slot, self.runs = staging, slot, runs
+
+    def batches(self, max_descriptors: int) -> Iterator[TransferPlan]:
+        return self.runs.batches(max_descriptors)
+
+    def release(self) -> None:
+        """Give the slice back: only once the engine has no work left reading it."""
+        if self._slot >= 0:
+            self._staging._release(self._slot)
+            self._slot = -1
