@@ -251,10 +251,7 @@ def run_tiny_decode(backend: str, config: SessionConfig, bootstrap: str, args: a
                 recv = Receiver(mgr, room, bootstrap=bootstrap)
                 pages, state = tiny.caches.transfer_indices(s, tokens)
                 recv.init(pages, state_indices=state, metadata_row=s.row)
-                deadline = time.monotonic() + 300
-                while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                    time.sleep(0.0001)
-                landed = time.monotonic()
+                landed = _landed(recv)
                 ok = recv.poll() == Poll.SUCCESS
                 if ok:  # decode from what arrived: the same tokens and draft guesses as the colocated run
                     row = tiny.caches.meta[s.row].tolist()
@@ -316,10 +313,7 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, shape: Shape
             pools.clear(dst)
             recv = Receiver(mgr, room, bootstrap=bootstrap)
             recv.init(dst, metadata_row=0)
-            deadline = time.monotonic() + 300
-            while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                time.sleep(0.0001)
-            landed = time.monotonic()
+            landed = _landed(recv)
             ok = recv.poll() == Poll.SUCCESS and pools.check(src, dst)
             print(json.dumps({"room": room, "success_at": landed, "ok": ok, "failure": recv.failure()}), flush=True)
     finally:
@@ -330,18 +324,20 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, shape: Shape
 # -- prefill (this process) ------------------------------------------------------------------------
 def _ready_sender(mgr: PrefillManager, room: int, row: int) -> Sender:
     sender = Sender(mgr, room, metadata_row=row)
-    deadline = time.monotonic() + 60
-    while sender.poll() < Poll.WAITING_FOR_INPUT and time.monotonic() < deadline:
-        time.sleep(0.0001)
+    sender.wait(Poll.WAITING_FOR_INPUT, 60)
     if sender.poll() != Poll.WAITING_FOR_INPUT:
         raise RuntimeError(f"room {room}: decode's request did not arrive: {sender.poll().name} {sender.failure()}")
     return sender
 
 
 def _wait_sent(sender: Sender) -> None:
-    deadline = time.monotonic() + 300
-    while sender.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-        time.sleep(0.0001)
+    sender.wait(Poll.SUCCESS, 300)
+
+
+def _landed(recv: Receiver) -> float:
+    """When decode's room reached SUCCESS (or failed): woken by the change, timed where it happened."""
+    recv.wait(Poll.SUCCESS, 300)
+    return recv.ended or time.monotonic()
 
 
 def request(mgr: PrefillManager, room: int, mode: str, shape: Shape, compute_s: float,

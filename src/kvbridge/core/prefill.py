@@ -14,7 +14,7 @@ from . import protocol as P
 from .bootstrap import HELD, RENEW, register_rank
 from .channel import Channel, quiet
 from .checksum import vram_problem
-from .layers import LayerIndex
+from .layers import LayerIndex, ewma
 from .layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
 from .pairing import IncompatibleLayoutError, Route, pair_layouts
@@ -52,6 +52,12 @@ class DecodePeer:
         self.last_seen = time.monotonic()
         self.lease_until = self.last_seen + lease
         self.worker = PeerWorker(peer_id)
+        #: What one write to it costs whatever its size (seconds, a moving average of its metadata-row writes);
+        #: None until measured. Layer-wise sending lingers that long for a next layer to write with.
+        self.write_cost: float | None = None
+
+    def note_write_cost(self, seconds: float) -> None:
+        self.write_cost = ewma(self.write_cost, seconds)
 
     def renew(self, clock: float, lease: float) -> None:
         """Decode echoed ``clock`` (this rank's, from a heartbeat reply): it was alive after it."""
@@ -81,6 +87,8 @@ class PrefillManager(TransferManager[Sender]):
         self._aborted: dict[int, tuple[str, float]] = {}
         self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
         self.layer_index = LayerIndex(kvargs)  # layer-wise sending: which layer each source address belongs to
+        #: Layer-wise senders' pace: seconds between a chunk's announcements (a moving average; None until one).
+        self.layer_gap: float | None = None
         self._chan = Channel(self.loop.ctx, zmq.ROUTER, self.auth, endpoint="prefill",
                              max_bytes=self.config.max_message_bytes)
         # A decode that reconnects (after it gave up on this rank, say it was frozen) keeps its
@@ -198,6 +206,10 @@ class PrefillManager(TransferManager[Sender]):
         self.send(lambda: self._chan, P.Failed(room=room, reason=reason), ident)
         if (room, peer_id) not in self._writing:
             self.send(lambda: self._chan, P.Fenced(room=room), ident)
+
+    def note_layer_gap(self, seconds: float) -> None:
+        """A layer-wise sender announced layers ``seconds`` after its previous announcement (or its send())."""
+        self.layer_gap = ewma(self.layer_gap, seconds)
 
     def peer(self, peer_id: str) -> DecodePeer | None:
         return self._peers.get(peer_id)
