@@ -253,10 +253,11 @@ class TestLayerwisePolicy(BackendHarness):
         return writes
 
     @staticmethod
-    def _write_cost(sender: Sender, seconds: float) -> None:
-        """Set what the decode peer's writes were measured to cost (what layer-wise sending lingers on)."""
+    def _write_cost(sender: Sender, seconds: float, per_byte: float = 0.0) -> None:
+        """Set what the decode peer's writes were measured to cost, and each byte to add (what layer-wise
+        sending weighs against waiting for a next layer)."""
         (peer,) = sender.manager.peers()
-        peer.write_cost = seconds
+        peer.write_cost, peer.byte_time = seconds, per_byte
 
     def test_the_metadata_row_lands_alone_and_last_after_the_chunks_last_layer(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
@@ -316,3 +317,17 @@ class TestLayerwisePolicy(BackendHarness):
         sender.layer_ready(1)
         self._succeeds(decode, sender)
         assert writes == [{0, 1}, {"row"}]
+
+    def test_layers_whose_bytes_cost_more_than_a_write_go_without_waiting_for_the_next(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # Writes cost much, but a layer's bytes cost more: waiting for the next would only delay this one.
+        decode, sender, req = self._room(local_prefill, children)
+        writes = self._record_writes(sender.manager)
+        self._write_cost(sender, 30.0, per_byte=1.0)
+        sender.send(req.src_pages, last=True, layerwise=True)
+        sender.layer_ready(0)
+        wait_until(lambda: writes == [{0}], self.scaled(10.0), "layer 0 written before layer 1 is announced")
+        sender.layer_ready(1)
+        self._succeeds(decode, sender)
+        assert writes == [{0}, {1}, {"row"}]

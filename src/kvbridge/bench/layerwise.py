@@ -33,7 +33,13 @@ exposes <= 20% of what per-chunk exposes; bandwidth-bound, its throughput
 pair (the two runs of a repetition ran back to back): the table gives the
 median ratio and its interquartile range, and says ``yes`` when even the
 lower quartile meets the target, ``no`` when even the upper one misses it,
-``noise`` otherwise (run more ``--reps``). Decode checks every byte
+``noise`` otherwise (run more ``--reps``). ``writes lw`` counts prefill's
+writes per layer-wise request (a per-chunk send makes two per chunk: the
+chunk, then the metadata row; fewer than layers + 1: layers coalesced), and
+``row write`` is what one metadata-row write costs: it and decode's ``Done``
+stay exposed after the last layer whatever the sending order, so a row
+write near 20% of the per-chunk exposed time puts the target out of reach.
+Decode checks every byte
 (synthetic) or decodes a few tokens from what arrived and compares them
 with a colocated run of the model (tiny).
 
@@ -378,17 +384,41 @@ def _verdict(low: float, high: float, target: float, above: bool) -> str:
     return "yes" if high <= target else "no" if low > target else "noise"
 
 
+class WriteCounter:
+    """Counts prefill's writes to decode (``Transport.write`` calls: one per coalesced group of layers, one
+    per metadata row), to show how layer-wise sending coalesced: a per-chunk send makes two."""
+
+    def __init__(self, mgr: PrefillManager) -> None:
+        self.mgr = mgr
+        self.count = 0
+        write = mgr.transport.write
+
+        def counting(*args: Any, **kwargs: Any) -> None:
+            self.count += 1  # one decode peer: one worker thread writes
+            write(*args, **kwargs)
+
+        mgr.transport.write = counting  # type: ignore[method-assign]
+
+    def row_write_ms(self) -> float:
+        """What a metadata-row write costs (the decode peer's measured ``write_cost``): paid after the last layer."""
+        costs = [p.write_cost for p in self.mgr.peers() if p.write_cost is not None]
+        return max(costs) * 1e3 if costs else float("nan")
+
+
 def measure(child: subprocess.Popen[str], first_room: int, reps: int,
-            one: Callable[[int, str], tuple[float, float]]) -> tuple[dict[str, Any], int]:
+            one: Callable[[int, str], tuple[float, float]], writes: WriteCounter) -> tuple[dict[str, Any], int]:
     """``reps`` timed pairs (after one untimed) of ``one(room, mode)``, the two modes in alternating order."""
     got: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "exposed": [], "compute": []} for m in MODES}
+    count: dict[str, list[int]] = {m: [] for m in MODES}
     verified = True
     room = first_room
     for rep in range(reps + 1):  # rep 0: untimed warm-up
         for mode in MODES if rep % 2 else MODES[::-1]:
             room += 1
+            before = writes.count
             t0, computed = one(room, mode)
             line = json.loads(child.stdout.readline())  # type: ignore[union-attr]
+            count[mode].append(writes.count - before)  # decode's SUCCESS came after prefill's last write
             if line["room"] != room or line["failure"]:
                 raise RuntimeError(f"room {room} ({mode}): {line}")
             verified &= bool(line["ok"])
@@ -405,7 +435,9 @@ def measure(child: subprocess.Popen[str], first_room: int, reps: int,
     pairs = [c / w for c, w in zip(got["chunk"]["ttft"], got["layerwise"]["ttft"])]
     low, mid, high = _quartiles(pairs)
     row.update(throughput_ratio=mid, throughput_ratio_p25=low, throughput_ratio_p75=high, reps=reps,
-               verified=verified, compute_chunk_ms=med["chunk"]["compute"], compute_layerwise_ms=med["layerwise"]["compute"])
+               verified=verified, compute_chunk_ms=med["chunk"]["compute"], compute_layerwise_ms=med["layerwise"]["compute"],
+               writes_chunk=statistics.median(count["chunk"][1:]), writes_layerwise=statistics.median(count["layerwise"][1:]),
+               row_write_ms=writes.row_write_ms())
     return row, room
 
 
@@ -439,6 +471,7 @@ def run(backend: str, config: SessionConfig, shape: Shape, compute_ms: list[floa
     pools = make_pools(shape, True, device, 0)
     server = BootstrapServer("127.0.0.1")
     mgr = PrefillManager(pools.kvargs, backend, bootstrap=server.address, config=config)
+    writes = WriteCounter(mgr)
     rooms = len(compute_ms) * (reps + 1) * len(MODES)
     options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
     child = _child(["--decode", server.address, "--rooms", str(rooms), "--transfer-backend", backend, *options,
@@ -448,7 +481,7 @@ def run(backend: str, config: SessionConfig, shape: Shape, compute_ms: list[floa
     room = 0
     try:
         for ms in compute_ms:
-            row, room = measure(child, room, reps, lambda r, mode: request(mgr, r, mode, shape, ms / 1e3, gpu))
+            row, room = measure(child, room, reps, lambda r, mode: request(mgr, r, mode, shape, ms / 1e3, gpu), writes)
             per_layer_ms = row["exposed_chunk_ms"] / shape.layers
             rows.append(_finish({"model": "synthetic", "device": device, "backend": backend, "layers": shape.layers,
                                  "layer_MiB": shape.pages * PAGE / 2**20, "compute_ms": ms,
@@ -468,6 +501,7 @@ def run_tiny(backend: str, config: SessionConfig, args: argparse.Namespace,
     tiny = Tiny("prefill", args.device, max(args.prompt_tokens))
     server = BootstrapServer("127.0.0.1")
     mgr = PrefillManager(tiny.kvargs, backend, bootstrap=server.address, config=config)
+    writes = WriteCounter(mgr)
     options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
     child = _child(["--decode", server.address, "--model", "tiny", "--transfer-backend", backend, *options,
                     "--prompt-tokens", ",".join(map(str, args.prompt_tokens)), "--reps", str(args.reps),
@@ -480,7 +514,7 @@ def run_tiny(backend: str, config: SessionConfig, args: argparse.Namespace,
             prompt = tiny_prompt(tokens)
             chunks = -(-tokens // args.chunk_size)
             row, room = measure(child, room, args.reps,
-                                lambda r, mode: tiny_request(tiny, mgr, r, mode, prompt, args.chunk_size))
+                                lambda r, mode: tiny_request(tiny, mgr, r, mode, prompt, args.chunk_size), writes)
             compute_ms = row["compute_chunk_ms"] / (chunks * layers)
             per_layer_ms = row["exposed_chunk_ms"] / layers  # the last chunk's transfer, after its compute
             rows.append(_finish({"model": "tiny", "device": args.device, "backend": backend, "layers": layers,
@@ -498,7 +532,7 @@ def run_tiny(backend: str, config: SessionConfig, args: argparse.Namespace,
 def format_table(rows: list[dict[str, Any]]) -> Any:
     """The rows as a :func:`kvbridge.ui.table` (lw: layer-wise; ratios lw / per-chunk)."""
     columns = ["case", "compute/layer", "xfer/layer", "regime", "TTFT chunk", "TTFT lw", "exposed chunk",
-               "exposed lw", "exposed ratio", "throughput ratio (IQR)", "target met", "ok"]
+               "exposed lw", "exposed ratio", "throughput ratio (IQR)", "target met", "writes lw", "row write", "ok"]
 
     def case(r: dict[str, Any]) -> str:
         return f"tiny, {r['prompt_tokens']} tokens" if r["model"] == "tiny" else f"{r['layers']} x {r['layer_MiB']:g} MiB"
@@ -509,7 +543,7 @@ def format_table(rows: list[dict[str, Any]]) -> Any:
           f"{r['ttft_chunk_ms']:.1f}", f"{r['ttft_layerwise_ms']:.1f}", f"{r['exposed_chunk_ms']:.1f}",
           f"{r['exposed_layerwise_ms']:.1f}", f"{r['exposed_ratio']:.2f}",
           f"{r['throughput_ratio']:.2f} ({r['throughput_ratio_p25']:.2f}-{r['throughput_ratio_p75']:.2f})",
-          r["target_met"], r["verified"]) for r in rows],
+          r["target_met"], f"{r['writes_layerwise']:g}", f"{r['row_write_ms']:.2f}", r["verified"]) for r in rows],
         right=[c for c in columns if c not in ("case", "regime", "target met", "ok")],
     )
 
@@ -610,7 +644,10 @@ def run_from_args(args: argparse.Namespace) -> int:
                 if args.model == "tiny" else f"{shape.layers} layers x {shape.pages * PAGE / 2**20:g} MiB of scattered 64 KiB pages")
         t.title = (f"{what}, {args.device}, prefill -> decode over 127.0.0.1 ({cfg.backend}), median of {args.reps} "
                    "pairs; ms; lw = layer-wise; ratios lw / chunk (exposed: <= 0.20 compute-bound; throughput: "
-                   ">= 0.95 bandwidth-bound, median and interquartile range of the pairs)")
+                   ">= 0.95 bandwidth-bound, median and interquartile range of the pairs); writes lw: prefill's writes "
+                   "per layer-wise request (per chunk: 2 per chunk, the chunk then the row; fewer than layers + 1: "
+                   "layers coalesced); row write: the metadata row's write, which with decode's Done message is "
+                   "what layer-wise sending cannot hide after the last layer")
         return t
 
     return common.finish(args, prog, rows, table, plot, ok=all(r["verified"] for r in rows))

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
 LEASE_POLL = 0.005  # seconds between lease checks while a transfer worker waits for a renewal
+ROW_BYTES = 4096  # a write this small costs what any write does: its fixed cost (a metadata row's)
 FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
 
 
@@ -52,12 +53,18 @@ class DecodePeer:
         self.last_seen = time.monotonic()
         self.lease_until = self.last_seen + lease
         self.worker = PeerWorker(peer_id)
-        #: What one write to it costs whatever its size (seconds, a moving average of its metadata-row writes);
-        #: None until measured. Layer-wise sending lingers that long for a next layer to write with.
+        #: What one write to it costs whatever its size (seconds, a moving average of its metadata-row
+        #: writes), and what each byte adds (seconds, from its chunks' and layers' writes); None until
+        #: measured. Layer-wise sending coalesces layers while their bytes cost less than a write.
         self.write_cost: float | None = None
+        self.byte_time: float | None = None
 
-    def note_write_cost(self, seconds: float) -> None:
-        self.write_cost = ewma(self.write_cost, seconds)
+    def note_write(self, nbytes: int, seconds: float) -> None:
+        """A write of ``nbytes`` took ``seconds``: a metadata row's (a few bytes) is the fixed cost."""
+        if nbytes <= ROW_BYTES:
+            self.write_cost = ewma(self.write_cost, seconds)
+        elif self.write_cost is not None:
+            self.byte_time = ewma(self.byte_time, max(0.0, seconds - self.write_cost) / nbytes)
 
     def renew(self, clock: float, lease: float) -> None:
         """Decode echoed ``clock`` (this rank's, from a heartbeat reply): it was alive after it."""

@@ -414,10 +414,12 @@ class Sender(Room):
         same write; a layer still computing is left for the next call, queued
         behind this one, so it holds back neither the layers before it nor
         other rooms' writes. Layers that piled up while the worker was busy go
-        together. When layers come faster than a write's fixed cost (the peer's
-        measured ``write_cost``; ``note_layer_gap`` keeps the announcements' pace),
-        the worker lingers up to that cost for the next one and writes them
-        together: bandwidth-bound, as few writes as a per-chunk send; compute-bound,
+        together. When layers come faster than a write's fixed cost and what is
+        held would be a write mostly of that cost (:meth:`_worth_waiting`, from
+        the peer's measured ``write_cost`` and ``byte_time`` and the
+        announcements' pace), the worker lingers up to that cost for the next one
+        and writes them together: a fast copy pays one fixed cost for many layers,
+        as a per-chunk send does; compute-bound, or when a layer's bytes dominate,
         one write per layer. The write that takes the chunk's last layer also takes
         what has no layer, then (last chunk) the metadata row, then tells decode,
         all in this one call.
@@ -438,15 +440,17 @@ class Sender(Room):
                                     f"source (ready.synchronize()) failed: {exc}", "transfer_error")
                 return
         groups, final = self._take_ready(job, [], first=True)
-        cost, gap = job.peer.write_cost, m.layer_gap
-        if not final and cost is not None and gap is not None and gap < cost:
-            groups, final = self._linger(job, groups, cost)
+        if not final and self._worth_waiting(job, groups):
+            groups, final = self._linger(job, groups)
         assert job.layered is not None
         if final:
             body = job.layered.groups([*groups, m.layer_index.tail])
             _write_chunks([_ChunkWrite(self, job, chunk, last, body, f" ({self._names(groups)})" if groups else "")])
         else:
-            self._write(job, [job.layered.groups(groups)], f"chunk {chunk} ({self._names(groups)})")
+            body = job.layered.groups(groups)
+            start = time.monotonic()
+            if self._write(job, [body], f"chunk {chunk} ({self._names(groups)})"):
+                job.peer.note_write(body.total_bytes, time.monotonic() - start)
         with m.lock:
             if job.announced and self.poll() != Poll.FAILED:
                 job.peer.worker.submit(functools.partial(self._write_layers, job, chunk, last))  # job.queued stays
@@ -466,9 +470,22 @@ class Sender(Room):
             job.arrived.clear()  # under the lock: an announcement after this sets it again
             return groups, job.complete and not job.announced
 
-    def _linger(self, job: _Job, groups: list[int], cost: float) -> tuple[list[int], bool]:
-        """Wait up to ``cost`` for the next layer, take it, again, until none comes in time or the chunk's
-        last layer is taken; bounded in count (each round takes a layer or waits) and in time."""
+    def _worth_waiting(self, job: _Job, groups: list[int]) -> bool:
+        """Whether to wait for the next layer rather than write ``groups`` now: the peer's writes are
+        measured, layers come faster than a write costs, and ``groups``' bytes take less than that cost
+        (a write of them is mostly its fixed cost; past that, writing now overlaps more)."""
+        peer, gap = job.peer, self.manager.layer_gap
+        cost, per_byte = peer.write_cost, peer.byte_time
+        if cost is None or per_byte is None or gap is None or gap >= cost:
+            return False
+        assert job.layered is not None
+        return job.layered.nbytes(groups) * per_byte < cost
+
+    def _linger(self, job: _Job, groups: list[int]) -> tuple[list[int], bool]:
+        """Wait up to the peer's write cost for the next layer, take it, again, while that is worth it
+        (:meth:`_worth_waiting`) and until the chunk's last layer is taken; bounded in count (each round
+        takes a layer or waits) and in time."""
+        cost = job.peer.write_cost or 0.0
         until = time.monotonic() + cost
         for _ in range(4 * (len(self.manager.layer_index.keys) + 1)):
             now = time.monotonic()
@@ -483,6 +500,8 @@ class Sender(Room):
             if final or self.poll() == Poll.FAILED:
                 return groups, final
             if len(groups) > before:
+                if not self._worth_waiting(job, groups):
+                    break
                 until = time.monotonic() + cost
         return groups, False
 
@@ -535,8 +554,13 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
         live = _write_live(m, peer, live, lambda w: w.body, deadline)
         rows = time.monotonic()
         live = _write_live(m, peer, live, lambda w: w.job.meta_plan, deadline)
+        # Measured for layer-wise sending's coalescing: what a write costs (a few bytes), what a byte adds.
         if any(w.job.meta_plan is not None for w in live):
-            peer.note_write_cost(time.monotonic() - rows)  # a few bytes: what any write costs (layer-wise lingers on it)
+            peer.note_write(sum(w.job.meta_plan.total_bytes for w in live if w.job.meta_plan is not None),
+                            time.monotonic() - rows)
+        body = sum(w.body.total_bytes for w in live)
+        if body:
+            peer.note_write(body, rows - start)
     except Exception as exc:
         kind = "timeout" if isinstance(exc, TransferTimeout) else "transfer_error"
         together = f" (written together with {len(live) - 1} other rooms' chunks)" if len(live) > 1 else ""
