@@ -38,7 +38,10 @@ writes per layer-wise request (a per-chunk send makes two per chunk: the
 chunk, then the metadata row; fewer than layers + 1: layers coalesced), and
 ``row write`` is what one metadata-row write costs: it and decode's ``Done``
 stay exposed after the last layer whatever the sending order, so a row
-write near 20% of the per-chunk exposed time puts the target out of reach.
+write and ``Done`` near 20% of the per-chunk exposed time put the target out
+of reach. ``lw writes+Done`` splits layer-wise's exposed time into
+prefill's writes after the last layer (until the metadata row landed) and
+the ``Done`` message to decode's SUCCESS (medians, so they need not add up).
 Decode checks every byte
 (synthetic) or decodes a few tokens from what arrived and compares them
 with a colocated run of the model (tiny).
@@ -386,16 +389,20 @@ def _verdict(low: float, high: float, target: float, above: bool) -> str:
 
 class WriteCounter:
     """Counts prefill's writes to decode (``Transport.write`` calls: one per coalesced group of layers, one
-    per metadata row), to show how layer-wise sending coalesced: a per-chunk send makes two."""
+    per metadata row), to show how layer-wise sending coalesced: a per-chunk send makes two; and notes when
+    the latest returned (a request's last: its metadata row landed), which splits what stays exposed after
+    the last layer into prefill's writes and decode's ``Done``."""
 
     def __init__(self, mgr: PrefillManager) -> None:
         self.mgr = mgr
         self.count = 0
+        self.ended = 0.0
         write = mgr.transport.write
 
         def counting(*args: Any, **kwargs: Any) -> None:
             self.count += 1  # one decode peer: one worker thread writes
             write(*args, **kwargs)
+            self.ended = time.monotonic()
 
         mgr.transport.write = counting  # type: ignore[method-assign]
 
@@ -408,7 +415,8 @@ class WriteCounter:
 def measure(child: subprocess.Popen[str], first_room: int, reps: int,
             one: Callable[[int, str], tuple[float, float]], writes: WriteCounter) -> tuple[dict[str, Any], int]:
     """``reps`` timed pairs (after one untimed) of ``one(room, mode)``, the two modes in alternating order."""
-    got: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "exposed": [], "compute": []} for m in MODES}
+    got: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "exposed": [], "compute": [], "writes_after": [], "done": []}
+                                              for m in MODES}
     count: dict[str, list[int]] = {m: [] for m in MODES}
     verified = True
     room = first_room
@@ -426,6 +434,8 @@ def measure(child: subprocess.Popen[str], first_room: int, reps: int,
                 got[mode]["ttft"].append(line["success_at"] - t0)
                 got[mode]["exposed"].append(max(0.0, line["success_at"] - computed))
                 got[mode]["compute"].append(computed - t0)
+                got[mode]["writes_after"].append(max(0.0, writes.ended - computed))  # ends with the row landed
+                got[mode]["done"].append(line["success_at"] - writes.ended)  # then Done, to decode's SUCCESS
     med = {m: {k: statistics.median(v) * 1e3 for k, v in got[m].items()} for m in MODES}
     row: dict[str, Any] = {f"{k}_{m}_ms": med[m][k] for m in MODES for k in ("ttft", "exposed")}
     row["exposed_ratio"] = row["exposed_layerwise_ms"] / row["exposed_chunk_ms"]
@@ -437,7 +447,8 @@ def measure(child: subprocess.Popen[str], first_room: int, reps: int,
     row.update(throughput_ratio=mid, throughput_ratio_p25=low, throughput_ratio_p75=high, reps=reps,
                verified=verified, compute_chunk_ms=med["chunk"]["compute"], compute_layerwise_ms=med["layerwise"]["compute"],
                writes_chunk=statistics.median(count["chunk"][1:]), writes_layerwise=statistics.median(count["layerwise"][1:]),
-               row_write_ms=writes.row_write_ms())
+               row_write_ms=writes.row_write_ms(),
+               **{f"{k}_{m}_ms": med[m][k] for m in MODES for k in ("writes_after", "done")})
     return row, room
 
 
@@ -532,16 +543,18 @@ def run_tiny(backend: str, config: SessionConfig, args: argparse.Namespace,
 def format_table(rows: list[dict[str, Any]]) -> Any:
     """The rows as a :func:`kvbridge.ui.table` (lw: layer-wise; ratios lw / per-chunk)."""
     columns = ["case", "compute/layer", "xfer/layer", "regime", "TTFT chunk", "TTFT lw", "exposed chunk",
-               "exposed lw", "exposed ratio", "throughput ratio (IQR)", "target met", "writes lw", "row write", "ok"]
+               "exposed lw", "lw writes+Done", "exposed ratio", "throughput ratio (IQR)", "target met", "writes lw",
+               "row write", "ok"]
 
     def case(r: dict[str, Any]) -> str:
-        return f"tiny, {r['prompt_tokens']} tokens" if r["model"] == "tiny" else f"{r['layers']} x {r['layer_MiB']:g} MiB"
+        return f"tiny {r['prompt_tokens']} tok" if r["model"] == "tiny" else f"{r['layers']}x{r['layer_MiB']:g}MiB"
 
     return ui.table(
         columns,
         [(case(r), f"{r['compute_ms']:.2f}", f"{r['transfer_ms_per_layer']:.2f}", r["regime"].replace("-bound", ""),
           f"{r['ttft_chunk_ms']:.1f}", f"{r['ttft_layerwise_ms']:.1f}", f"{r['exposed_chunk_ms']:.1f}",
-          f"{r['exposed_layerwise_ms']:.1f}", f"{r['exposed_ratio']:.2f}",
+          f"{r['exposed_layerwise_ms']:.1f}", f"{r['writes_after_layerwise_ms']:.2f}+{r['done_layerwise_ms']:.2f}",
+          f"{r['exposed_ratio']:.2f}",
           f"{r['throughput_ratio']:.2f} ({r['throughput_ratio_p25']:.2f}-{r['throughput_ratio_p75']:.2f})",
           r["target_met"], f"{r['writes_layerwise']:g}", f"{r['row_write_ms']:.2f}", r["verified"]) for r in rows],
         right=[c for c in columns if c not in ("case", "regime", "target met", "ok")],
@@ -646,8 +659,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                    "pairs; ms; lw = layer-wise; ratios lw / chunk (exposed: <= 0.20 compute-bound; throughput: "
                    ">= 0.95 bandwidth-bound, median and interquartile range of the pairs); writes lw: prefill's writes "
                    "per layer-wise request (per chunk: 2 per chunk, the chunk then the row; fewer than layers + 1: "
-                   "layers coalesced); row write: the metadata row's write, which with decode's Done message is "
-                   "what layer-wise sending cannot hide after the last layer")
+                   "layers coalesced); lw writes+Done: exposed lw split into prefill's writes after the last layer "
+                   "(until the row landed) and decode's Done (to its SUCCESS); row write: one metadata-row write, "
+                   "which with Done is what no sending order hides")
         return t
 
     return common.finish(args, prog, rows, table, plot, ok=all(r["verified"] for r in rows))
