@@ -446,8 +446,7 @@ class Sender(Room):
         if final:
             body = job.layered.groups([*groups, m.layer_index.tail])
             _write_chunks([_ChunkWrite(self, job, chunk, last, body, f" ({self._names(groups)})" if groups else "")])
-        else:
-            body = job.layered.groups(groups)
+        elif len(body := job.layered.groups(groups)):  # none: this rank sends these layers no byte (MLA)
             start = time.monotonic()
             if self._write(job, [body], f"chunk {chunk} ({self._names(groups)})"):
                 job.peer.note_write(body.total_bytes, time.monotonic() - start)
@@ -555,9 +554,9 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
         rows = time.monotonic()
         live = _write_live(m, peer, live, lambda w: w.job.meta_plan, deadline)
         # Measured for layer-wise sending's coalescing: what a write costs (a few bytes), what a byte adds.
-        if any(w.job.meta_plan is not None for w in live):
-            peer.note_write(sum(w.job.meta_plan.total_bytes for w in live if w.job.meta_plan is not None),
-                            time.monotonic() - rows)
+        row_bytes = sum(w.job.meta_plan.total_bytes for w in live if w.job.meta_plan is not None)
+        if row_bytes:
+            peer.note_write(row_bytes, time.monotonic() - rows)
         body = sum(w.body.total_bytes for w in live)
         if body:
             peer.note_write(body, rows - start)
