@@ -22,9 +22,10 @@ import pytest
 from kvbridge.core import gpu
 from kvbridge.core.describe import describe
 from kvbridge.core.layers import LayerIndex, layer_list
-from kvbridge.core.layout import KV_PAGE_SPACE, KVArgs
+from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, KVArgs
 from kvbridge.core.pairing import pair_layouts
 from kvbridge.core.plan import TransferPlan
+from kvbridge.core.prefill import PrefillManager
 from kvbridge.core.session import Poll, Sender
 from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, c4_token_indices
 from kvbridge.state_handlers.mamba import SLOT_SPACE
@@ -235,3 +236,98 @@ class TestLayerwisePolicy(BackendHarness):
         sender.layer_ready(1)
         self._fails_on_both_sides(decode, sender, r"chunk 0 layers? 0(, 1)?: waiting for the layers' source \(ready.synchronize\(\)\) "
                                                   r"failed: CUDA error")
+
+    # -- when layers go, and in how many writes ------------------------------------------------------------
+    @staticmethod
+    def _record_writes(mgr: PrefillManager) -> list[set[int | str]]:
+        """What each write to decode held, in the order they landed: layer ids, ``"row"`` for the metadata row."""
+        writes: list[set[int | str]] = []
+        write = mgr.transport.write
+
+        def recording(peer: str, plan: TransferPlan, deadline: float, live: Any = None) -> None:
+            write(peer, plan, deadline, live)  # returns once every byte has landed
+            writes.append({"row" if r.index_space == METADATA_SPACE else r.layer for r in mgr.kvargs.regions
+                           if ((plan.src_addr >= r.addr) & (plan.src_addr < r.addr + r.nbytes)).any()})
+
+        mgr.transport.write = recording  # type: ignore[method-assign]
+        return writes
+
+    @staticmethod
+    def _write_cost(sender: Sender, seconds: float, per_byte: float = 0.0) -> None:
+        """Set what the decode peer's writes were measured to cost, and each byte to add (what layer-wise
+        sending weighs against waiting for a next layer)."""
+        (peer,) = sender.manager.peers()
+        peer.write_cost, peer.byte_time = seconds, per_byte
+
+    def test_the_metadata_row_lands_alone_and_last_after_the_chunks_last_layer(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        decode, sender, req = self._room(local_prefill, children)
+        writes = self._record_writes(sender.manager)
+        self._write_cost(sender, 0.0)  # writes cost nothing: never worth waiting for a next layer
+        sender.send(req.src_pages, last=True, layerwise=True)
+        sender.layer_ready(0)
+        wait_until(lambda: writes == [{0}], self.scaled(10.0), "layer 0 written before layer 1 is announced")
+        sender.layer_ready(1)
+        self._succeeds(decode, sender)
+        assert writes == [{0}, {1}, {"row"}]
+
+    def test_a_layer_still_computing_holds_back_neither_the_layers_before_it_nor_the_others_writes(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # Layer 1's ready handle says it is still computing (a CUDA event not reached yet): layer 0,
+        # whose source is final, goes without waiting for it, although both were announced together.
+        class Computing:
+            def __init__(self) -> None:
+                self.done = threading.Event()
+
+            def query(self) -> bool:
+                return self.done.is_set()
+
+            def synchronize(self) -> None:
+                assert self.done.wait(30), "never done"
+
+        decode, sender, req = self._room(local_prefill, children)
+        writes = self._record_writes(sender.manager)
+        self._write_cost(sender, 0.0)
+        (peer,) = sender.manager.peers()
+        busy = threading.Event()
+        peer.worker.submit(lambda: busy.wait(30))  # the worker is busy while both layers are announced
+        sender.send(req.src_pages, last=True, layerwise=True)
+        layer1 = Computing()
+        sender.layer_ready(0)
+        sender.layer_ready(1, ready=layer1)
+        busy.set()
+        wait_until(lambda: writes == [{0}], self.scaled(10.0), "layer 0 written while layer 1 computes")
+        assert sender.poll() == Poll.TRANSFERRING
+        layer1.done.set()
+        self._succeeds(decode, sender)
+        assert writes == [{0}, {1}, {"row"}]
+
+    def test_layers_announced_faster_than_a_write_costs_go_in_one_write_byte_exact(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        decode, sender, req = self._room(local_prefill, children)
+        writes = self._record_writes(sender.manager)
+        self._write_cost(sender, 30.0)  # a write costs far more than the wait for the next layer
+        sender.send(req.src_pages, last=True, layerwise=True)
+        sender.layer_ready(0)
+        time.sleep(0.2)  # layer 0 would have gone alone by now without the wait (see the test above)
+        assert writes == []
+        sender.layer_ready(1)
+        self._succeeds(decode, sender)
+        assert writes == [{0, 1}, {"row"}]
+
+    def test_layers_whose_bytes_cost_more_than_a_write_go_without_waiting_for_the_next(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # Writes cost much, but a layer's bytes cost more: waiting for the next would only delay this one.
+        decode, sender, req = self._room(local_prefill, children)
+        writes = self._record_writes(sender.manager)
+        self._write_cost(sender, 30.0, per_byte=1.0)
+        sender.send(req.src_pages, last=True, layerwise=True)
+        sender.layer_ready(0)
+        wait_until(lambda: writes == [{0}], self.scaled(10.0), "layer 0 written before layer 1 is announced")
+        sender.layer_ready(1)
+        self._succeeds(decode, sender)
+        assert writes == [{0}, {1}, {"row"}]

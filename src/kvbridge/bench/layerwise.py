@@ -33,7 +33,16 @@ exposes <= 20% of what per-chunk exposes; bandwidth-bound, its throughput
 pair (the two runs of a repetition ran back to back): the table gives the
 median ratio and its interquartile range, and says ``yes`` when even the
 lower quartile meets the target, ``no`` when even the upper one misses it,
-``noise`` otherwise (run more ``--reps``). Decode checks every byte
+``noise`` otherwise (run more ``--reps``). ``writes lw`` counts prefill's
+writes per layer-wise request (a per-chunk send makes two per chunk: the
+chunk, then the metadata row; fewer than layers + 1: layers coalesced), and
+``row write`` is what one metadata-row write costs: it and decode's ``Done``
+stay exposed after the last layer whatever the sending order, so a row
+write and ``Done`` near 20% of the per-chunk exposed time put the target out
+of reach. ``lw writes+Done`` splits layer-wise's exposed time into
+prefill's writes after the last layer (until the metadata row landed) and
+the ``Done`` message to decode's SUCCESS (medians, so they need not add up).
+Decode checks every byte
 (synthetic) or decodes a few tokens from what arrived and compares them
 with a colocated run of the model (tiny).
 
@@ -251,10 +260,7 @@ def run_tiny_decode(backend: str, config: SessionConfig, bootstrap: str, args: a
                 recv = Receiver(mgr, room, bootstrap=bootstrap)
                 pages, state = tiny.caches.transfer_indices(s, tokens)
                 recv.init(pages, state_indices=state, metadata_row=s.row)
-                deadline = time.monotonic() + 300
-                while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                    time.sleep(0.0001)
-                landed = time.monotonic()
+                landed = _landed(recv)
                 ok = recv.poll() == Poll.SUCCESS
                 if ok:  # decode from what arrived: the same tokens and draft guesses as the colocated run
                     row = tiny.caches.meta[s.row].tolist()
@@ -316,10 +322,7 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, shape: Shape
             pools.clear(dst)
             recv = Receiver(mgr, room, bootstrap=bootstrap)
             recv.init(dst, metadata_row=0)
-            deadline = time.monotonic() + 300
-            while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                time.sleep(0.0001)
-            landed = time.monotonic()
+            landed = _landed(recv)
             ok = recv.poll() == Poll.SUCCESS and pools.check(src, dst)
             print(json.dumps({"room": room, "success_at": landed, "ok": ok, "failure": recv.failure()}), flush=True)
     finally:
@@ -330,18 +333,20 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, shape: Shape
 # -- prefill (this process) ------------------------------------------------------------------------
 def _ready_sender(mgr: PrefillManager, room: int, row: int) -> Sender:
     sender = Sender(mgr, room, metadata_row=row)
-    deadline = time.monotonic() + 60
-    while sender.poll() < Poll.WAITING_FOR_INPUT and time.monotonic() < deadline:
-        time.sleep(0.0001)
+    sender.wait(Poll.WAITING_FOR_INPUT, 60)
     if sender.poll() != Poll.WAITING_FOR_INPUT:
         raise RuntimeError(f"room {room}: decode's request did not arrive: {sender.poll().name} {sender.failure()}")
     return sender
 
 
 def _wait_sent(sender: Sender) -> None:
-    deadline = time.monotonic() + 300
-    while sender.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-        time.sleep(0.0001)
+    sender.wait(Poll.SUCCESS, 300)
+
+
+def _landed(recv: Receiver) -> float:
+    """When decode's room reached SUCCESS (or failed): woken by the change, timed where it happened."""
+    recv.wait(Poll.SUCCESS, 300)
+    return recv.ended or time.monotonic()
 
 
 def request(mgr: PrefillManager, room: int, mode: str, shape: Shape, compute_s: float,
@@ -382,17 +387,46 @@ def _verdict(low: float, high: float, target: float, above: bool) -> str:
     return "yes" if high <= target else "no" if low > target else "noise"
 
 
+class WriteCounter:
+    """Counts prefill's writes to decode (``Transport.write`` calls: one per coalesced group of layers, one
+    per metadata row), to show how layer-wise sending coalesced: a per-chunk send makes two; and notes when
+    the latest returned (a request's last: its metadata row landed), which splits what stays exposed after
+    the last layer into prefill's writes and decode's ``Done``."""
+
+    def __init__(self, mgr: PrefillManager) -> None:
+        self.mgr = mgr
+        self.count = 0
+        self.ended = 0.0
+        write = mgr.transport.write
+
+        def counting(*args: Any, **kwargs: Any) -> None:
+            self.count += 1  # one decode peer: one worker thread writes
+            write(*args, **kwargs)
+            self.ended = time.monotonic()
+
+        mgr.transport.write = counting  # type: ignore[method-assign]
+
+    def row_write_ms(self) -> float:
+        """What a metadata-row write costs (the decode peer's measured ``write_cost``): paid after the last layer."""
+        costs = [p.write_cost for p in self.mgr.peers() if p.write_cost is not None]
+        return max(costs) * 1e3 if costs else float("nan")
+
+
 def measure(child: subprocess.Popen[str], first_room: int, reps: int,
-            one: Callable[[int, str], tuple[float, float]]) -> tuple[dict[str, Any], int]:
+            one: Callable[[int, str], tuple[float, float]], writes: WriteCounter) -> tuple[dict[str, Any], int]:
     """``reps`` timed pairs (after one untimed) of ``one(room, mode)``, the two modes in alternating order."""
-    got: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "exposed": [], "compute": []} for m in MODES}
+    got: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "exposed": [], "compute": [], "writes_after": [], "done": []}
+                                              for m in MODES}
+    count: dict[str, list[int]] = {m: [] for m in MODES}
     verified = True
     room = first_room
     for rep in range(reps + 1):  # rep 0: untimed warm-up
         for mode in MODES if rep % 2 else MODES[::-1]:
             room += 1
+            before = writes.count
             t0, computed = one(room, mode)
             line = json.loads(child.stdout.readline())  # type: ignore[union-attr]
+            count[mode].append(writes.count - before)  # decode's SUCCESS came after prefill's last write
             if line["room"] != room or line["failure"]:
                 raise RuntimeError(f"room {room} ({mode}): {line}")
             verified &= bool(line["ok"])
@@ -400,6 +434,8 @@ def measure(child: subprocess.Popen[str], first_room: int, reps: int,
                 got[mode]["ttft"].append(line["success_at"] - t0)
                 got[mode]["exposed"].append(max(0.0, line["success_at"] - computed))
                 got[mode]["compute"].append(computed - t0)
+                got[mode]["writes_after"].append(max(0.0, writes.ended - computed))  # ends with the row landed
+                got[mode]["done"].append(line["success_at"] - writes.ended)  # then Done, to decode's SUCCESS
     med = {m: {k: statistics.median(v) * 1e3 for k, v in got[m].items()} for m in MODES}
     row: dict[str, Any] = {f"{k}_{m}_ms": med[m][k] for m in MODES for k in ("ttft", "exposed")}
     row["exposed_ratio"] = row["exposed_layerwise_ms"] / row["exposed_chunk_ms"]
@@ -409,7 +445,10 @@ def measure(child: subprocess.Popen[str], first_room: int, reps: int,
     pairs = [c / w for c, w in zip(got["chunk"]["ttft"], got["layerwise"]["ttft"])]
     low, mid, high = _quartiles(pairs)
     row.update(throughput_ratio=mid, throughput_ratio_p25=low, throughput_ratio_p75=high, reps=reps,
-               verified=verified, compute_chunk_ms=med["chunk"]["compute"], compute_layerwise_ms=med["layerwise"]["compute"])
+               verified=verified, compute_chunk_ms=med["chunk"]["compute"], compute_layerwise_ms=med["layerwise"]["compute"],
+               writes_chunk=statistics.median(count["chunk"][1:]), writes_layerwise=statistics.median(count["layerwise"][1:]),
+               row_write_ms=writes.row_write_ms(),
+               **{f"{k}_{m}_ms": med[m][k] for m in MODES for k in ("writes_after", "done")})
     return row, room
 
 
@@ -443,6 +482,7 @@ def run(backend: str, config: SessionConfig, shape: Shape, compute_ms: list[floa
     pools = make_pools(shape, True, device, 0)
     server = BootstrapServer("127.0.0.1")
     mgr = PrefillManager(pools.kvargs, backend, bootstrap=server.address, config=config)
+    writes = WriteCounter(mgr)
     rooms = len(compute_ms) * (reps + 1) * len(MODES)
     options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
     child = _child(["--decode", server.address, "--rooms", str(rooms), "--transfer-backend", backend, *options,
@@ -452,7 +492,7 @@ def run(backend: str, config: SessionConfig, shape: Shape, compute_ms: list[floa
     room = 0
     try:
         for ms in compute_ms:
-            row, room = measure(child, room, reps, lambda r, mode: request(mgr, r, mode, shape, ms / 1e3, gpu))
+            row, room = measure(child, room, reps, lambda r, mode: request(mgr, r, mode, shape, ms / 1e3, gpu), writes)
             per_layer_ms = row["exposed_chunk_ms"] / shape.layers
             rows.append(_finish({"model": "synthetic", "device": device, "backend": backend, "layers": shape.layers,
                                  "layer_MiB": shape.pages * PAGE / 2**20, "compute_ms": ms,
@@ -472,6 +512,7 @@ def run_tiny(backend: str, config: SessionConfig, args: argparse.Namespace,
     tiny = Tiny("prefill", args.device, max(args.prompt_tokens))
     server = BootstrapServer("127.0.0.1")
     mgr = PrefillManager(tiny.kvargs, backend, bootstrap=server.address, config=config)
+    writes = WriteCounter(mgr)
     options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
     child = _child(["--decode", server.address, "--model", "tiny", "--transfer-backend", backend, *options,
                     "--prompt-tokens", ",".join(map(str, args.prompt_tokens)), "--reps", str(args.reps),
@@ -484,7 +525,7 @@ def run_tiny(backend: str, config: SessionConfig, args: argparse.Namespace,
             prompt = tiny_prompt(tokens)
             chunks = -(-tokens // args.chunk_size)
             row, room = measure(child, room, args.reps,
-                                lambda r, mode: tiny_request(tiny, mgr, r, mode, prompt, args.chunk_size))
+                                lambda r, mode: tiny_request(tiny, mgr, r, mode, prompt, args.chunk_size), writes)
             compute_ms = row["compute_chunk_ms"] / (chunks * layers)
             per_layer_ms = row["exposed_chunk_ms"] / layers  # the last chunk's transfer, after its compute
             rows.append(_finish({"model": "tiny", "device": args.device, "backend": backend, "layers": layers,
@@ -502,18 +543,20 @@ def run_tiny(backend: str, config: SessionConfig, args: argparse.Namespace,
 def format_table(rows: list[dict[str, Any]]) -> Any:
     """The rows as a :func:`kvbridge.ui.table` (lw: layer-wise; ratios lw / per-chunk)."""
     columns = ["case", "compute/layer", "xfer/layer", "regime", "TTFT chunk", "TTFT lw", "exposed chunk",
-               "exposed lw", "exposed ratio", "throughput ratio (IQR)", "target met", "ok"]
+               "exposed lw", "lw writes+Done", "exposed ratio", "throughput ratio (IQR)", "target met", "writes lw",
+               "row write", "ok"]
 
     def case(r: dict[str, Any]) -> str:
-        return f"tiny, {r['prompt_tokens']} tokens" if r["model"] == "tiny" else f"{r['layers']} x {r['layer_MiB']:g} MiB"
+        return f"tiny {r['prompt_tokens']} tok" if r["model"] == "tiny" else f"{r['layers']}x{r['layer_MiB']:g}MiB"
 
     return ui.table(
         columns,
         [(case(r), f"{r['compute_ms']:.2f}", f"{r['transfer_ms_per_layer']:.2f}", r["regime"].replace("-bound", ""),
           f"{r['ttft_chunk_ms']:.1f}", f"{r['ttft_layerwise_ms']:.1f}", f"{r['exposed_chunk_ms']:.1f}",
-          f"{r['exposed_layerwise_ms']:.1f}", f"{r['exposed_ratio']:.2f}",
+          f"{r['exposed_layerwise_ms']:.1f}", f"{r['writes_after_layerwise_ms']:.2f}+{r['done_layerwise_ms']:.2f}",
+          f"{r['exposed_ratio']:.2f}",
           f"{r['throughput_ratio']:.2f} ({r['throughput_ratio_p25']:.2f}-{r['throughput_ratio_p75']:.2f})",
-          r["target_met"], r["verified"]) for r in rows],
+          r["target_met"], f"{r['writes_layerwise']:g}", f"{r['row_write_ms']:.2f}", r["verified"]) for r in rows],
         right=[c for c in columns if c not in ("case", "regime", "target met", "ok")],
     )
 
@@ -614,7 +657,11 @@ def run_from_args(args: argparse.Namespace) -> int:
                 if args.model == "tiny" else f"{shape.layers} layers x {shape.pages * PAGE / 2**20:g} MiB of scattered 64 KiB pages")
         t.title = (f"{what}, {args.device}, prefill -> decode over 127.0.0.1 ({cfg.backend}), median of {args.reps} "
                    "pairs; ms; lw = layer-wise; ratios lw / chunk (exposed: <= 0.20 compute-bound; throughput: "
-                   ">= 0.95 bandwidth-bound, median and interquartile range of the pairs)")
+                   ">= 0.95 bandwidth-bound, median and interquartile range of the pairs); writes lw: prefill's writes "
+                   "per layer-wise request (per chunk: 2 per chunk, the chunk then the row; fewer than layers + 1: "
+                   "layers coalesced); lw writes+Done: exposed lw split into prefill's writes after the last layer "
+                   "(until the row landed) and decode's Done (to its SUCCESS); row write: one metadata-row write, "
+                   "which with Done is what no sending order hides")
         return t
 
     return common.finish(args, prog, rows, table, plot, ok=all(r["verified"] for r in rows))

@@ -12,6 +12,7 @@ posted with the metadata row once every layer has been.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -21,9 +22,14 @@ from .indices import IntArray, PlanError
 from .layout import METADATA_SPACE, KVArgs
 from .plan import RegionTable, TransferPlan
 
-__all__ = ["LayerIndex", "LayeredPlan", "layer_list"]
+__all__ = ["LayerIndex", "LayeredPlan", "ewma", "layer_list"]
 
 LayerKey = tuple[int, bool]  # (layer id, draft)
+
+
+def ewma(average: float | None, sample: float, weight: float = 0.25) -> float:
+    """A moving average (``None``: no sample yet) updated with ``sample``: layer-wise sending's measured costs."""
+    return sample if average is None else average + weight * (sample - average)
 
 
 def layer_list(layers: int | Iterable[int]) -> list[int]:
@@ -42,7 +48,7 @@ def layer_list(layers: int | Iterable[int]) -> list[int]:
     return [int(x) for x in out]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class LayeredPlan:
     """A plan sorted by layer group: group ``g`` is ``plan`` rows ``offsets[g]:offsets[g + 1]``.
 
@@ -58,6 +64,15 @@ class LayeredPlan:
         lo, hi = int(self.offsets[g]), int(self.offsets[g + 1])
         p = self.plan
         return TransferPlan(p.src_addr[lo:hi], p.dst_addr[lo:hi], p.nbytes[lo:hi])
+
+    def nbytes(self, gs: Sequence[int]) -> int:
+        """How many bytes groups ``gs`` move."""
+        csum = self._csum
+        return int(sum(csum[self.offsets[g + 1]] - csum[self.offsets[g]] for g in gs))
+
+    @functools.cached_property
+    def _csum(self) -> IntArray:
+        return np.concatenate(([0], np.cumsum(self.plan.nbytes)))
 
     def groups(self, gs: Sequence[int]) -> TransferPlan:
         """The descriptors of groups ``gs``: one view when they are consecutive, else one concatenation."""

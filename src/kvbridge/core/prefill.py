@@ -14,7 +14,7 @@ from . import protocol as P
 from .bootstrap import HELD, RENEW, register_rank
 from .channel import Channel, quiet
 from .checksum import vram_problem
-from .layers import LayerIndex
+from .layers import LayerIndex, ewma
 from .layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
 from .pairing import IncompatibleLayoutError, Route, pair_layouts
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
 LEASE_POLL = 0.005  # seconds between lease checks while a transfer worker waits for a renewal
+ROW_BYTES = 4096  # a write this small costs what any write does: its fixed cost (a metadata row's)
 FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
 
 
@@ -52,6 +53,18 @@ class DecodePeer:
         self.last_seen = time.monotonic()
         self.lease_until = self.last_seen + lease
         self.worker = PeerWorker(peer_id)
+        #: What one write to it costs whatever its size (seconds, a moving average of its metadata-row
+        #: writes), and what each byte adds (seconds, from its chunks' and layers' writes); None until
+        #: measured. Layer-wise sending coalesces layers while their bytes cost less than a write.
+        self.write_cost: float | None = None
+        self.byte_time: float | None = None
+
+    def note_write(self, nbytes: int, seconds: float) -> None:
+        """A write of ``nbytes`` took ``seconds``: a metadata row's (a few bytes) is the fixed cost."""
+        if nbytes <= ROW_BYTES:
+            self.write_cost = ewma(self.write_cost, seconds)
+        elif self.write_cost is not None:
+            self.byte_time = ewma(self.byte_time, max(0.0, seconds - self.write_cost) / nbytes)
 
     def renew(self, clock: float, lease: float) -> None:
         """Decode echoed ``clock`` (this rank's, from a heartbeat reply): it was alive after it."""
@@ -81,6 +94,8 @@ class PrefillManager(TransferManager[Sender]):
         self._aborted: dict[int, tuple[str, float]] = {}
         self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
         self.layer_index = LayerIndex(kvargs)  # layer-wise sending: which layer each source address belongs to
+        #: Layer-wise senders' pace: seconds between a chunk's announcements (a moving average; None until one).
+        self.layer_gap: float | None = None
         self._chan = Channel(self.loop.ctx, zmq.ROUTER, self.auth, endpoint="prefill",
                              max_bytes=self.config.max_message_bytes)
         # A decode that reconnects (after it gave up on this rank, say it was frozen) keeps its
@@ -198,6 +213,10 @@ class PrefillManager(TransferManager[Sender]):
         self.send(lambda: self._chan, P.Failed(room=room, reason=reason), ident)
         if (room, peer_id) not in self._writing:
             self.send(lambda: self._chan, P.Fenced(room=room), ident)
+
+    def note_layer_gap(self, seconds: float) -> None:
+        """A layer-wise sender announced layers ``seconds`` after its previous announcement (or its send())."""
+        self.layer_gap = ewma(self.layer_gap, seconds)
 
     def peer(self, peer_id: str) -> DecodePeer | None:
         return self._peers.get(peer_id)

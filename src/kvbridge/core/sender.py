@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,8 +44,11 @@ class _Job:
     totals: Totals
     layered: LayeredPlan | None = None  # send(layerwise=True): ``plan`` grouped by layer
     seconds: float = 0.0  # time spent writing so far (metrics)
-    # Announced layer groups not yet taken by the worker: (groups, ready) per layer_ready().
+    # Announced layer groups not yet taken by the worker: (groups, ready) per layer_ready(), in order.
     announced: list[tuple[list[int], Any]] = field(default_factory=list)
+    queued: bool = False  # a _write_layers call is queued or running on the peer's worker
+    complete: bool = False  # every layer of the chunk was announced: the write that takes the last ends the chunk
+    arrived: threading.Event = field(default_factory=threading.Event)  # set by layer_ready(): wakes a lingering worker
 
 
 @dataclass
@@ -260,16 +264,21 @@ class Sender(Room):
                     raise ValueError(f"room {self.room}: {kind} {layer} of chunk {lc.chunk} was already announced")
                 groups.append(g)
             lc.announced.update(groups)
-            lc.touched = time.monotonic()
+            now = time.monotonic()
+            m.note_layer_gap(now - lc.touched)
+            lc.touched = now
             complete = len(lc.announced) == len(index.keys)
             if complete:
                 self._layered = None
-            # Queued under the lock: a peer's jobs keep the order the layers were announced in.
+            # Under the lock: a peer's layers keep the order they were announced in. One call per peer
+            # is queued at a time; it takes every layer announced by then (see _write_layers).
             for job in lc.jobs:
                 job.announced.append((groups, ready))
-                job.peer.worker.submit(functools.partial(self._write_layers, job, lc.chunk))
-                if complete:
-                    job.peer.worker.submit(functools.partial(self._write_chunk, job, lc.chunk, lc.last, True))
+                job.complete = complete
+                job.arrived.set()
+                if not job.queued:
+                    job.queued = True
+                    job.peer.worker.submit(functools.partial(self._write_layers, job, lc.chunk, lc.last))
 
     def _missing(self, lc: _LayeredChunk) -> str:
         return self._names([g for g in range(len(self.manager.layer_index.keys)) if g not in lc.announced])
@@ -396,35 +405,115 @@ class Sender(Room):
             m.end_write(self, peer)
         return True
 
-    def _write_layers(self, job: _Job, chunk: int) -> None:
-        """Every layer announced for this peer and not yet written, in one write once their source is final.
+    def _write_layers(self, job: _Job, chunk: int, last: bool) -> None:
+        """Write the layers announced for this peer whose source is final; the chunk's last ones end it.
 
-        When layers are announced faster than they transfer (bandwidth-bound),
-        the ones that piled up meanwhile go together: as few writes as a
-        per-chunk send, instead of one per layer.
+        Layers go as soon as their source is final: the first one announced is
+        waited for (``ready.synchronize()``), then every one after it that is
+        ready too (``ready.query()``, or announced without ``ready``) goes in the
+        same write; a layer still computing is left for the next call, queued
+        behind this one, so it holds back neither the layers before it nor
+        other rooms' writes. Layers that piled up while the worker was busy go
+        together. When layers come faster than a write's fixed cost and what is
+        held would be a write mostly of that cost (:meth:`_worth_waiting`, from
+        the peer's measured ``write_cost`` and ``byte_time`` and the
+        announcements' pace), the worker lingers up to that cost for the next one
+        and writes them together: a fast copy pays one fixed cost for many layers,
+        as a per-chunk send does; compute-bound, or when a layer's bytes dominate,
+        one write per layer. The write that takes the chunk's last layer also takes
+        what has no layer, then (last chunk) the metadata row, then tells decode,
+        all in this one call.
         """
-        with self.manager.lock:
-            taken, job.announced = job.announced, []
-        if not taken or self.poll() == Poll.FAILED:
-            return
+        m = self.manager
+        with m.lock:
+            first = job.announced[0] if job.announced else None
+            if first is None or self.poll() == Poll.FAILED:
+                job.queued = False
+                return
+        if first[1] is not None:
+            try:
+                first[1].synchronize()
+            except Exception as exc:
+                with m.lock:
+                    job.queued = False
+                m.fail_sender(self, f"room {self.room} chunk {chunk} {self._names(first[0])}: waiting for the layers' "
+                                    f"source (ready.synchronize()) failed: {exc}", "transfer_error")
+                return
+        groups, final = self._take_ready(job, [], first=True)
+        if not final and self._worth_waiting(job, groups):
+            groups, final = self._linger(job, groups)
         assert job.layered is not None
-        groups = [g for gs, _ in taken for g in gs]
-        what = self._names(groups)
-        for _, ready in taken:
-            if ready is not None:
-                try:
-                    ready.synchronize()
-                except Exception as exc:
-                    self.manager.fail_sender(self, f"room {self.room} chunk {chunk} {what}: waiting for the layers' "
-                                                   f"source (ready.synchronize()) failed: {exc}", "transfer_error")
-                    return
-        part = job.layered.groups(groups)
-        self._write(job, [part], f"chunk {chunk} ({what})")
+        if final:
+            body = job.layered.groups([*groups, m.layer_index.tail])
+            _write_chunks([_ChunkWrite(self, job, chunk, last, body, f" ({self._names(groups)})" if groups else "")])
+        elif len(body := job.layered.groups(groups)):  # none: this rank sends these layers no byte (MLA)
+            start = time.monotonic()
+            if self._write(job, [body], f"chunk {chunk} ({self._names(groups)})"):
+                job.peer.note_write(body.total_bytes, time.monotonic() - start)
+        with m.lock:
+            if job.announced and self.poll() != Poll.FAILED:
+                job.peer.worker.submit(functools.partial(self._write_layers, job, chunk, last))  # job.queued stays
+            else:
+                job.queued = False
 
-    def _write_chunk(self, job: _Job, chunk: int, last: bool, layered: bool = False) -> None:
-        """Write the chunk (layer-wise: what had no layer), then (last) the metadata row; then tell the decode rank."""
-        body = job.layered.group(self.manager.layer_index.tail) if layered and job.layered is not None else job.plan
-        _write_chunks([_ChunkWrite(self, job, chunk, last, body)])
+    def _take_ready(self, job: _Job, groups: list[int], first: bool = False) -> tuple[list[int], bool]:
+        """Move the announced layers whose source is final (``first``: the first one regardless: it was
+        waited for) from ``job.announced`` to ``groups``; also whether the chunk's last layer was taken."""
+        with self.manager.lock:
+            n = 1 if first else 0
+            while n < len(job.announced) and _is_ready(job.announced[n][1]):
+                n += 1
+            for gs, _ in job.announced[:n]:
+                groups.extend(gs)
+            del job.announced[:n]
+            job.arrived.clear()  # under the lock: an announcement after this sets it again
+            return groups, job.complete and not job.announced
+
+    def _worth_waiting(self, job: _Job, groups: list[int]) -> bool:
+        """Whether to wait for the next layer rather than write ``groups`` now: the peer's writes are
+        measured, layers come faster than a write costs, and ``groups``' bytes take less than that cost
+        (a write of them is mostly its fixed cost; past that, writing now overlaps more)."""
+        peer, gap = job.peer, self.manager.layer_gap
+        cost, per_byte = peer.write_cost, peer.byte_time
+        if cost is None or per_byte is None or gap is None or gap >= cost:
+            return False
+        assert job.layered is not None
+        return job.layered.nbytes(groups) * per_byte < cost
+
+    def _linger(self, job: _Job, groups: list[int]) -> tuple[list[int], bool]:
+        """Wait up to the peer's write cost for the next layer, take it, again, while that is worth it
+        (:meth:`_worth_waiting`) and until the chunk's last layer is taken; bounded in count (each round
+        takes a layer or waits) and in time."""
+        cost = job.peer.write_cost or 0.0
+        until = time.monotonic() + cost
+        for _ in range(4 * (len(self.manager.layer_index.keys) + 1)):
+            now = time.monotonic()
+            if now >= until:
+                break
+            if job.announced:  # the next one is announced but still computing (its ready.query() is false)
+                time.sleep(min(cost / 4, until - now))
+            else:
+                job.arrived.wait(until - now)
+            before = len(groups)
+            groups, final = self._take_ready(job, groups)
+            if final or self.poll() == Poll.FAILED:
+                return groups, final
+            if len(groups) > before:
+                if not self._worth_waiting(job, groups):
+                    break
+                until = time.monotonic() + cost
+        return groups, False
+
+
+def _is_ready(ready: Any) -> bool:
+    """Whether a layer's source is final without waiting: no ``ready`` handle, or its ``query()`` says so."""
+    if ready is None:
+        return True
+    query = getattr(ready, "query", None)
+    try:
+        return bool(query()) if query is not None else False
+    except Exception:  # its synchronize() will raise it, as the first layer of a later write
+        return False
 
 
 @dataclass
@@ -436,6 +525,7 @@ class _ChunkWrite:
     chunk: int
     last: bool
     body: TransferPlan
+    what: str = ""  # in errors after "chunk N": which layers the body holds, if sent layer-wise
 
 
 def _write_chunks(writes: list[_ChunkWrite]) -> None:
@@ -461,12 +551,20 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
         w.sender._busy[peer.peer_id] = start
     try:
         live = _write_live(m, peer, live, lambda w: w.body, deadline)
+        rows = time.monotonic()
         live = _write_live(m, peer, live, lambda w: w.job.meta_plan, deadline)
+        # Measured for layer-wise sending's coalescing: what a write costs (a few bytes), what a byte adds.
+        row_bytes = sum(w.job.meta_plan.total_bytes for w in live if w.job.meta_plan is not None)
+        if row_bytes:
+            peer.note_write(row_bytes, time.monotonic() - rows)
+        body = sum(w.body.total_bytes for w in live)
+        if body:
+            peer.note_write(body, rows - start)
     except Exception as exc:
         kind = "timeout" if isinstance(exc, TransferTimeout) else "transfer_error"
         together = f" (written together with {len(live) - 1} other rooms' chunks)" if len(live) > 1 else ""
         for w in live:
-            m.fail_sender(w.sender, f"transfer of chunk {w.chunk} to {peer.peer_id!r} failed: {exc}{together}", kind)
+            m.fail_sender(w.sender, f"transfer of chunk {w.chunk}{w.what} to {peer.peer_id!r} failed: {exc}{together}", kind)
         return
     finally:
         seconds = time.monotonic() - start
