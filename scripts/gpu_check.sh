@@ -3,8 +3,9 @@
 #
 # Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
-# Writes gpu-tests.log, kernel.{txt,json}, bench.{txt,json}, layerwise.txt and demo.txt to $OUT (default ./gpu-out).
-# KERNEL_TUNE=1 also tries several tile sizes and warp counts for the copy kernel.
+# Writes gpu-tests.log, kernel.{txt,json}, bench{,-4g}.{txt,json}, layerwise.txt and demo.txt to $OUT (default ./gpu-out).
+# KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
+# (default "tests kernel bench demo layerwise"), e.g. STEPS="layerwise demo" to fit a shorter session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -20,24 +21,34 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import sys, torch, triton, kvbridge; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'kvbridge', kvbridge.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
 python3 -m kvbridge.cli plugins | tee -a "$OUT/machine.txt"
 rc=0
-python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+STEPS=" ${STEPS:-tests kernel bench demo layerwise} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+want tests && python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
   "tests/test_conformance.py::TestNixl" -k "gpu or layerwise" \
   2>&1 | tee "$OUT/gpu-tests.log" || rc=1
-python3 benchmarks/gpu_kernel_bench.py --json ${KERNEL_TUNE:+--tune} > "$OUT/kernel.json" 2> "$OUT/kernel.txt" || rc=1
-tail -20 "$OUT/kernel.txt"
-python3 -m kvbridge.cli bench transfer --device cuda --json "$@" > "$OUT/bench.json" 2> "$OUT/bench.txt" || rc=1
-tail -30 "$OUT/bench.txt"
-python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 | tee "$OUT/demo.txt" | tail -25 || rc=1
+want kernel && { python3 benchmarks/gpu_kernel_bench.py --json ${KERNEL_TUNE:+--tune} > "$OUT/kernel.json" 2> "$OUT/kernel.txt" || rc=1
+tail -20 "$OUT/kernel.txt"; }
+if want bench; then
+  python3 -m kvbridge.cli bench transfer --device cuda --json "$@" > "$OUT/bench.json" 2> "$OUT/bench.txt" || rc=1
+  tail -30 "$OUT/bench.txt"
+  # 4 GiB per request: the write's fixed host cost (shape, table, launch) spread over more bytes
+  python3 -m kvbridge.cli bench transfer --device cuda --page-kib 16 64 --total-mib 4096 --json \
+    > "$OUT/bench-4g.json" 2> "$OUT/bench-4g.txt" || rc=1
+  tail -6 "$OUT/bench-4g.txt"
+fi
+want demo && { python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 | tee "$OUT/demo.txt" | tail -25 || rc=1; }
 # Layer-wise sending on the GPU: the synthetic model (a GPU kernel per layer, ready= CUDA events), the demo's
 # tiny model, and the demo both ways (is the --layerwise default right on a GPU?).
 export COLUMNS=${COLUMNS:-200}
-{ python3 -m kvbridge.cli bench layerwise --device cuda && python3 -m kvbridge.cli bench layerwise --device cuda --model tiny; } \
-  > "$OUT/layerwise.txt" 2>&1 || rc=1
-tail -12 "$OUT/layerwise.txt"
-for lw in --layerwise --no-layerwise; do
-  python3 -m kvbridge.cli demo --device cuda --requests 32 --concurrency 1 $lw 2>&1 | tee -a "$OUT/demo.txt" | tail -25 || rc=1
-done
-if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+if want layerwise; then
+  { python3 -m kvbridge.cli bench layerwise --device cuda && python3 -m kvbridge.cli bench layerwise --device cuda --model tiny; } \
+    > "$OUT/layerwise.txt" 2>&1 || rc=1
+  tail -12 "$OUT/layerwise.txt"
+  for lw in --layerwise --no-layerwise; do
+    python3 -m kvbridge.cli demo --device cuda --requests 32 --concurrency 1 $lw 2>&1 | tee -a "$OUT/demo.txt" | tail -25 || rc=1
+  done
+fi
+if want bench && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   python3 -m kvbridge.cli bench transfer --device cuda --decode-gpu 1 --page-kib 16 64 --total-mib 1024 --json \
     > "$OUT/bench-2gpu.json" 2> "$OUT/bench-2gpu.txt" || rc=1
 fi
