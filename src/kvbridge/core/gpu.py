@@ -46,9 +46,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 IntArray = npt.NDArray[np.int64]
-#: Bytes one kernel program copies. Small programs win: on an H200, 4 KiB programs of 2 warps moved
-#: scattered 64 KiB pages at 0.97 of the device-to-device copy (16 KiB pages: 0.92), 16 KiB programs
-#: of 8 warps at 0.63 (``benchmarks/gpu_kernel_bench.py --tune``).
+#: Bytes one kernel program copies. On an H200 the kernel alone (table on the GPU, CUDA events) moved
+#: 1 GiB of scattered 16-64 KiB pages at 0.95-0.98 of the device-to-device copy with 4 KiB programs of
+#: 2 warps, and within a few per cent of that with 16 KiB programs of 8 warps; small programs also
+#: give 4 KiB pages one program each (``benchmarks/gpu_kernel_bench.py --tune``).
 TILE_BYTES = 4096
 
 
