@@ -90,10 +90,7 @@ def run_decode(args: argparse.Namespace) -> int:
                     room += 1
                     recv = Receiver(mgr, room, bootstrap=address)
                     recv.init([], state_indices={space: dst})
-                    deadline = time.monotonic() + 600
-                    while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                        time.sleep(0.0002)
-                    ok &= recv.poll() == Poll.SUCCESS
+                    ok &= recv.wait(Poll.SUCCESS, 600) == Poll.SUCCESS
             words = page // 8
             got = tensors[page].view(-1, words)[torch.as_tensor(dst, device=tensors[page].device)]
             i = args.page_kib.index(page >> 10)

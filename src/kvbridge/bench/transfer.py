@@ -105,10 +105,7 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, reps: int, r
             for rep in range(reps + 1):  # + the warm-up
                 recv = Receiver(mgr, 1000 * c + rep + 1, bootstrap=bootstrap)
                 recv.init(dst, metadata_row=0)
-                deadline = time.monotonic() + 300
-                while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                if recv.poll() != Poll.SUCCESS:
+                if recv.wait(Poll.SUCCESS, 300) != Poll.SUCCESS:
                     print(f"decode: {name} rep {rep}: {recv.poll().name} {recv.failure()}", file=sys.stderr)
                     ok = False
             for e, arr in enumerate(kv):
@@ -228,10 +225,10 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
 
 
 def wait_for(sender: Sender, state: Poll, timeout: float = 600) -> None:
-    """Poll ``sender`` until it reaches ``state`` (or fails), at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while sender.poll() < state and sender.poll() != Poll.FAILED and time.monotonic() < deadline:
-        time.sleep(0.0002)
+    """Wait until ``sender`` reaches ``state`` (or fails), at most ``timeout`` seconds, woken by the change:
+    a host thread polling in a loop would compete with the sender's worker for the GIL, and the
+    write it measures would pay for it."""
+    sender.wait(state, timeout)
 
 
 def finish_child(child: subprocess.Popen[str], timeout: float = 120) -> None:
