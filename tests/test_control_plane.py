@@ -152,12 +152,7 @@ class TestControlPlane(BackendHarness):
         self, local_prefill, children, raw_clients
     ):
         sc = self.scenario(requests=1)
-        (req,) = schedule(sc)
-        prefill = local_prefill(sc)
-        decode = children("decode", sc, bootstrap=prefill.address)
-        prefill.pools.meta[0] = meta_row_for(req.room)
-        sender = Sender(prefill.mgr, req.room, metadata_row=0)
-        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        prefill, decode, sender, req = self.waiting_room(local_prefill, children, requests=1)
 
         hostile = raw_clients(prefill.mgr.control_address, "hostile")
         hostile.handshake(Pools(sc, sc.decode_pages, meta_rows=sc.concurrency), self.backend, self.backend_options)

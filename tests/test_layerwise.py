@@ -31,8 +31,7 @@ from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, c4_token
 from kvbridge.state_handlers.mamba import SLOT_SPACE
 from kvbridge.state_handlers.swa import SWA_PAGE_SPACE
 from kvbridge.testing import hybrid
-from kvbridge.testing.e2e import meta_row_for, schedule
-from kvbridge.testing.harness import START_WAIT, BackendHarness, Child, LocalPrefill, all_succeeded, finished, wait_until
+from kvbridge.testing.harness import BackendHarness, Child, LocalPrefill, all_succeeded, finished, wait_until
 
 
 # -- slicing a plan by layer (no processes) ------------------------------------------------------------
@@ -139,13 +138,8 @@ class TestLayerwisePolicy(BackendHarness):
 
     def _room(self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child], **changes: Any
               ) -> tuple[Child, Sender, Any]:
-        sc = self.scenario(**{"requests": 1, "max_pages": 64, "max_chunks": 1, "concurrency": 1, **changes})
-        (req,) = schedule(sc)
-        prefill = local_prefill(sc)
-        decode = children("decode", sc, bootstrap=prefill.address)
-        prefill.pools.meta[0] = meta_row_for(req.room)
-        sender = Sender(prefill.mgr, req.room, metadata_row=0)
-        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        _, decode, sender, req = self.waiting_room(
+            local_prefill, children, **{"requests": 1, "max_pages": 64, "max_chunks": 1, "concurrency": 1, **changes})
         return decode, sender, req
 
     def _succeeds(self, decode: Child, sender: Sender) -> None:

@@ -408,13 +408,8 @@ class BackendConformance(BackendHarness):
                         ) -> tuple[LocalPrefill, Child, Sender, Any]:
         # The Sender exists before the decode process starts: let it wait as long as a process may take to
         # start (importing an engine with CUDA took over 5 s on a GPU machine).
-        sc = self.scenario(requests=1, max_pages=512, max_chunks=1, concurrency=1, bootstrap_timeout=START_WAIT)
-        (req,) = schedule(sc)
-        prefill = local_prefill(sc)
-        decode = children("decode", sc, bootstrap=prefill.address)
-        prefill.pools.meta[0] = meta_row_for(req.room)
-        sender = Sender(prefill.mgr, req.room, metadata_row=0)
-        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        prefill, decode, sender, req = self.waiting_room(local_prefill, children, requests=1, max_pages=512, max_chunks=1,
+                                                         concurrency=1, bootstrap_timeout=START_WAIT)
         assert sender.layers == ((0, False), (1, False))
         sender.send(req.src_pages, last=True, layerwise=True)
         return prefill, decode, sender, req

@@ -50,7 +50,7 @@ from kvbridge.core.plugins import PluginError, get_registry
 from kvbridge.core.records import BackendCapabilities, BackendSpec
 from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 from kvbridge.core.transport import open_transport
-from kvbridge.testing.e2e import SENTINEL, Pools, Scenario, prefill_pools, serve
+from kvbridge.testing.e2e import SENTINEL, Pools, Request, Scenario, meta_row_for, prefill_pools, schedule, serve
 from kvbridge.testing.hybrid import Spec
 from kvbridge.testing.memory import state as process_state
 from kvbridge.testing.requirements import unmet
@@ -355,6 +355,19 @@ class BackendHarness:
         k = self.timeout_scale
         return msgspec.structs.replace(sc, bootstrap_timeout=sc.bootstrap_timeout * k, waiting_timeout=sc.waiting_timeout * k,
                                        transfer_timeout=sc.transfer_timeout * k, deadline=sc.deadline * k)
+
+    def waiting_room(self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child], **changes: Any
+                     ) -> tuple[LocalPrefill, Child, Sender, Request]:
+        """One request of :meth:`scenario` (``changes`` applied): prefill in this process with its metadata
+        row filled, decode a driver process; returns once the room's Sender has decode's request."""
+        sc = self.scenario(**changes)
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc)
+        decode = children("decode", sc, bootstrap=prefill.address)
+        prefill.pools.meta[0] = meta_row_for(req.room)
+        sender = Sender(prefill.mgr, req.room, metadata_row=0)
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        return prefill, decode, sender, req
 
     def hybrid_spec(self, **changes: Any) -> Spec:
         return Spec(backend=self.backend, backend_options=dict(self.backend_options), timeout=60.0 * self.timeout_scale,
