@@ -54,6 +54,7 @@ with a colocated run of the model (tiny).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -61,7 +62,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -476,21 +477,34 @@ def _stop(child: subprocess.Popen[str]) -> None:
         child.wait()
 
 
+@contextlib.contextmanager
+def _prefill(kvargs: KVArgs, backend: str, config: SessionConfig, decode_args: list[str]
+             ) -> Iterator[tuple[PrefillManager, WriteCounter, subprocess.Popen[str]]]:
+    """A prefill manager with its bootstrap server, its write counter, and the decode child (given
+    ``decode_args``) bootstrapping from it; all closed afterwards."""
+    with contextlib.ExitStack() as stack:
+        server = BootstrapServer("127.0.0.1")
+        stack.callback(server.close)
+        mgr = PrefillManager(kvargs, backend, bootstrap=server.address, config=config)
+        stack.callback(mgr.close)
+        writes = WriteCounter(mgr)
+        options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
+        child = _child(["--decode", server.address, "--transfer-backend", backend, *options, *decode_args])
+        stack.callback(_stop, child)
+        yield mgr, writes, child
+
+
 def run(backend: str, config: SessionConfig, shape: Shape, compute_ms: list[float], reps: int,
         tracker: ui.Tracker | None = None, device: str = "cpu") -> list[dict[str, Any]]:
     """The synthetic model: one row per compute time; times in milliseconds (``*_ms``)."""
     pools = make_pools(shape, True, device, 0)
-    server = BootstrapServer("127.0.0.1")
-    mgr = PrefillManager(pools.kvargs, backend, bootstrap=server.address, config=config)
-    writes = WriteCounter(mgr)
     rooms = len(compute_ms) * (reps + 1) * len(MODES)
-    options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
-    child = _child(["--decode", server.address, "--rooms", str(rooms), "--transfer-backend", backend, *options,
-                    "--layers", str(shape.layers), "--layer-mib", str(shape.pages * PAGE / 2**20), "--device", device])
     gpu = pools if device == "cuda" else None
     rows: list[dict[str, Any]] = []
     room = 0
-    try:
+    with _prefill(pools.kvargs, backend, config, ["--rooms", str(rooms), "--layers", str(shape.layers),
+                                                  "--layer-mib", str(shape.pages * PAGE / 2**20), "--device", device]
+                  ) as (mgr, writes, child):
         for ms in compute_ms:
             row, room = measure(child, room, reps, lambda r, mode: request(mgr, r, mode, shape, ms / 1e3, gpu), writes)
             per_layer_ms = row["exposed_chunk_ms"] / shape.layers
@@ -499,10 +513,6 @@ def run(backend: str, config: SessionConfig, shape: Shape, compute_ms: list[floa
                                  "transfer_ms_per_layer": per_layer_ms, **row}, ms, per_layer_ms))
             if tracker is not None:
                 tracker.advance()
-    finally:
-        _stop(child)
-        mgr.close()
-        server.close()
     return rows
 
 
@@ -510,17 +520,12 @@ def run_tiny(backend: str, config: SessionConfig, args: argparse.Namespace,
              tracker: ui.Tracker | None = None) -> list[dict[str, Any]]:
     """The demo's tiny model: one row per prompt length."""
     tiny = Tiny("prefill", args.device, max(args.prompt_tokens))
-    server = BootstrapServer("127.0.0.1")
-    mgr = PrefillManager(tiny.kvargs, backend, bootstrap=server.address, config=config)
-    writes = WriteCounter(mgr)
-    options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
-    child = _child(["--decode", server.address, "--model", "tiny", "--transfer-backend", backend, *options,
-                    "--prompt-tokens", ",".join(map(str, args.prompt_tokens)), "--reps", str(args.reps),
-                    "--device", args.device])
-    layers = len(mgr.layer_index.keys)
     rows: list[dict[str, Any]] = []
     room = 0
-    try:
+    with _prefill(tiny.kvargs, backend, config, ["--model", "tiny", "--prompt-tokens", ",".join(map(str, args.prompt_tokens)),
+                                                 "--reps", str(args.reps), "--device", args.device]
+                  ) as (mgr, writes, child):
+        layers = len(mgr.layer_index.keys)
         for tokens in args.prompt_tokens:
             prompt = tiny_prompt(tokens)
             chunks = -(-tokens // args.chunk_size)
@@ -533,10 +538,6 @@ def run_tiny(backend: str, config: SessionConfig, args: argparse.Namespace,
                                  "transfer_ms_per_layer": per_layer_ms, **row}, compute_ms, per_layer_ms))
             if tracker is not None:
                 tracker.advance()
-    finally:
-        _stop(child)
-        mgr.close()
-        server.close()
     return rows
 
 
