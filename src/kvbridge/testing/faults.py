@@ -88,9 +88,7 @@ def run_decode(sc: Scenario, bootstrap: str, gap: float, big: bool) -> int:
             pools.reset()
             recv = Receiver(mgr, req.room, bootstrap=bootstrap)
             recv.init(np.arange(n), metadata_row=0)
-            deadline = time.monotonic() + sc.deadline
-            while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                time.sleep(0.001)
+            recv.wait(Poll.SUCCESS, sc.deadline)  # or FAILED
             late = None
             if recv.poll() == Poll.FAILED:
                 at_failed = [a.copy() for a in (*pools.kv, pools.meta)]
@@ -113,13 +111,11 @@ def run_prefill(sc: Scenario, gap: float, big: bool) -> int:
         for req, n in zip(schedule(sc), sizes(sc, big)):
             sender = Sender(mgr, req.room, metadata_row=0)
             deadline = time.monotonic() + sc.deadline
-            while sender.poll() == Poll.BOOTSTRAPPING and time.monotonic() < deadline:
-                time.sleep(0.001)
+            sender.wait(Poll.WAITING_FOR_INPUT, sc.deadline)
             pages = source_pages(n)
             sender.send(pages[:-1])
             sender.send(pages[-1:], last=True)
-            while sender.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                time.sleep(0.001)
+            sender.wait(Poll.SUCCESS, max(0.0, deadline - time.monotonic()))
             _line(room=req.room, state=sender.poll().name, reason=sender.failure())
             time.sleep(gap)
     finally:

@@ -185,9 +185,7 @@ def run_decode(sc: Scenario, sizes: list[int], gates: Path, bootstrap: str) -> i
             pools.reset()
             recv = Receiver(mgr, req.room, bootstrap=bootstrap)
             recv.init(np.arange(n), metadata_row=0)
-            deadline = time.monotonic() + sc.deadline
-            while recv.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                time.sleep(0.001)
+            recv.wait(Poll.SUCCESS, sc.deadline)  # or FAILED
             t = time.monotonic()
             written = int(sum((a[:n] != SENTINEL).any(axis=1).sum() for a in pools.kv))  # (page, region) pairs landed
             _line(room=req.room, state=recv.poll().name, reason=recv.failure(), t=t, written=written, of=n * len(pools.kv))
