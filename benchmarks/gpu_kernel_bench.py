@@ -45,12 +45,14 @@ def timed(fn, reps: int) -> float:
 def kernel_only(part, peer: gpu.GpuPeer, reps: int) -> float:
     """Seconds of the copy kernel alone (CUDA events; its table already on the GPU, one launch)."""
     h = np.empty(6 * (len(part[0]) + len(part[2])), np.int64)
-    sh, sizes, r, end = gpu._pack(part, h, 0)
+    sh = gpu.shape(part)
+    sizes, r, end = gpu._pack(part, sh, h, 0)
     table = torch.from_numpy(h[:end]).cuda()
-    starts, deltas = peer.on_device(0)
+    starts, deltas, steps, allocs = peer.on_device(0)
     gpu.copy(0, [part], peer)  # compiles the kernel
-    run = lambda: gpu._run(sh, sizes, len(part[0]), len(part[2]), table[r:], table[:r], starts, deltas,  # noqa: E731
-                           gpu.search_steps(len(peer.starts)), len(peer.starts))
+    stream = torch.cuda.current_stream().cuda_stream
+    run = lambda: gpu._run(sh, sizes, len(part[0]), len(part[2]), table.data_ptr() + 8 * r, table.data_ptr(),  # noqa: E731
+                           starts, deltas, steps, allocs, stream)
     run()
     times = []
     for _ in range(reps):

@@ -153,10 +153,13 @@ def test_the_fast_path_is_refused_when_switched_off():
 # -- VRAM end to end, on a CUDA machine -----------------------------------------------------------------
 @pytest.mark.skipif(not gpu.available(), reason="needs a CUDA device visible to torch; this machine has none")
 @pytest.mark.parametrize("unit, longest", [(16 << 10, 64 << 10), (8, 64 << 10), (2, 300), (1 << 20, 4 << 20)])
-def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocations(unit, longest):
+def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocations(unit, longest, monkeypatch):
     # In one process: the "peer" is three tensors known by fake addresses 2**44 + ..., translated by the
-    # kernel's search; unequal descriptor lengths, whole pieces (even) and masked ones.
+    # kernel's search; unequal descriptor lengths, whole pieces (even) and masked ones; several launches,
+    # after the first of each shape through the compiled kernel's own launcher.
     import torch
+
+    monkeypatch.setattr(gpu, "SLICE_BYTES", 8 * longest)
 
     rng = np.random.default_rng(unit)
     src = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8, device="cuda")

@@ -110,9 +110,10 @@ def shape(part: Part) -> Shape:
 
 
 #: A part goes to the GPU in slices of about this many bytes, one launch each; a failed room's fence is
-#: checked between slices. Each launch costs 0.1-0.4 ms of host work (shape, table, launch: measured on
-#: an H200's host), more than packing a later slice while an earlier one copies saves, so slices are
-#: large: a 1 GiB write is one launch.
+#: checked between slices. Each launch costs 0.1-0.2 ms of host work (shape, table, launch: measured on
+#: an H200's host), about what packing a later slice while an earlier one copies saves (measured:
+#: first slices of 32-256 MiB growing 2-4x were no faster than one launch), so slices are large: a
+#: 1 GiB write is one launch.
 SLICE_BYTES = 1 << 30
 
 
@@ -204,6 +205,7 @@ def _driver() -> Any:
         lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
         lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
         lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _check(lib.cuInit(0), "cuInit")
         _lib = lib
     return _lib
@@ -271,7 +273,7 @@ class GpuPeer:
 
     def __init__(self, starts: IntArray, ends: IntArray, delta: IntArray) -> None:
         self.starts, self.ends, self.delta = starts, ends, delta
-        self._tables: dict[int, tuple[Any, Any]] = {}
+        self._tables: dict[int, tuple[Any, Any, tuple[int, int, int, int]]] = {}
 
     def inside(self, dst: IntArray, nbytes: IntArray) -> npt.NDArray[np.bool_]:
         """Which descriptors land wholly inside one mapped allocation."""
@@ -285,14 +287,18 @@ class GpuPeer:
         addr = np.array([r.addr for r in regions], np.int64)
         return bool(self.inside(addr, np.array([r.nbytes for r in regions], np.int64)).all())
 
-    def on_device(self, device: int) -> tuple[Any, Any]:
-        """The kernel's translation table (starts, deltas) as tensors on ``device``."""
-        if device not in self._tables:
+    def on_device(self, device: int) -> tuple[int, int, int, int]:
+        """The kernel's translation table on ``device``: the addresses of its starts and its deltas, the
+        steps of its search and the number of allocations."""
+        got = self._tables.get(device)
+        if got is None:
             import torch
 
-            self._tables[device] = (torch.from_numpy(self.starts).to(f"cuda:{device}"),
-                                    torch.from_numpy(self.delta).to(f"cuda:{device}"))
-        return self._tables[device]
+            starts = torch.from_numpy(self.starts).to(f"cuda:{device}")
+            deltas = torch.from_numpy(self.delta).to(f"cuda:{device}")
+            got = self._tables[device] = (starts, deltas, (starts.data_ptr(), deltas.data_ptr(),
+                                                           search_steps(len(self.starts)), len(self.starts)))
+        return got[2]  # type: ignore[no-any-return]
 
 
 def open_peer(metadata: bytes) -> GpuPeer | None:
@@ -327,13 +333,22 @@ def open_peer(metadata: bytes) -> GpuPeer | None:
 # -- the kernel ---------------------------------------------------------------------------------------
 _kernel: Any = None
 NUM_WARPS = 2  # per program of TILE_BYTES
+#: Launch a kernel already compiled for the same constants through its compiled launcher, skipping
+#: Triton's per-call argument binding and cache lookup (tens of microseconds of Python per launch).
+DIRECT_LAUNCH = True
+_compiled: dict[tuple[Any, ...], Any] = {}  # constants + which integer arguments need 64 bits -> kernel
+_dtypes: dict[int, Any] = {}  # element bytes -> Triton type (filled by _compile)
+_INTS = ("rows_tab", "nrows", "cols_tab", "ncols", "size", "starts", "deltas", "allocs")
 
 
 def _compile() -> Any:
     import triton  # type: ignore[import-not-found, unused-ignore]
     import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
-    @triton.jit
+    _dtypes.update({8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8})
+    # Every argument is an integer (tables are passed by address) that Triton must not specialise on
+    # (divisibility by 16, equality to 1): one compiled kernel per set of constants, whatever the values.
+    @triton.jit(do_not_specialize=list(_INTS))
     def copy_pieces(rows_tab, nrows, cols_tab, ncols, size, starts, deltas, allocs, PIECES: tl.constexpr,
                     ROWS: tl.constexpr, CHUNK: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
                     STEPS: tl.constexpr, ALIGN16: tl.constexpr, EVEN: tl.constexpr, SIZES: tl.constexpr):
@@ -343,27 +358,31 @@ def _compile() -> Any:
         # is elements [(p % PIECES) * CHUNK, +CHUNK) of descriptor p // PIECES; one program copies ROWS
         # pieces. Destinations are translated into this process through the peer's mapped allocations
         # (sorted starts, deltas) by a branchless binary search of STEPS steps.
+        rows_t = rows_tab.to(tl.int64).to(tl.pointer_type(tl.int64))
+        cols_t = cols_tab.to(tl.int64).to(tl.pointer_type(tl.int64))
+        starts_t = starts.to(tl.int64).to(tl.pointer_type(tl.int64))
+        deltas_t = deltas.to(tl.int64).to(tl.pointer_type(tl.int64))
         p = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        live = p < nrows * ncols * PIECES
+        live = p < nrows.to(tl.int64) * ncols * PIECES
         d = p // PIECES
         first = (p % PIECES) * CHUNK
         r = d // ncols
         c = d % ncols
-        s = tl.load(rows_tab + r, mask=live, other=0) + tl.load(cols_tab + c, mask=live, other=0)
-        t = tl.load(rows_tab + nrows + r, mask=live, other=0) + tl.load(cols_tab + ncols + c, mask=live, other=0)
+        s = tl.load(rows_t + r, mask=live, other=0) + tl.load(cols_t + c, mask=live, other=0)
+        t = tl.load(rows_t + nrows + r, mask=live, other=0) + tl.load(cols_t + ncols + c, mask=live, other=0)
         if SIZES == 1:
-            n = tl.load(rows_tab + 2 * nrows + r, mask=live, other=0) // WIDTH
+            n = tl.load(rows_t + 2 * nrows + r, mask=live, other=0) // WIDTH
         elif SIZES == 2:
-            n = tl.load(cols_tab + 2 * ncols + c, mask=live, other=0) // WIDTH
+            n = tl.load(cols_t + 2 * ncols + c, mask=live, other=0) // WIDTH
         else:
-            n = tl.zeros_like(r) + size // WIDTH
+            n = tl.zeros_like(r) + size.to(tl.int64) // WIDTH
         pos = tl.zeros_like(t)
         for i in tl.static_range(STEPS):
             cand = pos + (1 << (STEPS - 1 - i))
             ok = live & (cand < allocs)
-            start = tl.load(starts + cand, mask=ok, other=0)
+            start = tl.load(starts_t + cand, mask=ok, other=0)
             pos = tl.where(ok & (start <= t), cand, pos)
-        t += tl.load(deltas + pos, mask=live, other=0)
+        t += tl.load(deltas_t + pos, mask=live, other=0)
         if ALIGN16:
             s = tl.multiple_of(s, 16)
             t = tl.multiple_of(t, 16)
@@ -379,24 +398,38 @@ def _compile() -> Any:
     return copy_pieces
 
 
+class _Buffers(NamedTuple):
+    """One thread's launch resources on one device: its stream (and its handle), and a pinned host buffer and
+    a device buffer for descriptor tables (and their addresses)."""
+
+    stream: Any
+    handle: int
+    host: Any
+    words: Any  # ``host`` as numpy
+    host_addr: int
+    dev: Any
+    dev_addr: int
+
+
 class _Staging(threading.local):
-    """Per thread and device: a stream, and pinned/device buffers for descriptor tables (grown as needed)."""
+    """Per thread and device: :class:`_Buffers`, grown as needed."""
 
     def __init__(self) -> None:
-        self.by_device: dict[int, tuple[Any, Any, Any]] = {}
+        self.by_device: dict[int, _Buffers] = {}
 
-    def get(self, device: int, words: int) -> tuple[Any, Any, Any]:
+    def get(self, device: int, words: int) -> _Buffers:
+        got = self.by_device.get(device)
+        if got is not None and len(got.words) >= words:
+            return got
         import torch
 
-        stream, host, dev = self.by_device.get(device, (None, None, None))
-        if stream is None:
-            stream = torch.cuda.Stream(device)
-        if host is None or host.numel() < words:
-            words = max(words, 1 << 16)
-            host = torch.empty(words, dtype=torch.int64, pin_memory=True)
-            dev = torch.empty(words, dtype=torch.int64, device=f"cuda:{device}")
-        self.by_device[device] = stream, host, dev
-        return stream, host, dev
+        stream = got.stream if got is not None else torch.cuda.Stream(device)
+        words = max(words, 1 << 16)
+        host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+        dev = torch.empty(words, dtype=torch.int64, device=f"cuda:{device}")
+        got = self.by_device[device] = _Buffers(stream, stream.cuda_stream, host, host.numpy(), host.data_ptr(),
+                                                 dev, dev.data_ptr())
+        return got
 
 
 _staging = _Staging()
@@ -408,7 +441,7 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
     Destinations are the peer's own addresses; the kernel translates them.
     The descriptors must lie in local GPU memory of ``device`` and in the
     peer's mapped allocations (core checked both). Each part goes in
-    :func:`slices`, one launch each, and one synchronisation at the end. ``check`` runs before
+    :func:`slices`, one launch each on this thread's stream, and one synchronisation at the end. ``check`` runs before
     each slice is launched and may raise to stop there (a failed room's
     fence); the slices already launched are still waited for, so nothing is
     left running when this returns or raises.
@@ -417,42 +450,37 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
     parts = [p for p in parts if len(p[0]) and len(p[2])]
     if not parts:
         return
-    import torch
-
     if _kernel is None:
         _kernel = _compile()
     _on_device(device)
-    starts, deltas = peer.on_device(device)
-    steps = search_steps(len(peer.starts))
     pieces = [piece for part in parts for piece in slices(part)]
-    words = sum(3 * len(p[0]) + 3 * len(p[2]) for p in pieces)
-    stream, host, dev = _staging.get(device, words)
-    h = host.numpy()
+    # each table starts on a 16-byte boundary (an even word)
+    buf = _staging.get(device, sum(3 * (len(p[0]) + len(p[2])) + 1 for p in pieces))
+    table = peer.on_device(device)
     at = 0
-    with torch.cuda.stream(stream):
-        try:
-            for piece in pieces:
-                if check is not None:
-                    check()
-                at = _launch(piece, at, h, host, dev, starts, deltas, steps, len(peer.starts))
-        finally:
-            stream.synchronize()  # whatever was launched has landed before this returns or raises
+    try:
+        for piece in pieces:
+            if check is not None:
+                check()
+            at = _launch(piece, shape(piece), at, buf, table)
+    finally:
+        buf.stream.synchronize()  # whatever was launched has landed before this returns or raises
 
 
-def _launch(part: Part, at: int, h: Any, host: Any, dev: Any, starts: Any, deltas: Any, steps: int, allocs: int) -> int:
-    """Launch one slice on the current stream, its table staged from word ``at``; the next free word."""
-    sh, sizes, r, end = _pack(part, h, at)
-    dev[at:end].copy_(host[at:end], non_blocking=True)
-    _run(sh, sizes, len(part[0]), len(part[2]), dev[r:end], dev[at:r], starts, deltas, steps, allocs)
-    return end
+def _launch(part: Part, sh: Shape, at: int, buf: _Buffers, table: tuple[int, int, int, int]) -> int:
+    """Launch one slice on ``buf``'s stream, its table staged from word ``at``; the next free (even) word."""
+    sizes, r, end = _pack(part, sh, buf.words, at)
+    _check(_driver().cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), buf.handle),
+           "cuMemcpyHtoDAsync of a descriptor table")
+    _run(sh, sizes, len(part[0]), len(part[2]), buf.dev_addr + 8 * r, buf.dev_addr + 8 * at, *table, buf.handle)
+    return end + (end & 1)
 
 
-def _pack(part: Part, h: Any, at: int) -> tuple[Shape, int, int, int]:
+def _pack(part: Part, sh: Shape, h: Any, at: int) -> tuple[int, int, int]:
     """Write ``part``'s table into ``h`` from word ``at``: columns (sources, destinations[, sizes]), then rows
-    (sources, destinations[, sizes]). Returns the shape, where sizes are kept (0: one size for all, 1: per
+    (sources, destinations[, sizes]). Returns where sizes are kept (0: ``sh.uniform`` for all, 1: per
     row, 2: per column), the first row word and the end."""
     src_rows, dst_rows, src_cols, dst_cols, nbytes = part
-    sh = shape(part)
     sizes = 0 if sh.uniform else 1 if row_sizes(part) else 2
     m, ncols = len(src_rows), len(src_cols)
     h[at:at + ncols], h[at + ncols:at + 2 * ncols] = src_cols, dst_cols
@@ -463,16 +491,36 @@ def _pack(part: Part, h: Any, at: int) -> tuple[Shape, int, int, int]:
     end = r + (3 if sizes == 1 else 2) * m
     if sizes == 1:
         h[r + 2 * m:end] = nbytes
-    return sh, sizes, r, end
+    return sizes, r, end
 
 
-def _run(sh: Shape, sizes: int, m: int, ncols: int, rows: Any, cols: Any, starts: Any, deltas: Any, steps: int,
-         allocs: int) -> None:
-    """Launch the kernel over ``m`` rows x ``ncols`` columns whose tables are on the GPU."""
-    import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
+def _run(sh: Shape, sizes: int, m: int, ncols: int, rows: int, cols: int, starts: int, deltas: int, steps: int,
+         allocs: int, stream: int | None = None) -> None:
+    """Launch the kernel over ``m`` rows x ``ncols`` columns whose tables are on the GPU at ``rows``/``cols``,
+    on ``stream`` (a handle; None: the current stream)."""
+    dtype = _dtypes[sh.width]
+    grid = -(-m * ncols * sh.pieces // sh.rows)
+    args = (rows, m, cols, ncols, sh.uniform, starts, deltas, allocs,
+            sh.pieces, sh.rows, sh.chunk, sh.width, dtype, steps, sh.align16, sh.even, sizes)
+    # Triton types an integer argument i32 or i64 by its value: part of what the compiled kernel is.
+    key = (*args[8:], NUM_WARPS, *(not -(1 << 31) <= v < 1 << 31 for v in args[:8]))
+    direct = _compiled.get(key) if DIRECT_LAUNCH and stream is not None else None
+    if direct is not None:
+        kernel, count = direct
+        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args[:count])
+        return
+    launch = _kernel[(grid,)]
+    constants = dict(PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps,
+                     ALIGN16=sh.align16, EVEN=sh.even, SIZES=sizes, num_warps=NUM_WARPS)
+    if stream is None:
+        launch(*args[:8], **constants)
+        return
+    import torch
 
-    dtype = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[sh.width]
-    grid = (-(-m * ncols * sh.pieces // sh.rows),)
-    _kernel[grid](rows, m, cols, ncols, sh.uniform, starts, deltas, allocs,
-                  PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps,
-                  ALIGN16=sh.align16, EVEN=sh.even, SIZES=sizes, num_warps=NUM_WARPS)
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # Triton launches on torch's current stream
+        kernel = launch(*args[:8], **constants)
+    # The compiled launcher takes every argument (Triton >= 3.2: constants too, which it skips) or only
+    # the non-constant ones (older): its signature says which. Anything else: keep launching through Triton.
+    count = len(getattr(getattr(kernel, "src", None), "signature", ()))
+    if count in (8, len(args)) and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
+        _compiled[key] = (kernel, count)
