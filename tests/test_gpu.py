@@ -128,7 +128,7 @@ def test_the_kernels_split_of_an_unexpanded_plan_moves_what_its_descriptors_say(
     dst = np.zeros(dst_size, np.uint8)
     peer = gpu.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst_size], np.int64),
                        np.array([dst.ctypes.data - (1 << 44)], np.int64))
-    gpu.execute_on_host(plan.factors(), peer)
+    gpu.execute_on_host(plan.factors(), peer, plan.hints())
     want = np.zeros_like(dst)
     for s, d, n in zip(plan.src_addr - src.ctypes.data, plan.dst_addr - (1 << 44), plan.nbytes):
         want[d:d + n] = src[s:s + n]
@@ -195,7 +195,7 @@ def test_the_kernel_copies_an_unexpanded_plan_byte_exact(which):
     peer = gpu.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst_size], np.int64),
                        np.array([dst.data_ptr() - (1 << 44)], np.int64))
     torch.cuda.synchronize()  # the copy runs on its own stream: the sources must be final (Sender.send's contract)
-    gpu.copy(0, plan.factors(), peer)
+    gpu.copy(0, plan.factors(), peer, hints=plan.hints())
     want = torch.zeros_like(dst)
     for s, d, n in zip((plan.src_addr - src.data_ptr()).tolist(), (plan.dst_addr - (1 << 44)).tolist(), plan.nbytes.tolist()):
         want[d:d + n] = src[s:s + n]
@@ -241,3 +241,23 @@ def test_layer_ready_with_a_cuda_event_waits_for_the_slow_kernel_before_moving_t
     rows = layerwise.run(backend, layerwise.CONFIG, layerwise.Shape(layers=3, pages=4), [50.0], reps=1, device="cuda")
     assert rows[0]["verified"], rows
     assert rows[0]["ttft_layerwise_ms"] >= 3 * 50  # the kernels ran before the transfer finished
+
+
+@pytest.mark.parametrize("pattern", ["scattered", "runs", "mixed sizes"])
+def test_the_planners_hints_give_the_shape_the_columns_would(pattern):
+    # The GPU copy trusts TransferPlan.hints() instead of reducing a request's columns: they must
+    # describe every column (an alignment dividing all offsets and sizes; the one size when all are one).
+    from kvbridge.core.plan import plan_pages
+
+    rng = np.random.default_rng(7)
+    item = {"scattered": 16 << 10, "runs": 3 << 12, "mixed sizes": 24}[pattern]
+    src = rng.permutation(4096)[:1000]
+    dst = np.arange(1000) if pattern == "runs" else rng.permutation(4096)[:1000]
+    if pattern == "runs":
+        src = np.sort(src)  # some source pages are consecutive: runs of several items coalesce
+    plan = plan_pages([0x7f0000000000, 0x7f1000000000], [0x10000000000, 0x11000000000], [item, item], src, dst)
+    (part,), (hint,) = plan.factors(), plan.hints()
+    align, size = hint
+    assert align and all(int(a) % align == 0 for a in (*part[2], *part[3], *part[4]))
+    assert size == (item if len(set(part[4].tolist())) == 1 and pattern != "runs" else 0)
+    assert gpu.shape(part, hint) == gpu.shape(part)  # the same launch, without reducing the columns

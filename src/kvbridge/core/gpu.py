@@ -88,24 +88,31 @@ class Shape(NamedTuple):
     uniform: int = 0
 
 
-def shape(part: Part) -> Shape:
+def shape(part: Part, hint: tuple[int, int] = (0, 0)) -> Shape:
     """The launch shape of a part: the widest element every address and size is a multiple of.
 
     A sum of multiples of 2**k is one, so rows and columns are reduced apart: no descriptor is formed.
+    ``hint`` (:meth:`~kvbridge.core.plan.TransferPlan.hints`): a power of two dividing every column
+    offset and size, and the one column size, where known (0: not), which are then not reduced.
     """
-    nbytes = part[4]
-    size_bits = int(np.bitwise_or.reduce(nbytes))
-    bits = size_bits
-    for a in part[:4]:
-        bits |= int(np.bitwise_or.reduce(a))
+    src_rows, dst_rows, src_cols, dst_cols, nbytes = part
+    align, size = hint
+    if size:
+        size_bits = most = least = size
+    else:
+        size_bits, most, least = int(np.bitwise_or.reduce(nbytes)), int(nbytes.max()), int(nbytes.min())
+    bits = size_bits | int(np.bitwise_or.reduce(src_rows)) | int(np.bitwise_or.reduce(dst_rows))
+    if align:
+        bits |= align  # columns are multiples of it: the widest element is then at most as wide
+    else:
+        bits |= int(np.bitwise_or.reduce(src_cols)) | int(np.bitwise_or.reduce(dst_cols))
     width = next(w for w in (8, 4, 2, 1) if bits % w == 0)
-    most = int(nbytes.max())
     longest = max(1, most // width)
     tile = TILE_BYTES // width
     chunk = min(tile, 1 << (longest - 1).bit_length())
     # the largest power of two dividing every size, against a piece's bytes
     even = (size_bits & -size_bits) >= chunk * width
-    uniform = most if int(nbytes.min()) == most else 0
+    uniform = most if least == most else 0
     return Shape(width, chunk, -(-longest // chunk), tile // chunk, bits % 16 == 0, even, uniform)
 
 
@@ -137,6 +144,12 @@ def slices(part: Part) -> list[Part]:
             for lo in range(0, count, step)]
 
 
+def _work(parts: Sequence[Part], hints: Sequence[tuple[int, int]] | None) -> list[tuple[Part, tuple[int, int]]]:
+    """Every launch of ``parts`` (none for an empty part): each slice, with its part's hint."""
+    return [(piece, hint) for part, hint in zip(parts, hints or [(0, 0)] * len(parts)) if len(part[0]) and len(part[2])
+            for piece in slices(part)]
+
+
 def search_steps(allocations: int) -> int:
     """Steps of the kernel's branchless binary search over ``allocations`` sorted starts (none for one)."""
     return (allocations - 1).bit_length()
@@ -154,12 +167,12 @@ def kernel_translate(dst: IntArray, starts: IntArray, deltas: IntArray) -> IntAr
     return dst + deltas[pos]
 
 
-def execute_on_host(parts: Sequence[Part], peer: GpuPeer) -> None:
+def execute_on_host(parts: Sequence[Part], peer: GpuPeer, hints: Sequence[tuple[int, int]] | None = None) -> None:
     """The kernel's work split, sizes, masks and translation run with ``ctypes.memmove`` on host memory:
     the CPU reference of :func:`copy`, program by program."""
-    for part in (piece for whole in parts for piece in slices(whole)):
+    for part, hint in _work(parts, hints):
         src_rows, dst_rows, src_cols, dst_cols, nbytes = part
-        sh = shape(part)
+        sh = shape(part, hint)
         cols = len(src_cols)
         piece = np.arange(len(src_rows) * cols * sh.pieces, dtype=np.int64)  # as the programs number them
         d, first = piece // sh.pieces, (piece % sh.pieces) * sh.chunk * sh.width
@@ -435,7 +448,8 @@ class _Staging(threading.local):
 _staging = _Staging()
 
 
-def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], None] | None = None) -> None:
+def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], None] | None = None,
+         hints: Sequence[tuple[int, int]] | None = None) -> None:
     """Copy every descriptor of ``parts`` into ``peer``'s mapped memory on ``device``; return once landed.
 
     Destinations are the peer's own addresses; the kernel translates them.
@@ -444,25 +458,25 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
     :func:`slices`, one launch each on this thread's stream, and one synchronisation at the end. ``check`` runs before
     each slice is launched and may raise to stop there (a failed room's
     fence); the slices already launched are still waited for, so nothing is
-    left running when this returns or raises.
+    left running when this returns or raises. ``hints``: per part, what
+    :meth:`~kvbridge.core.plan.TransferPlan.hints` says of its columns.
     """
     global _kernel
-    parts = [p for p in parts if len(p[0]) and len(p[2])]
-    if not parts:
+    work = _work(parts, hints)
+    if not work:
         return
     if _kernel is None:
         _kernel = _compile()
     _on_device(device)
-    pieces = [piece for part in parts for piece in slices(part)]
     # each table starts on a 16-byte boundary (an even word)
-    buf = _staging.get(device, sum(3 * (len(p[0]) + len(p[2])) + 1 for p in pieces))
+    buf = _staging.get(device, sum(3 * (len(p[0]) + len(p[2])) + 1 for p, _ in work))
     table = peer.on_device(device)
     at = 0
     try:
-        for piece in pieces:
+        for piece, hint in work:
             if check is not None:
                 check()
-            at = _launch(piece, shape(piece), at, buf, table)
+            at = _launch(piece, shape(piece, hint), at, buf, table)
     finally:
         buf.stream.synchronize()  # whatever was launched has landed before this returns or raises
 

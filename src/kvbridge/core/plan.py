@@ -64,15 +64,17 @@ class _Outer:
     ``nbytes[c]`` bytes from ``src_rows[r] + src_cols[c]`` to ``dst_rows[r] + dst_cols[c]``.
 
     Rows are region pairs, columns are coalesced runs; a 1M-token page-1 request over 61
-    layers is ~57M descriptors (1.4 GB as arrays) but a few MB in this form.
+    layers is ~57M descriptors (1.4 GB as arrays) but a few MB in this form. ``hint`` is what the
+    planner knows of the columns without reading them (see :meth:`TransferPlan.hints`).
     """
 
-    __slots__ = ("src_rows", "dst_rows", "src_cols", "dst_cols", "col_nbytes", "_cum")
+    __slots__ = ("src_rows", "dst_rows", "src_cols", "dst_cols", "col_nbytes", "hint", "_cum")
 
     def __init__(self, src_rows: IntArray, dst_rows: IntArray, src_cols: IntArray, dst_cols: IntArray,
-                 col_nbytes: IntArray) -> None:
+                 col_nbytes: IntArray, hint: tuple[int, int] = (0, 0)) -> None:
         self.src_rows, self.dst_rows = src_rows, dst_rows
         self.src_cols, self.dst_cols, self.col_nbytes = src_cols, dst_cols, col_nbytes
+        self.hint = hint
         self._cum: IntArray | None = None
 
     def __len__(self) -> int:
@@ -198,10 +200,10 @@ class TransferPlan:
 
     @classmethod
     def outer(cls, src_rows: IntArray, dst_rows: IntArray, src_cols: IntArray, dst_cols: IntArray,
-              col_nbytes: IntArray) -> TransferPlan:
+              col_nbytes: IntArray, hint: tuple[int, int] = (0, 0)) -> TransferPlan:
         """Every (row, column): ``col_nbytes[c]`` bytes from ``src_rows[r] + src_cols[c]`` to
-        ``dst_rows[r] + dst_cols[c]``, row by row; nothing is expanded yet."""
-        return cls._of([_Outer(src_rows, dst_rows, src_cols, dst_cols, col_nbytes)])
+        ``dst_rows[r] + dst_cols[c]``, row by row; nothing is expanded yet. ``hint``: see :meth:`hints`."""
+        return cls._of([_Outer(src_rows, dst_rows, src_cols, dst_cols, col_nbytes, hint)])
 
     @classmethod
     def empty(cls) -> TransferPlan:
@@ -266,6 +268,13 @@ class TransferPlan:
         zero = np.zeros(1, np.int64)
         return [(p.src_rows, p.dst_rows, p.src_cols, p.dst_cols, p.col_nbytes) if isinstance(p, _Outer)
                 else (p.src, p.dst, zero, zero, p.nbytes) for p in self._parts]
+
+    def hints(self) -> list[tuple[int, int]]:
+        """Per part of :meth:`factors`, what the planner knew of its columns without reading them:
+        ``(align, size)``, a power of two dividing every column offset and size, and the one size of
+        every column (0: not known). The GPU copy's launch shape uses them instead of reducing the
+        columns (a scattered 1 GiB request of 16 KiB pages has 65,536)."""
+        return [p.hint if isinstance(p, _Outer) else (0, 0) for p in self._parts]
 
 
     def explain(self, limit: int = 8) -> str:
@@ -460,8 +469,10 @@ def _plan_pages(src_b: IntArray, dst_b: IntArray, item: IntArray, src_idx: IntAr
     if item.size == 1 or (item == item[0]).all():
         # Rows are region pairs, columns are runs: kept as an outer sum and
         # expanded batch by batch where it is written (TransferPlan.batches).
-        it = item[0]
-        return TransferPlan.outer(src_b, dst_b, src_start * it, dst_start * it, run_len * it)
+        it = int(item[0])
+        # Columns are multiples of the item; no run coalesced (as many runs as indices): each is one item.
+        hint = (it & -it, it if src_start.size == src_idx.size else 0)
+        return TransferPlan.outer(src_b, dst_b, src_start * it, dst_start * it, run_len * it, hint)
     # Items of different sizes per region pair: expanded now, written in place
     # (at millions of descriptors the temporaries would cost as much as the result).
     shape = (item.size, src_start.size)

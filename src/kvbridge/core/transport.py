@@ -202,7 +202,7 @@ class Transport:
         ``check`` (deadline and liveness) runs before each slice is launched, as before each batch.
         """
         if device is not None:  # every descriptor qualifies (decided per region at add_peer)
-            groups = [(device, plan.factors())]  # as the planner left it: rows x columns, unexpanded
+            groups = [(device, plan.factors(), plan.hints())]  # as the planner left it: rows x columns, unexpanded
             rest = TransferPlan.empty()
         else:
             region, from_gpu = self._vram.locate(plan.src_addr, plan.nbytes)
@@ -213,11 +213,11 @@ class Transport:
             groups = []
             for dev in np.unique(devices[fast]).tolist():
                 on = fast & (devices == dev)
-                groups.append((int(dev), [gpu.arrays_part(plan.src_addr[on], plan.dst_addr[on], plan.nbytes[on])]))
+                groups.append((int(dev), [gpu.arrays_part(plan.src_addr[on], plan.dst_addr[on], plan.nbytes[on])], [(0, 0)]))
             rest = TransferPlan(plan.src_addr[~fast], plan.dst_addr[~fast], plan.nbytes[~fast])
-        for dev, parts in groups:
+        for dev, parts, hints in groups:
             try:
-                gpu.copy(dev, parts, mapped, check)
+                gpu.copy(dev, parts, mapped, check, hints)
             except (TransferTimeout, TransferCancelled):
                 raise
             except Exception as exc:
