@@ -67,16 +67,16 @@ def _sockets() -> Iterator[tuple[Endpoint, Endpoint, int, int]]:
                 yield _address(f[1]), _address(f[2]), int(f[3], 16), int(f[9])
 
 
-def _own_sockets() -> dict[int, int]:
-    """Socket inode -> one of this process's file descriptors for it."""
+def _own_sockets(pid: int | str = "self") -> dict[int, int]:
+    """Socket inode -> one of the process's file descriptors for it (this process's by default)."""
     own: dict[int, int] = {}
     try:
-        fds = os.listdir("/proc/self/fd")
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return own
     for name in fds:
         try:
-            link = os.readlink(f"/proc/self/fd/{name}")
+            link = os.readlink(f"/proc/{pid}/fd/{name}")
         except OSError:
             continue  # closed meanwhile
         if link.startswith("socket:["):
@@ -84,17 +84,18 @@ def _own_sockets() -> dict[int, int]:
     return own
 
 
-def listening() -> set[Endpoint]:
-    """The TCP endpoints this process listens on (wildcard addresses as ``0.0.0.0`` / ``::``)."""
-    own = _own_sockets()
+def listening(pid: int | str = "self") -> set[Endpoint]:
+    """The TCP endpoints this process (or process ``pid`` of this network namespace, if this one
+    may read its ``/proc`` entries) listens on; wildcard addresses as ``0.0.0.0`` / ``::``."""
+    own = _own_sockets(pid)
     return {local for local, _, state, inode in _sockets() if state == _LISTEN and inode in own}
 
 
-def engine_endpoints(before: Collection[Endpoint], host: str) -> tuple[Endpoint, ...]:
-    """What this process listens on now and did not in ``before``, a wildcard written as ``host``
+def engine_endpoints(before: Collection[Endpoint], host: str, pid: int | str = "self") -> tuple[Endpoint, ...]:
+    """What the process listens on now and did not in ``before``, a wildcard written as ``host``
     (the address the engine advertises): what a peer's engine connects to. Sorted."""
     out = set()
-    for ip, port in listening() - set(before):
+    for ip, port in listening(pid) - set(before):
         if ipaddress.ip_address(ip).is_unspecified:
             ip = host
         out.add((ip, port))
