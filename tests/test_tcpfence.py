@@ -1,9 +1,11 @@
 """core/tcpfence.py on real sockets: abort exactly one peer's connections, dropping what they queued.
 
-The situation of a cut link, on loopback: a receiver that does not read, a
-sender whose send queue is full. Aborting the sender's connection must drop
-that queue (the receiver reads what it already held, then a reset), and leave
-a second connection to another port of the same IP as it was.
+On loopback: a receiver that does not read, a sender whose send queue is
+full. Its kernel still acknowledges (a stopped process, not a cut link), so
+the connection is left alone; forced, aborting the sender's connection must
+drop that queue (the receiver reads what it already held, then a reset), and
+leave a second connection to another port of the same IP as it was. A cut
+link (no acknowledgements) is the fault matrix's net-cut cell (tests/test_faults.py).
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ def test_abort_drops_the_queued_bytes_of_that_peer_and_leaves_the_other_connecti
     unacked = _queued(a.client, SIOCOUTQ)
     assert held < sent and unacked > 0, (held, sent, unacked)
 
-    assert tcpfence.abort([("127.0.0.1", a.port)]) == 1
+    assert not tcpfence.unacknowledged(a.client.fileno())  # a full window, but every byte sent was acked
+    assert tcpfence.abort([("127.0.0.1", a.port)]) == 0  # so it is not reset: its peer still acknowledges
+    assert tcpfence.abort([("127.0.0.1", a.port)], only_unacknowledged=False) == 1
 
     got, end = _drain(a.server)
     assert (got, end) == (held, "reset"), f"read {got} of {sent} B sent ({held} held at the abort), then {end}"

@@ -17,6 +17,15 @@ are not among them) and decode sends them in its handshake. :func:`abort`
 then resets exactly this process's connections to those ``(ip, port)``
 endpoints, not another decode rank's on the same host, nor a zmq socket.
 
+Only a connection whose peer has stopped acknowledging is reset: one with
+bytes in flight that the kernel is already retransmitting (``TCP_INFO``:
+``tcpi_unacked`` and ``tcpi_retransmits``), as over a cut link or to a host
+that is gone. A peer that still acknowledges (a live process, or a stopped
+one: its kernel still acks and closes its window) is left alone: its kernel
+has taken or will take what was sent, whatever prefill does, and a reset
+there only hurts it (a stopped UCXX decode aborted on resume with "Endpoint
+timeout" when its connection had been reset).
+
 Linux only (``/proc``); elsewhere :func:`listening` finds nothing and
 :func:`abort` aborts nothing. Transports without a socket (CMA between
 processes of one host, RDMA) have nothing to abort.
@@ -28,9 +37,11 @@ import ctypes
 import ipaddress
 import logging
 import os
+import socket
+import struct
 from collections.abc import Collection, Iterator
 
-__all__ = ["Endpoint", "abort", "checked", "engine_endpoints", "listening"]
+__all__ = ["Endpoint", "abort", "checked", "engine_endpoints", "listening", "unacknowledged"]
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +138,24 @@ def _disconnect(fd: int) -> bool:
     return False
 
 
-def abort(remote: Collection[Endpoint]) -> int:
-    """Reset this process's TCP connections whose remote end is one of ``remote``; return how many.
+def unacknowledged(fd: int) -> bool:
+    """Whether the TCP socket ``fd`` has bytes in flight that its kernel is retransmitting: the peer
+    stopped acknowledging (``tcpi_retransmits`` > 0 and ``tcpi_unacked`` > 0). A zero window (a
+    peer that does not read) is neither: its probes are not retransmissions and nothing is in flight."""
+    info = socket.socket(fileno=os.dup(fd))
+    try:
+        raw = info.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    finally:
+        info.close()
+    retransmits = raw[2]  # u8 tcpi_state, tcpi_ca_state, tcpi_retransmits, ...
+    (unacked,) = struct.unpack_from("I", raw, 24)  # after 8 u8 fields: rto, ato, snd_mss, rcv_mss, unacked
+    return bool(retransmits) and unacked > 0
+
+
+def abort(remote: Collection[Endpoint], only_unacknowledged: bool = True) -> int:
+    """Reset this process's TCP connections whose remote end is one of ``remote`` and whose peer has
+    stopped acknowledging (:func:`unacknowledged`; every one with ``only_unacknowledged=False``);
+    return how many.
 
     Each is aborted through a duplicate of its descriptor, checked to be the
     same socket first, so a descriptor closed and reused meanwhile is never
@@ -151,7 +178,8 @@ def abort(remote: Collection[Endpoint]) -> int:
         except OSError:
             continue
         try:
-            if os.fstat(dup).st_ino == inode and _disconnect(dup):
+            if (os.fstat(dup).st_ino == inode and (not only_unacknowledged or unacknowledged(dup))
+                    and _disconnect(dup)):
                 done += 1
         finally:
             os.close(dup)

@@ -138,14 +138,16 @@ class Transport:
         self._tcp.pop(peer, None)
         self.backend.remove_peer(peer)
 
-    def reset(self, peer: str, why: str) -> None:
-        """Reset this process's TCP connections to ``peer``'s engine, dropping what they still queue:
-        a write to it failed, timed out or ran past its deadline, and nothing of it may land later
-        (core/tcpfence.py). The engine reconnects for the next write."""
+    def reset(self, peer: str, why: str, stuck: bool = False) -> None:
+        """Reset this process's TCP connections to ``peer``'s engine that it stopped acknowledging,
+        dropping what they still queue: a write to it failed or timed out, and nothing of it may land
+        later (core/tcpfence.py). ``stuck``: a write is still inside the engine past its deadline;
+        every connection to the peer is reset then, which ends the engine's wait. The engine
+        reconnects for the next write."""
         endpoints = self._tcp.get(peer)
         if not endpoints:
             return
-        n = tcpfence.abort(endpoints)
+        n = tcpfence.abort(endpoints, only_unacknowledged=not stuck)
         if n:
             log.warning("%s: reset %d TCP connection(s) to peer %r (%s) so nothing queued in them lands later",
                         self.name, n, peer, why)
@@ -156,7 +158,7 @@ class Transport:
         for peer, due in list(self._running.items()):
             if now > due:
                 self._running[peer] = math.inf
-                self.reset(peer, "a write ran past its deadline")
+                self.reset(peer, "a write ran past its deadline", stuck=True)
 
     def close(self) -> None:
         self.backend.close()
