@@ -6,10 +6,11 @@ FAILED (decode pages compared after a frozen victim resumed), no SUCCESS from a
 resumed prefill for a room decode had failed, and the survivor serving a fresh
 peer and the resumed one. The sample: the two freezes mid-transfer (issue 13,
 finding 2) on Mooncake and NIXL, and a resumed prefill re-handshaking between
-requests (finding 4). Plus one network-cut cell: prefill and decode in two
-network namespaces joined by a veth pair, the link taken down between rooms
-and brought back after both sides failed the next one (skipped, saying why,
-where namespaces cannot be created).
+requests (finding 4). Plus one network-cut cell per backend: prefill and
+decode in two network namespaces joined by a veth pair, the link taken down
+while a room's pages are being written and brought back after both sides
+failed it; no byte may land after that (skipped, saying why, where namespaces
+cannot be created).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ SAMPLE = [
     ("mooncake", "prefill-freeze", "mid-transfer"),
     ("nixl", "decode-freeze", "mid-transfer"),
     ("nixl", "prefill-freeze", "between"),
-    ("mooncake", "net-cut", "between"),  # net-cut mid-transfer has late writes on both backends: docs/failures.md
+    # The link cut mid-transfer, one cell per backend: what the engine's TCP connections still held
+    # must not land after FAILED (prefill resets them: core/tcpfence.py; docs/failures.md).
+    ("mooncake", "net-cut", "mid-transfer"),
+    ("nixl", "net-cut", "mid-transfer"),
+    ("ucx", "net-cut", "mid-transfer"),
 ]
 
 

@@ -160,7 +160,7 @@ class DecodeManager(TransferManager[Receiver]):
         self.loop.remove_socket(server.lookup.sock)
         server.lookup = None
         hello = P.encode(P.Hello(peer_id=self.peer_id, backend=self.backend_name, backend_meta=self._meta, kvargs=self.kvargs,
-                                      local_meta=self._local_meta))
+                                 local_meta=self._local_meta, engine_endpoints=self.engine_endpoints[:P.MAX_ENDPOINTS]))
         for key, info in sorted(wanted.items()):
             rank = server.ranks[key] = PrefillRank(info)
             rank.chan = self._channel(info.control_addr, identity=self.peer_id.encode())

@@ -323,7 +323,8 @@ class PrefillManager(TransferManager[Sender]):
                         # A decode handshakes again only after it gave up on this rank: what
                         # it asked for before is dead on its side.
                         self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
-                self.transport.add_peer(msg.peer_id, msg.backend_meta, msg.kvargs.regions, msg.local_meta)
+                self.transport.add_peer(msg.peer_id, msg.backend_meta, msg.kvargs.regions, msg.local_meta,
+                                        msg.engine_endpoints)
             except IncompatibleLayoutError as exc:
                 problem = str(exc)
             except Exception as exc:
@@ -430,6 +431,7 @@ class PrefillManager(TransferManager[Sender]):
         now = time.monotonic()
         cfg = self.config
         self._renew(now)
+        self.transport.reset_overdue(now)
         with self.lock:
             for room, reqs in list(self._pending.items()):
                 if now - min(r.received for r in reqs.values()) > cfg.sender_grace:

@@ -12,7 +12,7 @@ Index lists travel as little-endian int32 bytes (compact, and decoded with
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 import numpy as np
@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+MAX_ENDPOINTS = 64  # engine listeners a Hello may list
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 class ProtocolError(ValueError):
@@ -99,6 +101,9 @@ class Hello(_Msg, tag="hello", frozen=True):
     kvargs: KVArgs
     #: CUDA IPC handles of decode's GPU regions, for a same-host prefill (b"": none).
     local_meta: bytes = b""
+    #: The (ip, port) endpoints decode's engine listens on: prefill resets its own TCP connections
+    #: to them when it gives up on a write, so nothing they queued lands later (core/tcpfence.py).
+    engine_endpoints: Annotated[tuple[tuple[str, Port], ...], msgspec.Meta(max_length=MAX_ENDPOINTS)] = ()
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):

@@ -21,6 +21,7 @@ or ``None`` for the default backend.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from . import gpu, staging
+from . import gpu, staging, tcpfence
 from .backend import _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout
 from .layout import Region
 from .plan import RegionTable, TransferPlan
@@ -49,6 +50,11 @@ BackendChoice = Union[str, BackendSpec, Backend, None]
 FENCE_BATCH_DESCRIPTORS = 1024
 FENCE_BATCH_BYTES = 16 << 20
 
+#: A write still inside its backend this long after its deadline has its peer's TCP connections
+#: reset (:meth:`Transport.reset_overdue`): an engine blocked past the deadline (Mooncake waits for
+#: its own timeout) must not close them itself, which would leave what they queued to land later.
+RESET_GRACE = 0.25
+
 
 class Transport:
     """A backend plus the policy core applies to every backend alike."""
@@ -67,6 +73,8 @@ class Transport:
         self._gpu_peers: dict[str, tuple[gpu.GpuPeer, int | None]] = {}
         self._vram = RegionTable(())  # local GPU regions: which device a source address lives on
         self._staging: staging.Staging | None = None  # host staging of strided sources (core/staging.py)
+        self._tcp: dict[str, tuple[tcpfence.Endpoint, ...]] = {}  # peer -> where its engine listens
+        self._running: dict[str, float] = {}  # peer -> when its write in the backend is overdue (reset_overdue)
 
     # -- memory -----------------------------------------------------------------------------
     def check_memory(self, regions: Sequence[Region], whose: str) -> None:
@@ -99,9 +107,16 @@ class Transport:
         """What a same-host peer needs to copy into this rank's GPU regions directly (b"": nothing)."""
         return gpu.local_metadata(self._regions) if self.fast_path else b""
 
-    def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region], local_metadata: bytes = b"") -> None:
+    def add_peer(
+        self, peer: str, metadata: bytes, regions: Sequence[Region], local_metadata: bytes = b"",
+        tcp: Sequence[tcpfence.Endpoint] = (),
+    ) -> None:
+        """Prepare writes to ``peer``; ``tcp``: where its engine listens (this rank resets its
+        connections to them when a write fails: :meth:`reset`)."""
         self.check_memory(regions, f"peer {peer!r}")
+        endpoints = tcpfence.checked(tcp, f"peer {peer!r}")
         self.backend.add_peer(peer, metadata, regions)
+        self._tcp[peer] = endpoints
         self._gpu_peers.pop(peer, None)
         if self.fast_path and local_metadata and len(self._vram):
             try:
@@ -120,7 +135,30 @@ class Transport:
         # Mappings stay open until the process ends: a write in flight may still use them,
         # and CUDA opens a handle once per process anyway.
         self._gpu_peers.pop(peer, None)
+        self._tcp.pop(peer, None)
         self.backend.remove_peer(peer)
+
+    def reset(self, peer: str, why: str, stuck: bool = False) -> None:
+        """Reset this process's TCP connections to ``peer``'s engine that it stopped acknowledging,
+        dropping what they still queue: a write to it failed or timed out, and nothing of it may land
+        later (core/tcpfence.py). ``stuck``: a write is still inside the engine past its deadline;
+        every connection to the peer is reset then, which ends the engine's wait. The engine
+        reconnects for the next write."""
+        endpoints = self._tcp.get(peer)
+        if not endpoints:
+            return
+        n = tcpfence.abort(endpoints, only_unacknowledged=not stuck)
+        if n:
+            log.warning("%s: reset %d TCP connection(s) to peer %r (%s) so nothing queued in them lands later",
+                        self.name, n, peer, why)
+
+    def reset_overdue(self, now: float) -> None:
+        """Reset the connections of peers whose write is still inside the backend ``RESET_GRACE``
+        past its deadline (the I/O thread calls this on its tick); once per write."""
+        for peer, due in list(self._running.items()):
+            if now > due:
+                self._running[peer] = math.inf
+                self.reset(peer, "a write ran past its deadline", stuck=True)
 
     def close(self) -> None:
         self.backend.close()
@@ -154,12 +192,17 @@ class Transport:
         def post(batch: TransferPlan, of: str = "") -> None:
             nonlocal landed, posted
             self._check(peer, deadline, live, f"after {posted}{of} batches ({landed} of {plan.total_bytes} B landed)")
+            self._running[peer] = deadline + RESET_GRACE
             try:
                 self.backend.write(peer, batch, deadline)
             except TransferError as exc:
+                if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing
+                    self.reset(peer, f"a write failed: {type(exc).__name__}")
                 if posted == 0:
                     raise
                 raise type(exc)(f"{exc} (batch {posted + 1}; the {posted} before it, {landed} B, landed)") from exc
+            finally:
+                self._running.pop(peer, None)
             landed += batch.total_bytes
             posted += 1
 

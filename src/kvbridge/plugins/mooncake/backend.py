@@ -15,11 +15,12 @@ Behaviour this adapter is built around (docs/engines.md, Mooncake):
   peer at a time, so that bounds what is in flight to a peer. The limit
   assumes the default queue: lowering the variable below 1024 is not supported.
 - **Timeouts.** Mooncake waits 30 s (spinning a core) on a frozen peer. Before
-  the first engine is created the internal timeouts are shortened to about
-  ``config.transfer_timeout`` unless the user set them. They are process-wide
-  environment variables, so the first backend in a process decides them.
-  A batch already running can overrun the write's deadline by up to that
-  engine timeout (core checks the deadline between batches).
+  the first engine is created the internal timeouts are shortened to
+  ``config.transfer_timeout`` plus one second unless the user set them. They
+  are process-wide environment variables, so the first backend in a process
+  decides them. A batch still running a quarter second past the write's
+  deadline has its TCP connections reset by core (``core/tcpfence.py``), which
+  ends it with rc -1 at once; the engine's own timeout, later, is a backstop.
 - **Partial writes.** A failed batch may still have landed some bytes.
 
 GIL: ``batch_transfer_sync_write`` releases the GIL while it runs. Measured
@@ -75,7 +76,11 @@ def _engine_env(transfer_timeout: float) -> None:
     the host sets one), so there is no INFO line per call. The timeouts are
     read when an engine is created.
     """
-    secs = max(1, math.ceil(transfer_timeout))
+    # A second beyond the write's deadline: a write still running at its deadline has its TCP
+    # connections reset by core first (core/transport.py, RESET_GRACE), which drops what they hold;
+    # the engine timing out first would close them itself, and the kernel would still deliver
+    # their queued bytes later (docs/failures.md).
+    secs = max(1, math.ceil(transfer_timeout)) + 1
     os.environ.setdefault("MC_LOG_LEVEL", engine_level())
     os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(secs))
     os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", str(secs))

@@ -57,7 +57,9 @@ there). Over TCP, flush waits for the peer; :meth:`UcxBackend.write` stops at
 out with puts still queued force-closes the peer's endpoint, which drops them,
 and connects a new one for the next write, so nothing of the batch is left in
 UCX when ``write`` returns; what the kernel already took into the TCP socket's
-buffers (at most ``tcp_wmem`` + the peer's ``tcp_rmem``) can still arrive.
+buffers core drops next, by resetting the connections to the peer
+(``core/tcpfence.py``); a stopped peer may still read what its own receive
+buffers hold when it resumes.
 
 **Progress.** UCXX's progress thread runs in blocking (epoll) mode so an idle
 backend costs no CPU, but it does not pick up puts posted from another thread
@@ -312,7 +314,7 @@ class UcxBackend(Backend):
         """A write failed or timed out with puts possibly still queued: force-close the endpoint, which
         drops them (core's contract: nothing of the batch left in the engine once ``write`` returns),
         and connect a new one for the peer's next write. Bytes the kernel already took into a TCP
-        socket's buffers are past UCX's reach and may still arrive (docs/failures.md)."""
+        socket's buffers are past UCX's reach: core resets the connections next (docs/failures.md)."""
         self._teardown(p)
         try:
             self._connect(p)

@@ -1,0 +1,190 @@
+"""Abort this process's TCP connections to a peer's engine, so nothing queued in them lands later.
+
+When prefill gives up on a write to a decode peer (it failed, timed out, or
+ran past its deadline), bytes the engine already handed to the kernel sit in
+the connection's send queue; over a cut link they are retransmitted once it
+is back, into pages decode may already have reported ``FAILED`` (late
+writes, ``docs/failures.md``). No engine's API drops them, but Linux does:
+``connect()`` with an ``AF_UNSPEC`` address on a TCP socket runs
+``tcp_disconnect``, which discards the send queue and sends a reset. It is
+unprivileged and works on any descriptor of the socket in our own process,
+whichever engine opened it.
+
+The peer's engine connections are told apart by their remote end: each side
+lists the TCP ports its engine listens on (:func:`listening`, taken before
+and after the engine starts: kvbridge's own control sockets and the host's
+are not among them) and decode sends them in its handshake. :func:`abort`
+then resets exactly this process's connections to those ``(ip, port)``
+endpoints, not another decode rank's on the same host, nor a zmq socket.
+
+Only a connection whose peer has stopped acknowledging is reset: one with
+bytes in flight that the kernel is already retransmitting (``TCP_INFO``:
+``tcpi_unacked`` and ``tcpi_retransmits``), as over a cut link or to a host
+that is gone. A peer that still acknowledges (a live process, or a stopped
+one: its kernel still acks and closes its window) is left alone: its kernel
+has taken or will take what was sent, whatever prefill does, and a reset
+there only hurts it (a stopped UCXX decode aborted on resume with "Endpoint
+timeout" when its connection had been reset).
+
+Linux only (``/proc``); elsewhere :func:`listening` finds nothing and
+:func:`abort` aborts nothing. Transports without a socket (CMA between
+processes of one host, RDMA) have nothing to abort.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from collections.abc import Collection, Iterator
+
+__all__ = ["Endpoint", "abort", "checked", "engine_endpoints", "listening", "unacknowledged"]
+
+log = logging.getLogger(__name__)
+
+#: A TCP endpoint: (IP address as text, port). IPv4-mapped IPv6 addresses are written as IPv4.
+Endpoint = tuple[str, int]
+
+_LISTEN = 0x0A
+#: States with no connection to abort: TIME_WAIT, CLOSE, LISTEN.
+_UNCONNECTED = {0x06, 0x07, _LISTEN}
+_TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
+
+
+def _address(hexaddr: str) -> Endpoint:
+    """``0100007F:1F90`` (``/proc/net/tcp``: 32-bit words in host byte order) -> ``("127.0.0.1", 8080)``."""
+    host, port = hexaddr.split(":")
+    raw = b"".join(int(host[i:i + 8], 16).to_bytes(4, "little") for i in range(0, len(host), 8))
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip), int(port, 16)
+
+
+def _sockets() -> Iterator[tuple[Endpoint, Endpoint, int, int]]:
+    """(local, remote, state, inode) of every TCP socket in this network namespace."""
+    for table in _TABLES:
+        try:
+            with open(table) as file:
+                lines = file.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9:
+                yield _address(f[1]), _address(f[2]), int(f[3], 16), int(f[9])
+
+
+def _own_sockets(pid: int | str = "self") -> dict[int, int]:
+    """Socket inode -> one of the process's file descriptors for it (this process's by default)."""
+    own: dict[int, int] = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return own
+    for name in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:["):
+            own.setdefault(int(link[8:-1]), int(name))
+    return own
+
+
+def listening(pid: int | str = "self") -> set[Endpoint]:
+    """The TCP endpoints this process (or process ``pid`` of this network namespace, if this one
+    may read its ``/proc`` entries) listens on; wildcard addresses as ``0.0.0.0`` / ``::``."""
+    own = _own_sockets(pid)
+    return {local for local, _, state, inode in _sockets() if state == _LISTEN and inode in own}
+
+
+def engine_endpoints(before: Collection[Endpoint], host: str, pid: int | str = "self") -> tuple[Endpoint, ...]:
+    """What the process listens on now and did not in ``before``, a wildcard written as ``host``
+    (the address the engine advertises): what a peer's engine connects to. Sorted."""
+    out = set()
+    for ip, port in listening(pid) - set(before):
+        if ipaddress.ip_address(ip).is_unspecified:
+            ip = host
+        out.add((ip, port))
+    return tuple(sorted(out))
+
+
+def checked(endpoints: Collection[Endpoint], whose: str) -> tuple[Endpoint, ...]:
+    """``endpoints`` as :func:`abort` matches them; :class:`ValueError` names one that is not an IP and port."""
+    out = []
+    for ip, port in endpoints:
+        try:
+            addr = ipaddress.ip_address(ip)
+        except ValueError:
+            raise ValueError(f"{whose} lists engine endpoint {str(ip)[:64]!r}, which is not an IP address") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"{whose} lists engine endpoint port {port}, not in 1..65535")
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        out.append((str(addr), int(port)))
+    return tuple(out)
+
+
+def _disconnect(fd: int) -> bool:
+    """``connect(fd, AF_UNSPEC)``: Linux's tcp_disconnect drops the send queue and sends a reset."""
+    unspec = ctypes.create_string_buffer(16)  # a sockaddr whose sa_family is 0 (AF_UNSPEC)
+    if _libc.connect(fd, unspec, len(unspec)) == 0:
+        return True
+    log.debug("tcpfence: connect(AF_UNSPEC) on fd %d failed: %s", fd, os.strerror(ctypes.get_errno()))
+    return False
+
+
+def unacknowledged(fd: int) -> bool:
+    """Whether the TCP socket ``fd`` has bytes in flight that its kernel is retransmitting: the peer
+    stopped acknowledging (``tcpi_retransmits`` > 0 and ``tcpi_unacked`` > 0). A zero window (a
+    peer that does not read) is neither: its probes are not retransmissions and nothing is in flight."""
+    info = socket.socket(fileno=os.dup(fd))
+    try:
+        raw = info.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    finally:
+        info.close()
+    retransmits = raw[2]  # u8 tcpi_state, tcpi_ca_state, tcpi_retransmits, ...
+    (unacked,) = struct.unpack_from("I", raw, 24)  # after 8 u8 fields: rto, ato, snd_mss, rcv_mss, unacked
+    return bool(retransmits) and unacked > 0
+
+
+def abort(remote: Collection[Endpoint], only_unacknowledged: bool = True) -> int:
+    """Reset this process's TCP connections whose remote end is one of ``remote`` and whose peer has
+    stopped acknowledging (:func:`unacknowledged`; every one with ``only_unacknowledged=False``);
+    return how many.
+
+    Each is aborted through a duplicate of its descriptor, checked to be the
+    same socket first, so a descriptor closed and reused meanwhile is never
+    touched. The engine that owns it sees a connection reset on its next call.
+    """
+    wanted = set(checked(remote, "abort()"))
+    if not wanted:
+        return 0
+    victims = [inode for _, peer, state, inode in _sockets() if state not in _UNCONNECTED and peer in wanted]
+    if not victims:
+        return 0
+    own = _own_sockets()
+    done = 0
+    for inode in victims:
+        fd = own.get(inode)
+        if fd is None:
+            continue  # another process's connection (or already closed)
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            if (os.fstat(dup).st_ino == inode and (not only_unacknowledged or unacknowledged(dup))
+                    and _disconnect(dup)):
+                done += 1
+        finally:
+            os.close(dup)
+    return done
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.connect.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]

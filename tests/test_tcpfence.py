@@ -1,0 +1,136 @@
+"""core/tcpfence.py on real sockets: abort exactly one peer's connections, dropping what they queued.
+
+On loopback: a receiver that does not read, a sender whose send queue is
+full. Its kernel still acknowledges (a stopped process, not a cut link), so
+the connection is left alone; forced, aborting the sender's connection must
+drop that queue (the receiver reads what it already held, then a reset), and
+leave a second connection to another port of the same IP as it was. A cut
+link (no acknowledgements) is the fault matrix's net-cut cell (tests/test_faults.py).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+import sys
+import termios
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvbridge.core import tcpfence
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="tcpfence reads /proc and relies on Linux tcp_disconnect")
+
+SIOCOUTQ = termios.TIOCOUTQ  # bytes a TCP socket has not had acknowledged (Linux)
+SIOCINQ = termios.FIONREAD  # bytes waiting to be read
+DEADLINE = 10.0
+
+
+def _queued(sock: socket.socket, request: int) -> int:
+    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0"))[0])
+
+
+class Pair:
+    """A listener on 127.0.0.1, a client connected to it and the accepted end."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # inherited by the accepted end
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(1)
+        self.port = self.listener.getsockname()[1]
+        self.client = socket.create_connection(("127.0.0.1", self.port), timeout=DEADLINE)
+        self.server, _ = self.listener.accept()
+
+    def close(self) -> None:
+        for s in (self.client, self.server, self.listener):
+            s.close()
+
+
+@pytest.fixture
+def pairs() -> Iterator[tuple[Pair, Pair]]:
+    a, b = Pair(), Pair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _fill(sock: socket.socket) -> int:
+    """Send until the kernel takes no more (the peer does not read); return the bytes sent."""
+    sock.setblocking(False)
+    sent, chunk = 0, b"x" * 65536
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:
+        try:
+            sent += sock.send(chunk)
+        except BlockingIOError:
+            return sent
+    raise AssertionError("the send queue never filled")
+
+
+def _drain(sock: socket.socket) -> tuple[int, str]:
+    """Read until end of stream or an error; return the bytes read and how it ended."""
+    sock.settimeout(DEADLINE)
+    got = 0
+    while True:
+        try:
+            data = sock.recv(1 << 20)
+        except ConnectionResetError:
+            return got, "reset"
+        except TimeoutError:
+            return got, "timeout"
+        if not data:
+            return got, "eof"
+        got += len(data)
+
+
+def test_listening_lists_this_process_listeners_only(pairs: tuple[Pair, Pair]) -> None:
+    a, b = pairs
+    found = tcpfence.listening()
+    assert {("127.0.0.1", a.port), ("127.0.0.1", b.port)} <= found
+    assert ("127.0.0.1", a.client.getsockname()[1]) not in found  # a connected socket is not a listener
+
+
+def test_engine_endpoints_are_the_listeners_opened_since_and_name_the_host_for_a_wildcard() -> None:
+    before = tcpfence.listening()
+    wild = socket.socket()
+    wild.bind(("0.0.0.0", 0))
+    wild.listen(1)
+    try:
+        assert tcpfence.engine_endpoints(before, "10.1.2.3") == (("10.1.2.3", wild.getsockname()[1]),)
+    finally:
+        wild.close()
+
+
+def test_abort_drops_the_queued_bytes_of_that_peer_and_leaves_the_other_connection(pairs: tuple[Pair, Pair]) -> None:
+    a, b = pairs
+    sent = _fill(a.client)
+    held = _queued(a.server, SIOCINQ)  # what the receiver already has: it may read that
+    unacked = _queued(a.client, SIOCOUTQ)
+    assert held < sent and unacked > 0, (held, sent, unacked)
+
+    assert not tcpfence.unacknowledged(a.client.fileno())  # a full window, but every byte sent was acked
+    assert tcpfence.abort([("127.0.0.1", a.port)]) == 0  # so it is not reset: its peer still acknowledges
+    assert tcpfence.abort([("127.0.0.1", a.port)], only_unacknowledged=False) == 1
+
+    got, end = _drain(a.server)
+    assert (got, end) == (held, "reset"), f"read {got} of {sent} B sent ({held} held at the abort), then {end}"
+    # The other connection, to another port of the same IP, works as before.
+    b.client.sendall(b"still here")
+    b.server.settimeout(DEADLINE)
+    assert b.server.recv(64) == b"still here"
+    b.server.sendall(b"and back")
+    b.client.settimeout(DEADLINE)
+    assert b.client.recv(64) == b"and back"
+
+
+def test_abort_touches_nothing_for_endpoints_nobody_connected_to(pairs: tuple[Pair, Pair]) -> None:
+    a, _ = pairs
+    assert tcpfence.abort([]) == 0
+    assert tcpfence.abort([("127.0.0.1", 1)]) == 0
+    a.client.sendall(b"ok")
+    a.server.settimeout(DEADLINE)
+    assert a.server.recv(8) == b"ok"
