@@ -52,7 +52,7 @@ def kernel_only(part, peer: gpu.GpuPeer, reps: int) -> float:
     gpu.copy(0, [part], peer)  # compiles the kernel
     stream = torch.cuda.current_stream().cuda_stream
     run = lambda: gpu._run(sh, sizes, len(part[0]), len(part[2]), table.data_ptr() + 8 * r, table.data_ptr(),  # noqa: E731
-                           starts, deltas, steps, allocs, stream)
+                           starts, deltas, steps, allocs, stream, 0)
     run()
     times = []
     for _ in range(reps):

@@ -422,6 +422,7 @@ class _Buffers(NamedTuple):
     host_addr: int
     dev: Any
     dev_addr: int
+    device: int
 
 
 class _Staging(threading.local):
@@ -441,7 +442,7 @@ class _Staging(threading.local):
         host = torch.empty(words, dtype=torch.int64, pin_memory=True)
         dev = torch.empty(words, dtype=torch.int64, device=f"cuda:{device}")
         got = self.by_device[device] = _Buffers(stream, stream.cuda_stream, host, host.numpy(), host.data_ptr(),
-                                                 dev, dev.data_ptr())
+                                                 dev, dev.data_ptr(), device)
         return got
 
 
@@ -486,7 +487,8 @@ def _launch(part: Part, sh: Shape, at: int, buf: _Buffers, table: tuple[int, int
     sizes, r, end = _pack(part, sh, buf.words, at)
     _check(_driver().cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), buf.handle),
            "cuMemcpyHtoDAsync of a descriptor table")
-    _run(sh, sizes, len(part[0]), len(part[2]), buf.dev_addr + 8 * r, buf.dev_addr + 8 * at, *table, buf.handle)
+    _run(sh, sizes, len(part[0]), len(part[2]), buf.dev_addr + 8 * r, buf.dev_addr + 8 * at, *table, buf.handle,
+         buf.device)
     return end + (end & 1)
 
 
@@ -509,15 +511,16 @@ def _pack(part: Part, sh: Shape, h: Any, at: int) -> tuple[int, int, int]:
 
 
 def _run(sh: Shape, sizes: int, m: int, ncols: int, rows: int, cols: int, starts: int, deltas: int, steps: int,
-         allocs: int, stream: int | None = None) -> None:
+         allocs: int, stream: int | None = None, device: int = 0) -> None:
     """Launch the kernel over ``m`` rows x ``ncols`` columns whose tables are on the GPU at ``rows``/``cols``,
-    on ``stream`` (a handle; None: the current stream)."""
+    on ``stream`` (a handle of ``device``; None: the current stream)."""
     dtype = _dtypes[sh.width]
     grid = -(-m * ncols * sh.pieces // sh.rows)
     args = (rows, m, cols, ncols, sh.uniform, starts, deltas, allocs,
             sh.pieces, sh.rows, sh.chunk, sh.width, dtype, steps, sh.align16, sh.even, sizes)
     # Triton types an integer argument i32 or i64 by its value: part of what the compiled kernel is.
-    key = (*args[8:], NUM_WARPS, *(not -(1 << 31) <= v < 1 << 31 for v in args[:8]))
+    # A compiled kernel is loaded into one device's context.
+    key = (device, *args[8:], NUM_WARPS, *(not -(1 << 31) <= v < 1 << 31 for v in args[:8]))
     direct = _compiled.get(key) if DIRECT_LAUNCH and stream is not None else None
     if direct is not None:
         kernel, count = direct
