@@ -103,6 +103,9 @@ class SessionConfig:
             )
         if isinstance(self.inline_row_bytes, bool) or not isinstance(self.inline_row_bytes, int) or self.inline_row_bytes < 0:
             raise ValueError(f"inline_row_bytes must be an int >= 0 (0: never inline), got {self.inline_row_bytes!r}")
+        if self.inline_row_bytes > self.max_message_bytes // 2:
+            raise ValueError(f"inline_row_bytes ({self.inline_row_bytes}) must be at most half of max_message_bytes "
+                             f"({self.max_message_bytes}): the row travels in a control message")
         if self.fence_timeout is not None and self.fence_timeout <= 0:
             raise ValueError(f"fence_timeout must be > 0 (or None for the default), got {self.fence_timeout}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
