@@ -359,3 +359,10 @@ def test_trace_goes_to_the_hosts_logging_configuration():
     assert out.returncode == 0, out.stderr
     assert "kvbridge.hooks|DEBUG|kvbridge_register_backends in kvbridge:mooncake [plugin]" in out.stdout
     assert "kvbridge.hooks" not in out.stderr  # no second handler of its own
+
+
+@pytest.mark.parametrize("value, why", [(-1, "must be an int >= 0"), (True, "must be an int >= 0"), (2.5, "must be an int >= 0"),
+                                        (17 << 20, "must be at most half of max_message_bytes")])
+def test_inline_row_bytes_out_of_range_is_refused_naming_the_value(value: object, why: str) -> None:
+    with pytest.raises(ValueError, match=f"inline_row_bytes.*{why}"):
+        SessionConfig(inline_row_bytes=value)

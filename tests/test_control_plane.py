@@ -27,7 +27,7 @@ from kvbridge.core import protocol as P
 from kvbridge.core.layout import KVArgs
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.session import Poll, PrefillManager, Receiver, Sender
-from kvbridge.testing.e2e import Pools, meta_row_for, prefill_pools, schedule
+from kvbridge.testing.e2e import SENTINEL, Pools, meta_row_for, prefill_pools, schedule
 from kvbridge.testing.harness import START_WAIT, BackendHarness, finished, send_all, wait_until
 
 HOSTILE_META = b"127.0.0.1:1"  # engine metadata in Hellos that are refused before the backend sees them
@@ -144,7 +144,60 @@ LAYOUT_CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
 }
 
 
+# -- a metadata row carried in Done that does not fit decode ----------------------------------------
+def _elsewhere(row: P.MetadataRow, decode: Any) -> P.MetadataRow:
+    """The row's bytes aimed at the last page of a KV region (registered, but not a metadata row)."""
+    kv = decode.pools.kv[0]
+    return P.MetadataRow(row=row.row, pieces=((kv[-1].ctypes.data, row.pieces[0][1]),))
+
+
+BAD_ROWS: dict[str, tuple[Callable[[P.MetadataRow, Any], P.MetadataRow], str]] = {
+    # case: (how prefill's row is changed, the reason decode must give)
+    "elsewhere": (_elsewhere, r"Done carries 64 metadata bytes for address 0x[0-9a-f]+, which is not where row 0 of "
+                              r"one of this rank's 1 metadata regions starts"),
+    "oversize": (lambda r, d: P.MetadataRow(row=r.row, pieces=((r.pieces[0][0], r.pieces[0][1] + b"\xff" * 8),)),
+                 r"Done carries 72 bytes for row 0 of metadata region 'meta', whose rows are 64 bytes"),
+    "short": (lambda r, d: P.MetadataRow(row=r.row, pieces=((r.pieces[0][0], r.pieces[0][1][:8]),)),
+              r"Done carries 8 bytes for row 0 of metadata region 'meta', whose rows are 64 bytes"),
+    "another_row": (lambda r, d: P.MetadataRow(row=1, pieces=((r.pieces[0][0] + 64, r.pieces[0][1]),)),
+                    r"Done carries metadata row 1 but this room asked for row 0"),
+    "twice": (lambda r, d: P.MetadataRow(row=r.row, pieces=r.pieces * 2),
+              r"Done carries row 0 of metadata region 'meta' twice"),
+}
+
+
 class TestControlPlane(BackendHarness):
+    @pytest.mark.parametrize("case", sorted(BAD_ROWS))
+    def test_a_metadata_row_in_done_that_does_not_fit_decode_fails_the_room_and_writes_nothing(
+        self, local_prefill, local_decode, case
+    ):
+        # A prefill rank (holding the secret) sends a row in Done that is not exactly the row decode asked
+        # for in its own metadata regions: decode fails the room naming the problem, before SUCCESS, and
+        # writes none of it, into the metadata rows or anywhere else.
+        change, reason = BAD_ROWS[case]
+        sc = self.scenario(requests=1, max_pages=8, max_chunks=1, concurrency=2)
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc)
+        decode = local_decode(sc)
+        prefill.pools.meta[0] = meta_row_for(req.room)
+        notify = prefill.mgr.notify
+
+        def tampering(peer, *msgs):
+            notify(peer, *(msgspec.structs.replace(m, row=change(m.row, decode))
+                           if isinstance(m, P.Done) and m.row is not None else m for m in msgs))
+
+        prefill.mgr.notify = tampering
+        sender = Sender(prefill.mgr, req.room, metadata_row=0)
+        recv = Receiver(decode.mgr, req.room, bootstrap=prefill.address)
+        recv.init(list(range(len(req.src_pages))), metadata_row=0)
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, START_WAIT, "decode's request")
+        sender.send(req.src_pages, last=True)
+        wait_until(finished(recv), START_WAIT, "receiver")
+        assert recv.poll() == Poll.FAILED and re.search(reason, recv.failure() or ""), recv.failure()
+        assert recv.failure().startswith("prefill tp0/pp0 at "), recv.failure()
+        assert (decode.pools.meta == SENTINEL).all(), "a rejected row was written into decode's metadata rows"
+        assert all((kv[len(req.src_pages):] == SENTINEL).all() for kv in decode.pools.kv), "a byte landed outside the room"
+
     backend = "memory"  # nothing here depends on the transport: core's policy, tested once
 
     # -- a decode that does not own the room ---------------------------------------------------

@@ -253,18 +253,22 @@ class TestLayerwisePolicy(BackendHarness):
         (peer,) = sender.manager.peers()
         peer.write_cost, peer.byte_time = seconds, per_byte
 
-    def test_the_metadata_row_lands_alone_and_last_after_the_chunks_last_layer(
-        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    @pytest.mark.parametrize("inline_row_bytes, after_the_last_layer", [(4096, []), (0, [{"row"}])],
+                             ids=["row_in_done", "row_written"])
+    def test_the_metadata_row_comes_last_after_the_chunks_last_layer(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child],
+        inline_row_bytes: int, after_the_last_layer: list[set[int | str]],
     ) -> None:
-        decode, sender, req = self._room(local_prefill, children)
+        # A small host-memory row travels in Done (no write of its own); else the engine writes it alone, last.
+        decode, sender, req = self._room(local_prefill, children, inline_row_bytes=inline_row_bytes)
         writes = self._record_writes(sender.manager)
         self._write_cost(sender, 0.0)  # writes cost nothing: never worth waiting for a next layer
         sender.send(req.src_pages, last=True, layerwise=True)
         sender.layer_ready(0)
         wait_until(lambda: writes == [{0}], self.scaled(10.0), "layer 0 written before layer 1 is announced")
         sender.layer_ready(1)
-        self._succeeds(decode, sender)
-        assert writes == [{0}, {1}, {"row"}]
+        self._succeeds(decode, sender)  # decode checks every byte, the row's too
+        assert writes == [{0}, {1}, *after_the_last_layer]
 
     def test_a_layer_still_computing_holds_back_neither_the_layers_before_it_nor_the_others_writes(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
@@ -296,7 +300,7 @@ class TestLayerwisePolicy(BackendHarness):
         assert sender.poll() == Poll.TRANSFERRING
         layer1.done.set()
         self._succeeds(decode, sender)
-        assert writes == [{0}, {1}, {"row"}]
+        assert writes == [{0}, {1}]
 
     def test_layers_announced_faster_than_a_write_costs_go_in_one_write_byte_exact(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
@@ -310,7 +314,7 @@ class TestLayerwisePolicy(BackendHarness):
         assert writes == []
         sender.layer_ready(1)
         self._succeeds(decode, sender)
-        assert writes == [{0, 1}, {"row"}]
+        assert writes == [{0, 1}]
 
     def test_layers_whose_bytes_cost_more_than_a_write_go_without_waiting_for_the_next(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
@@ -324,4 +328,4 @@ class TestLayerwisePolicy(BackendHarness):
         wait_until(lambda: writes == [{0}], self.scaled(10.0), "layer 0 written before layer 1 is announced")
         sender.layer_ready(1)
         self._succeeds(decode, sender)
-        assert writes == [{0}, {1}, {"row"}]
+        assert writes == [{0}, {1}]

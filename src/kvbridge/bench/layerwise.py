@@ -34,14 +34,16 @@ pair (the two runs of a repetition ran back to back): the table gives the
 median ratio and its interquartile range, and says ``yes`` when even the
 lower quartile meets the target, ``no`` when even the upper one misses it,
 ``noise`` otherwise (run more ``--reps``). ``writes lw`` counts prefill's
-writes per layer-wise request (a per-chunk send makes two per chunk: the
-chunk, then the metadata row; fewer than layers + 1: layers coalesced), and
-``row write`` is what one metadata-row write costs: it and decode's ``Done``
-stay exposed after the last layer whatever the sending order, so a row
-write and ``Done`` near 20% of the per-chunk exposed time put the target out
-of reach. ``lw writes+Done`` splits layer-wise's exposed time into
-prefill's writes after the last layer (until the metadata row landed) and
-the ``Done`` message to decode's SUCCESS (medians, so they need not add up).
+writes per layer-wise request (a per-chunk send makes one per chunk; the
+metadata row, 64 bytes in host memory, travels inside ``Done``; fewer than
+layers: layers coalesced), and ``write cost`` is what one write to decode
+costs whatever its size (the peer's measured fixed cost, which layer-wise
+sending weighs against waiting for the next layer). ``Done`` stays exposed
+after the last layer whatever the sending order, so a ``Done`` near 20% of
+the per-chunk exposed time puts the target out of reach. ``lw writes+Done``
+splits layer-wise's exposed time into prefill's writes after the last layer
+and the ``Done`` message (with the row) to decode's SUCCESS (medians, so
+they need not add up).
 Decode checks every byte
 (synthetic) or decodes a few tokens from what arrived and compares them
 with a colocated run of the model (tiny).
@@ -389,10 +391,10 @@ def _verdict(low: float, high: float, target: float, above: bool) -> str:
 
 
 class WriteCounter:
-    """Counts prefill's writes to decode (``Transport.write`` calls: one per coalesced group of layers, one
-    per metadata row), to show how layer-wise sending coalesced: a per-chunk send makes two; and notes when
-    the latest returned (a request's last: its metadata row landed), which splits what stays exposed after
-    the last layer into prefill's writes and decode's ``Done``."""
+    """Counts prefill's writes to decode (``Transport.write`` calls: one per coalesced group of layers; the
+    metadata row travels in ``Done``), to show how layer-wise sending coalesced: a per-chunk send makes one;
+    and notes when the latest returned (a request's last: every byte but the row landed), which splits what
+    stays exposed after the last layer into prefill's writes and decode's ``Done``."""
 
     def __init__(self, mgr: PrefillManager) -> None:
         self.mgr = mgr
@@ -407,8 +409,8 @@ class WriteCounter:
 
         mgr.transport.write = counting  # type: ignore[method-assign]
 
-    def row_write_ms(self) -> float:
-        """What a metadata-row write costs (the decode peer's measured ``write_cost``): paid after the last layer."""
+    def write_cost_ms(self) -> float:
+        """What one write to decode costs whatever its size (the decode peer's measured ``write_cost``)."""
         costs = [p.write_cost for p in self.mgr.peers() if p.write_cost is not None]
         return max(costs) * 1e3 if costs else float("nan")
 
@@ -448,7 +450,7 @@ def measure(child: subprocess.Popen[str], first_room: int, reps: int,
     row.update(throughput_ratio=mid, throughput_ratio_p25=low, throughput_ratio_p75=high, reps=reps,
                verified=verified, compute_chunk_ms=med["chunk"]["compute"], compute_layerwise_ms=med["layerwise"]["compute"],
                writes_chunk=statistics.median(count["chunk"][1:]), writes_layerwise=statistics.median(count["layerwise"][1:]),
-               row_write_ms=writes.row_write_ms(),
+               write_cost_ms=writes.write_cost_ms(),
                **{f"{k}_{m}_ms": med[m][k] for m in MODES for k in ("writes_after", "done")})
     return row, room
 
@@ -545,7 +547,7 @@ def format_table(rows: list[dict[str, Any]]) -> Any:
     """The rows as a :func:`kvbridge.ui.table` (lw: layer-wise; ratios lw / per-chunk)."""
     columns = ["case", "compute/layer", "xfer/layer", "regime", "TTFT chunk", "TTFT lw", "exposed chunk",
                "exposed lw", "lw writes+Done", "exposed ratio", "throughput ratio (IQR)", "target met", "writes lw",
-               "row write", "ok"]
+               "write cost", "ok"]
 
     def case(r: dict[str, Any]) -> str:
         return f"tiny {r['prompt_tokens']} tok" if r["model"] == "tiny" else f"{r['layers']}x{r['layer_MiB']:g}MiB"
@@ -557,7 +559,7 @@ def format_table(rows: list[dict[str, Any]]) -> Any:
           f"{r['exposed_layerwise_ms']:.1f}", f"{r['writes_after_layerwise_ms']:.2f}+{r['done_layerwise_ms']:.2f}",
           f"{r['exposed_ratio']:.2f}",
           f"{r['throughput_ratio']:.2f} ({r['throughput_ratio_p25']:.2f}-{r['throughput_ratio_p75']:.2f})",
-          r["target_met"], f"{r['writes_layerwise']:g}", f"{r['row_write_ms']:.2f}", r["verified"]) for r in rows],
+          r["target_met"], f"{r['writes_layerwise']:g}", f"{r['write_cost_ms']:.2f}", r["verified"]) for r in rows],
         right=[c for c in columns if c not in ("case", "regime", "target met", "ok")],
     )
 
@@ -659,10 +661,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         t.title = (f"{what}, {args.device}, prefill -> decode over 127.0.0.1 ({cfg.backend}), median of {args.reps} "
                    "pairs; ms; lw = layer-wise; ratios lw / chunk (exposed: <= 0.20 compute-bound; throughput: "
                    ">= 0.95 bandwidth-bound, median and interquartile range of the pairs); writes lw: prefill's writes "
-                   "per layer-wise request (per chunk: 2 per chunk, the chunk then the row; fewer than layers + 1: "
+                   "per layer-wise request (per chunk: 1 per chunk, the metadata row travels in Done; fewer than layers: "
                    "layers coalesced); lw writes+Done: exposed lw split into prefill's writes after the last layer "
-                   "(until the row landed) and decode's Done (to its SUCCESS); row write: one metadata-row write, "
-                   "which with Done is what no sending order hides")
+                   "and decode's Done with the row (to its SUCCESS), which no sending order hides; write cost: what "
+                   "one write to decode costs whatever its size (measured)")
         return t
 
     return common.finish(args, prog, rows, table, plot, ok=all(r["verified"] for r in rows))

@@ -18,6 +18,7 @@ from .layout import KVArgs
 from .manager import SessionConfig, TransferManager
 from .receiver import Receiver
 from .room import Poll, Room
+from .row import RowError, check_row, place_row
 from .transport import BackendChoice
 
 __all__ = ["DecodeManager", "PrefillServer"]
@@ -177,6 +178,7 @@ class DecodeManager(TransferManager[Receiver]):
             return  # refused (counted, logged)
         msg = got[1]
         rank.last_seen = time.monotonic()
+        bad_row = self._place_row(server, msg.room, msg.row) if isinstance(msg, P.Done) and msg.row is not None else None
         bad_sum = None
         if isinstance(msg, P.Done) and (msg.checksum is not None or self.config.checksum):
             # Hashed off the lock (it reads every byte of the room); the room is checked under it below.
@@ -216,7 +218,9 @@ class DecodeManager(TransferManager[Receiver]):
                 elif isinstance(msg, P.ChunkDone):
                     target.advance(Poll.TRANSFERRING)
                 elif isinstance(msg, P.Done):
-                    if bad_sum is not None:
+                    if bad_row is not None:
+                        target.fail(f"{rank.label}: {bad_row}", "bad_request")
+                    elif bad_sum is not None:
                         target.fail(f"{rank.label}: {bad_sum}", "checksum")
                     elif target.rank_done(rank.key, len(server.ranks)):
                         self.finish(target, Poll.SUCCESS)
@@ -225,6 +229,19 @@ class DecodeManager(TransferManager[Receiver]):
                     target.fail(f"{rank.label}: {msg.reason}", kind)
             elif isinstance(msg, P.Heartbeat) and msg.clock is not None:
                 rank.clock = msg.clock if rank.clock is None else max(rank.clock, msg.clock)
+
+    def _place_row(self, server: PrefillServer, room: int, row: P.MetadataRow) -> str | None:
+        """Copy the metadata row a ``Done`` carries into place, if the room is live here and the row is exactly
+        the one it asked for in its own host metadata regions; why not, else (nothing is written then)."""
+        with self.lock:  # the room cannot fail (and its pages be reused) while the row is copied
+            target = self.rooms.get(room)
+            if target is None or target.server.address != server.address or target.fencing or target.asked is None:
+                return None  # finished or given up here already: Done is ignored below
+            try:
+                place_row(check_row(row, self.kvargs.regions, target.asked.metadata_row))
+            except RowError as exc:
+                return str(exc)
+        return None
 
     def _fail_server(self, server: PrefillServer, reason: str, kind: str) -> None:
         """Fail every receiver of ``server`` and forget it, so a later receiver reconnects.

@@ -69,6 +69,10 @@ class SessionConfig:
     #: the bytes it holds, a difference fails the room (kvbridge.core.checksum).
     #: Either side may ask. CPU memory only: refused with a GPU region.
     checksum: bool = False
+    #: Prefill: a metadata row of at most this many bytes (all metadata regions together)
+    #: in host memory on both sides travels inside ``Done`` instead of as an engine write
+    #: (kvbridge.core.row); 0: always an engine write.
+    inline_row_bytes: int = 4096
 
     @property
     def fence_wait(self) -> float:
@@ -98,6 +102,11 @@ class SessionConfig:
                 f"max_message_bytes ({self.max_message_bytes}) must hold one index list of max_index_list "
                 f"({self.max_index_list}) int32 entries: at least {4 * self.max_index_list + 4096}"
             )
+        if isinstance(self.inline_row_bytes, bool) or not isinstance(self.inline_row_bytes, int) or self.inline_row_bytes < 0:
+            raise ValueError(f"inline_row_bytes must be an int >= 0 (0: never inline), got {self.inline_row_bytes!r}")
+        if self.inline_row_bytes > self.max_message_bytes // 2:
+            raise ValueError(f"inline_row_bytes ({self.inline_row_bytes}) must be at most half of max_message_bytes "
+                             f"({self.max_message_bytes}): the row travels in a control message")
         if self.fence_timeout is not None and self.fence_timeout <= 0:
             raise ValueError(f"fence_timeout must be > 0 (or None for the default), got {self.fence_timeout}")
         if self.heartbeat_timeout <= self.heartbeat_interval:

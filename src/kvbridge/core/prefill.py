@@ -20,6 +20,7 @@ from .manager import SessionConfig, TransferManager
 from .pairing import IncompatibleLayoutError, Route, pair_layouts
 from .plan import Indices, PlanError
 from .room import Poll, Room
+from .row import inline_row
 from .sender import DecodeRequest, Sender
 from .transport import BackendChoice
 from .worker import PeerWorker
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
 LEASE_POLL = 0.005  # seconds between lease checks while a transfer worker waits for a renewal
-ROW_BYTES = 4096  # a write this small costs what any write does: its fixed cost (a metadata row's)
+SMALL_WRITE = 64 << 10  # a write this small costs mostly what any write does: its fixed cost
 FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
 
 
@@ -46,23 +47,26 @@ class DecodePeer:
     long silence).
     """
 
-    def __init__(self, peer_id: str, route: Route, lease: float) -> None:
+    def __init__(self, peer_id: str, route: Route, lease: float, inline_row_bytes: int = 0) -> None:
         self.peer_id = peer_id
         self.ident = peer_id.encode()
         self.route = route
+        #: The metadata row goes to this peer inside ``Done`` (small, host memory on both sides: kvbridge.core.row).
+        self.inline_row = inline_row(route, inline_row_bytes)
         self.last_seen = time.monotonic()
         self.lease_until = self.last_seen + lease
         self.worker = PeerWorker(peer_id)
-        #: What one write to it costs whatever its size (seconds, a moving average of its metadata-row
-        #: writes), and what each byte adds (seconds, from its chunks' and layers' writes); None until
-        #: measured. Layer-wise sending coalesces layers while their bytes cost less than a write.
+        #: What one write to it costs whatever its size (seconds, a moving average over its small writes),
+        #: and what each byte adds (seconds, from its larger writes); None until measured. Layer-wise
+        #: sending coalesces layers while their bytes cost less than a write.
         self.write_cost: float | None = None
         self.byte_time: float | None = None
 
     def note_write(self, nbytes: int, seconds: float) -> None:
-        """A write of ``nbytes`` took ``seconds``: a metadata row's (a few bytes) is the fixed cost."""
-        if nbytes <= ROW_BYTES:
-            self.write_cost = ewma(self.write_cost, seconds)
+        """A write of ``nbytes`` took ``seconds``: a small one (an engine-written metadata row, a small layer or
+        chunk) measures the fixed cost, less what its bytes took; a larger one what each byte adds to it."""
+        if nbytes <= SMALL_WRITE:
+            self.write_cost = ewma(self.write_cost, max(0.0, seconds - nbytes * (self.byte_time or 0.0)))
         elif self.write_cost is not None:
             self.byte_time = ewma(self.byte_time, max(0.0, seconds - self.write_cost) / nbytes)
 
@@ -334,7 +338,8 @@ class PrefillManager(TransferManager[Sender]):
             self._chan.reject(ident, problem)
             return
         with self.lock:
-            self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route, self.config.heartbeat_timeout)
+            self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route, self.config.heartbeat_timeout,
+                                                  self.config.inline_row_bytes)
         self._reply(ident, P.HelloAck(kvargs=self.kvargs))
 
     def _on_request(self, peer: DecodePeer, msg: P.TransferRequest) -> None:

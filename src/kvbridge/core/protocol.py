@@ -33,6 +33,7 @@ __all__ = [
     "TransferRequest",
     "ChunkDone",
     "Checksum",
+    "MetadataRow",
     "Done",
     "Failed",
     "Abort",
@@ -153,12 +154,29 @@ class Checksum(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ranges: bytes
 
 
+class MetadataRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode's metadata row, carried in ``Done`` instead of written by the engine (``kvbridge.core.row``).
+
+    ``row`` is the row decode asked for; ``pieces`` one ``(destination
+    address, bytes)`` per metadata region, each exactly one row of it.
+    """
+
+    row: int
+    pieces: tuple[tuple[int, bytes], ...]
+
+
 class Done(_Msg, tag="done", frozen=True):
-    """Prefill -> decode: everything for ``room``, metadata last, has landed."""
+    """Prefill -> decode: everything for ``room`` from this rank has landed, the metadata row last.
+
+    ``row``: the metadata row itself, when it is small and in host memory on
+    both sides (decode copies it into place before it counts this ``Done``);
+    else it was written by the engine after every other byte.
+    """
 
     room: int
     #: Set when either side asked for the end-to-end checksum.
     checksum: Checksum | None = None
+    row: MetadataRow | None = None
 
 
 class Failed(_Msg, tag="failed", frozen=True):

@@ -92,6 +92,11 @@ class Receiver(Room):
             if self.server.ready:
                 self._send_request()
 
+    @property
+    def asked(self) -> P.TransferRequest | None:
+        """What this room asked prefill for (after :meth:`init`)."""
+        return self._request
+
     def abort(self, reason: str = "aborted by decode") -> None:
         """Give up on this room; prefill is told. Returns at once: ``poll()`` says FAILED once
         prefill confirmed it stopped writing (or the fence timeout passed); only then reuse the pages."""

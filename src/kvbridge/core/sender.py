@@ -21,6 +21,7 @@ from .metrics import metrics
 from .pairing import Route
 from .plan import Indices, PlanError, TransferPlan
 from .room import Poll, Room
+from .row import read_row
 from .worker import Group
 
 if TYPE_CHECKING:
@@ -475,10 +476,11 @@ class Sender(Room):
         (a write of them is mostly its fixed cost; past that, writing now overlaps more)."""
         peer, gap = job.peer, self.manager.layer_gap
         cost, per_byte = peer.write_cost, peer.byte_time
-        if cost is None or per_byte is None or gap is None or gap >= cost:
+        if cost is None or gap is None or gap >= cost:
             return False
         assert job.layered is not None
-        return job.layered.nbytes(groups) * per_byte < cost
+        # No larger write measured yet (per_byte None): every write so far was small, its bytes cheap.
+        return job.layered.nbytes(groups) * (per_byte or 0.0) < cost
 
     def _linger(self, job: _Job, groups: list[int]) -> tuple[list[int], bool]:
         """Wait up to the peer's write cost for the next layer, take it, again, while that is worth it
@@ -530,8 +532,9 @@ class _ChunkWrite:
 
 def _write_chunks(writes: list[_ChunkWrite]) -> None:
     """Chunks queued back to back for one peer (on its worker): every chunk's bytes in one write, then
-    every metadata row in a second (so each row still lands after its pages), then decode is told
-    with one hand-off to the I/O thread.
+    every metadata row (inside each room's ``Done`` when the peer takes rows that way,
+    :mod:`kvbridge.core.row`; else in a second write), so each row still lands after its pages,
+    then decode is told with one hand-off to the I/O thread.
 
     With many small requests in flight this is one backend write (and one NIXL request) for many
     rooms instead of two per room. The fence stays per room: each room's write is counted
@@ -552,14 +555,15 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
     try:
         live = _write_live(m, peer, live, lambda w: w.body, deadline)
         rows = time.monotonic()
-        live = _write_live(m, peer, live, lambda w: w.job.meta_plan, deadline)
-        # Measured for layer-wise sending's coalescing: what a write costs (a few bytes), what a byte adds.
-        row_bytes = sum(w.job.meta_plan.total_bytes for w in live if w.job.meta_plan is not None)
-        if row_bytes:
-            peer.note_write(row_bytes, time.monotonic() - rows)
+        # Measured for layer-wise sending's coalescing: what a write costs (a small one), what a byte adds.
         body = sum(w.body.total_bytes for w in live)
         if body:
             peer.note_write(body, rows - start)
+        if not peer.inline_row:  # else each row travels in its Done (below)
+            live = _write_live(m, peer, live, lambda w: w.job.meta_plan, deadline)
+            row_bytes = sum(w.job.meta_plan.total_bytes for w in live if w.job.meta_plan is not None)
+            if row_bytes:
+                peer.note_write(row_bytes, time.monotonic() - rows)
     except Exception as exc:
         kind = "timeout" if isinstance(exc, TransferTimeout) else "transfer_error"
         together = f" (written together with {len(live) - 1} other rooms' chunks)" if len(live) > 1 else ""
@@ -583,12 +587,18 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
             except ChecksumError as exc:
                 m.fail_sender(w.sender, f"room {w.sender.room}: {exc}", "checksum")
                 live.remove(w)
+    rows_in_done: dict[int, P.MetadataRow] = {}  # read now that the room's pages landed: the row goes after them
+    if peer.inline_row:
+        for w in live:
+            req = w.sender.request(peer.peer_id)
+            if w.last and w.job.meta_plan is not None and req is not None:
+                rows_in_done[id(w)] = read_row(w.job.meta_plan, req.metadata_row)
     with m.lock:  # failing a room takes the lock too: Done never follows Failed
         live = [w for w in live if m.live(w.sender, peer)]
         # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
         # wake-up of decode's host fewer per request).
-        m.notify(peer, *(P.Done(room=w.sender.room, checksum=summaries.get(id(w))) if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False)
-                         for w in live))
+        m.notify(peer, *(P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w))) if w.last
+                         else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live))
         for w in live:
             if w.last:
                 w.sender._unfinished -= 1

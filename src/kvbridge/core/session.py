@@ -37,6 +37,9 @@ returns at once and ``poll()`` says FAILED a little later (docs/failures.md).
 Commit point: prefill writes the KV pages and state of every chunk, then the
 metadata row, and only then sends ``Done``; decode reaches SUCCESS on ``Done``
 from every prefill rank, so SUCCESS means the metadata row (written last) has landed.
+A small row in host memory on both sides (``SessionConfig.inline_row_bytes``)
+travels inside ``Done`` instead of as a write of its own; decode checks it and
+copies it into place before it counts that ``Done`` (kvbridge.core.row).
 
 Timeouts (:class:`SessionConfig`, seconds):
 

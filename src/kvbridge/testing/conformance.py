@@ -370,6 +370,46 @@ class BackendConformance(BackendHarness):
 
     # -- 3. every state handler across heterogeneous TP (the whole matrix, PP and the index policy are
     #       core's: tests/test_policy.py runs them once, over the memory backend) ----------------------
+    @staticmethod
+    def _row_writes(prefill: LocalPrefill) -> list[bool]:
+        """Per write prefill makes to decode, in the order they returned: whether it held the metadata row."""
+        writes: list[bool] = []
+        write = prefill.mgr.transport.write
+        lo, hi = prefill.pools.meta.ctypes.data, prefill.pools.meta.ctypes.data + prefill.pools.meta.nbytes
+
+        def recording(peer: str, plan: TransferPlan, deadline: float, live: Any = None) -> None:
+            write(peer, plan, deadline, live)
+            writes.append(bool(((plan.src_addr >= lo) & (plan.src_addr < hi)).any()))
+
+        prefill.mgr.transport.write = recording  # type: ignore[method-assign]
+        return writes
+
+    def _one_room(self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child],
+                  **changes: Any) -> list[bool]:
+        """One 64-page request, decode checking every byte (the metadata row too); what each write held."""
+        prefill, decode, sender, req = self.waiting_room(
+            local_prefill, children, **{"requests": 1, "max_pages": 64, "max_chunks": 1, "concurrency": 1, **changes})
+        writes = self._row_writes(prefill)
+        sender.send(req.src_pages, last=True)
+        wait_until(finished(sender), self.scaled(START_WAIT), "sender")
+        assert sender.poll() == Poll.SUCCESS, sender.failure()
+        rc, d = decode.finish()
+        assert rc == 0 and d is not None and d["requests"] == 1 and d["mismatched_regions"] == 0, decode.stderr()[-3000:]
+        return writes
+
+    def test_a_small_metadata_row_in_host_memory_travels_in_done_and_lands_byte_exact(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        writes = self._one_room(local_prefill, children)
+        assert writes and not any(writes), f"the metadata row was written by the engine ({writes}), not carried in Done"
+
+    def test_a_metadata_row_over_inline_row_bytes_is_written_by_the_engine_after_the_pages(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # The path GPU-memory rows take: the engine writes the row, alone, after every page.
+        writes = self._one_room(local_prefill, children, inline_row_bytes=0)
+        assert len(writes) >= 2 and writes[-1] and not any(writes[:-1]), writes
+
     def test_every_state_handler_arrives_byte_exact_from_prefill_tp2_to_decode_tp4(self, children: Callable[..., Child]) -> None:
         # Full KV, SWA, NSA indexer, Mamba conv/temporal, DeepSeek-V4 compressed caches into
         # decode host rows of another geometry, draft pools and metadata rows, every rank's
