@@ -2,6 +2,7 @@
 
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -123,9 +124,10 @@ def test_bench_layerwise_moves_verified_requests_both_ways_and_reports_ratios():
     for r in rows:  # the throughput comparison: the pairs' median ratio inside their interquartile range
         assert r["throughput_ratio_p25"] <= r["throughput_ratio"] <= r["throughput_ratio_p75"]
         assert r["target_met"] in ("yes", "no", "noise") and r["reps"] == 1
-        # Per chunk: the chunk's write (the row travels in Done); layer-wise: at most one per layer. Writes
-        # of 64 KiB measure what a write costs.
-        assert r["writes_chunk"] == 1 and 1 <= r["writes_layerwise"] <= 2 and r["write_cost_ms"] > 0
+        # Per chunk: the chunk's write (the row travels in Done); layer-wise: at most one per layer. What a
+        # write costs is measured once 3 writes of a size class were made (this short run may make fewer).
+        assert r["writes_chunk"] == 1 and 1 <= r["writes_layerwise"] <= 2
+        assert math.isnan(r["write_cost_ms"]) or r["write_cost_ms"] >= 0
 
 
 def test_bench_layerwise_with_the_demos_tiny_model_decodes_the_first_tokens_from_what_arrived():

@@ -25,7 +25,7 @@ from kvbridge.core.layers import LayerIndex, layer_list
 from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, KVArgs
 from kvbridge.core.pairing import pair_layouts
 from kvbridge.core.plan import TransferPlan
-from kvbridge.core.prefill import PrefillManager
+from kvbridge.core.prefill import DecodePeer, PrefillManager
 from kvbridge.core.session import Poll, Sender
 from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, c4_token_indices
 from kvbridge.state_handlers.mamba import SLOT_SPACE
@@ -125,6 +125,39 @@ def test_layer_list_takes_an_id_a_range_or_ids_and_rejects_the_rest() -> None:
 
 
 # -- the policy, with real processes over the memory backend ------------------------------------------
+# -- what a write to a decode peer costs (weighed against waiting for the next layer) ----------------------
+def _peer() -> DecodePeer:
+    return DecodePeer("decode", route=None, lease=1.0)  # type: ignore[arg-type]  # (no route: costs only)
+
+
+def test_the_write_cost_is_the_fastest_small_write_whatever_a_slow_one_took() -> None:
+    peer = _peer()
+    peer.note_write(4096, 20e-3)  # the first write to a peer: a cold one
+    peer.note_write(4096, 100e-6)
+    assert peer.write_cost is None  # too few writes of that size yet
+    peer.note_write(4096, 150e-6)
+    peer.note_write(4096, 5e-3)  # a host computing on the same cores
+    assert peer.write_cost == 100e-6 and peer.byte_time == 0.0
+
+
+def test_the_line_between_the_smallest_and_largest_writes_splits_a_writes_cost_from_its_bytes() -> None:
+    peer = _peer()
+    for seconds in (100e-6, 300e-6, 120e-6):
+        peer.note_write(4096, seconds)
+    for seconds in (3e-3, 2e-3, 9e-3):
+        peer.note_write(4 << 20, seconds)
+    per_byte = (2e-3 - 100e-6) / ((4 << 20) - 4096)
+    assert peer.byte_time == pytest.approx(per_byte)
+    assert peer.write_cost == pytest.approx(100e-6 - 4096 * per_byte)
+
+
+def test_writes_of_one_large_size_cannot_tell_a_writes_cost_from_its_bytes() -> None:
+    peer = _peer()
+    for _ in range(5):
+        peer.note_write(2 << 20, 1e-3)
+    assert peer.write_cost is None  # so layers are never held back waiting for the next one on its account
+
+
 class TestLayerwisePolicy(BackendHarness):
     backend = "memory"
 

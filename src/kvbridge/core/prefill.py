@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
 LEASE_POLL = 0.005  # seconds between lease checks while a transfer worker waits for a renewal
+COST_WINDOW = 16  # writes kept per size class to measure a peer's write cost (DecodePeer.note_write)
+COST_SAMPLES = 3  # writes a size class needs before it counts (the first write to a peer is a cold one)
 SMALL_WRITE = 64 << 10  # a write this small costs mostly what any write does: its fixed cost
 FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
 
@@ -56,19 +59,37 @@ class DecodePeer:
         self.last_seen = time.monotonic()
         self.lease_until = self.last_seen + lease
         self.worker = PeerWorker(peer_id)
-        #: What one write to it costs whatever its size (seconds, a moving average over its small writes),
-        #: and what each byte adds (seconds, from its larger writes); None until measured. Layer-wise
-        #: sending coalesces layers while their bytes cost less than a write.
+        #: What one write to it costs whatever its size (seconds), and what each byte adds (seconds);
+        #: None until measured (see :meth:`note_write`). Layer-wise sending coalesces layers while
+        #: their bytes cost less than a write.
         self.write_cost: float | None = None
         self.byte_time: float | None = None
+        self._classes: dict[int, collections.deque[tuple[float, int]]] = {}  # see note_write
 
     def note_write(self, nbytes: int, seconds: float) -> None:
-        """A write of ``nbytes`` took ``seconds``: a small one (an engine-written metadata row, a small layer or
-        chunk) measures the fixed cost, less what its bytes took; a larger one what each byte adds to it."""
-        if nbytes <= SMALL_WRITE:
-            self.write_cost = ewma(self.write_cost, max(0.0, seconds - nbytes * (self.byte_time or 0.0)))
-        elif self.write_cost is not None:
-            self.byte_time = ewma(self.byte_time, max(0.0, seconds - self.write_cost) / nbytes)
+        """A write of ``nbytes`` took ``seconds``: update :attr:`write_cost` and :attr:`byte_time`.
+
+        Writes are kept by size class (a power of two), the last ``COST_WINDOW``
+        of each; a class's measure is its fastest write, since contention (a
+        host computing on the same cores while a layer is written, a cold first
+        write) only ever adds to a write's time, and a class counts once it
+        holds ``COST_SAMPLES`` writes. The line through the smallest and the
+        largest class's measures gives the fixed cost and each byte's time.
+        With one class only: writes of at most ``SMALL_WRITE`` cost what the
+        fastest took; larger ones cannot tell the cost from the bytes (None).
+        """
+        window = self._classes.setdefault(max(1, nbytes).bit_length(), collections.deque(maxlen=COST_WINDOW))
+        window.append((seconds, nbytes))
+        counted = [k for k, w in self._classes.items() if len(w) >= COST_SAMPLES]
+        if not counted:
+            return
+        t_lo, n_lo = min(self._classes[min(counted)])
+        t_hi, n_hi = min(self._classes[max(counted)])
+        if n_hi > n_lo:
+            self.byte_time = max(0.0, (t_hi - t_lo) / (n_hi - n_lo))
+            self.write_cost = max(0.0, t_lo - n_lo * self.byte_time)
+        elif n_lo <= SMALL_WRITE:
+            self.write_cost, self.byte_time = t_lo, 0.0
 
     def renew(self, clock: float, lease: float) -> None:
         """Decode echoed ``clock`` (this rank's, from a heartbeat reply): it was alive after it."""

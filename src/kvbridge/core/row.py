@@ -43,8 +43,10 @@ def _host_rows(regions: Sequence[Region]) -> list[Region] | None:
 def inline_row(route: Route, limit: int) -> bool:
     """Whether the metadata row travels in ``Done`` on ``route``: it sends a row, of at most ``limit`` bytes in all,
     and both sides hold it in host memory (prefill reads it with the CPU, decode copies it with the CPU)."""
+    if limit <= 0:
+        return False
     space = route.spaces.get(METADATA_SPACE)
-    if space is None or not space.sends or limit <= 0:
+    if space is None or not space.sends:
         return False
     src, dst = _host_rows(route.src.regions), _host_rows(route.dst.regions)
     return src is not None and dst is not None and sum(g.index_nbytes for g in space.groups) <= limit
