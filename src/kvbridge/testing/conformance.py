@@ -397,7 +397,7 @@ class BackendConformance(BackendHarness):
         assert rc == 0 and d is not None and d["requests"] == 1 and d["mismatched_regions"] == 0, decode.stderr()[-3000:]
         return writes
 
-    def test_a_small_metadata_row_in_host_memory_travels_in_done_and_lands_byte_exact(
+    def test_a_small_metadata_row_in_host_memory_travels_in_done_and_arrives_byte_exact(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
     ) -> None:
         writes = self._one_room(local_prefill, children)
