@@ -511,9 +511,9 @@ def _pack(part: Part, sh: Shape, h: Any, at: int) -> tuple[int, int, int]:
 
 
 def _run(sh: Shape, sizes: int, m: int, ncols: int, rows: int, cols: int, starts: int, deltas: int, steps: int,
-         allocs: int, stream: int | None = None, device: int = 0) -> None:
+         allocs: int, stream: int, device: int) -> None:
     """Launch the kernel over ``m`` rows x ``ncols`` columns whose tables are on the GPU at ``rows``/``cols``,
-    on ``stream`` (a handle of ``device``; None: the current stream)."""
+    on ``stream`` (a handle of ``device``)."""
     dtype = _dtypes[sh.width]
     grid = -(-m * ncols * sh.pieces // sh.rows)
     args = (rows, m, cols, ncols, sh.uniform, starts, deltas, allocs,
@@ -521,21 +521,17 @@ def _run(sh: Shape, sizes: int, m: int, ncols: int, rows: int, cols: int, starts
     # Triton types an integer argument i32 or i64 by its value: part of what the compiled kernel is.
     # A compiled kernel is loaded into one device's context.
     key = (device, *args[8:], NUM_WARPS, *(not -(1 << 31) <= v < 1 << 31 for v in args[:8]))
-    direct = _compiled.get(key) if DIRECT_LAUNCH and stream is not None else None
+    direct = _compiled.get(key) if DIRECT_LAUNCH else None
     if direct is not None:
         kernel, count = direct
         kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args[:count])
         return
-    launch = _kernel[(grid,)]
-    constants = dict(PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps,
-                     ALIGN16=sh.align16, EVEN=sh.even, SIZES=sizes, num_warps=NUM_WARPS)
-    if stream is None:
-        launch(*args[:8], **constants)
-        return
     import torch
 
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # Triton launches on torch's current stream
-        kernel = launch(*args[:8], **constants)
+        kernel = _kernel[(grid,)](*args[:8], PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width,
+                                  DTYPE=dtype, STEPS=steps, ALIGN16=sh.align16, EVEN=sh.even, SIZES=sizes,
+                                  num_warps=NUM_WARPS)
     # The compiled launcher takes every argument (Triton >= 3.2: constants too, which it skips) or only
     # the non-constant ones (older): its signature says which. Anything else: keep launching through Triton.
     count = len(getattr(getattr(kernel, "src", None), "signature", ()))
