@@ -142,11 +142,11 @@ def unacknowledged(fd: int) -> bool:
     """Whether the TCP socket ``fd`` has bytes in flight that its kernel is retransmitting: the peer
     stopped acknowledging (``tcpi_retransmits`` > 0 and ``tcpi_unacked`` > 0). A zero window (a
     peer that does not read) is neither: its probes are not retransmissions and nothing is in flight."""
-    info = socket.socket(fileno=os.dup(fd))
+    info = socket.socket(fileno=fd)  # borrowed: detached, not closed, after reading
     try:
         raw = info.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
     finally:
-        info.close()
+        info.detach()
     retransmits = raw[2]  # u8 tcpi_state, tcpi_ca_state, tcpi_retransmits, ...
     (unacked,) = struct.unpack_from("I", raw, 24)  # after 8 u8 fields: rto, ato, snd_mss, rcv_mss, unacked
     return bool(retransmits) and unacked > 0
