@@ -1,8 +1,8 @@
 """core/tcpfence.py on real sockets: abort exactly one peer's connections, dropping what they queued.
 
 On loopback: a receiver that does not read, a sender whose send queue is
-full. Its kernel still acknowledges (a stopped process, not a cut link), so
-the connection is left alone; forced, aborting the sender's connection must
+full. Its host still answers (a stopped process, not a cut link), so the
+connection is left alone; forced, aborting the sender's connection must
 drop that queue (the receiver reads what it already held, then a reset), and
 leave a second connection to another port of the same IP as it was. A cut
 link (no acknowledgements) is the fault matrix's net-cut cell (tests/test_faults.py).
@@ -112,9 +112,9 @@ def test_abort_drops_the_queued_bytes_of_that_peer_and_leaves_the_other_connecti
     unacked = _queued(a.client, SIOCOUTQ)
     assert held < sent and unacked > 0, (held, sent, unacked)
 
-    assert not tcpfence.unacknowledged(a.client.fileno())  # a full window, but every byte sent was acked
-    assert tcpfence.abort([("127.0.0.1", a.port)]) == 0  # so it is not reset: its peer still acknowledges
-    assert tcpfence.abort([("127.0.0.1", a.port)], only_unacknowledged=False) == 1
+    assert tcpfence.answers(("127.0.0.1", a.port))  # a full window, but the host answers
+    assert tcpfence.abort([("127.0.0.1", a.port)]) == 0  # so it is not reset
+    assert tcpfence.abort([("127.0.0.1", a.port)], only_unreachable=False) == 1
 
     got, end = _drain(a.server)
     assert (got, end) == (held, "reset"), f"read {got} of {sent} B sent ({held} held at the abort), then {end}"
@@ -134,3 +134,27 @@ def test_abort_touches_nothing_for_endpoints_nobody_connected_to(pairs: tuple[Pa
     a.client.sendall(b"ok")
     a.server.settimeout(DEADLINE)
     assert a.server.recv(8) == b"ok"
+
+
+def test_a_host_that_does_not_answer_has_every_connection_reset_idle_ones_too() -> None:
+    """A listener whose accept queue is full drops handshakes, as a cut link does: the probe gets no
+    answer, so the idle connection to it (an engine may hold bytes back in user space) is reset."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # Linux queues one connection; later SYNs are dropped, not refused
+    port = listener.getsockname()[1]
+    idle = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)  # queued, never accepted
+    try:
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        refused = closed.getsockname()[1]
+        closed.close()
+        assert tcpfence.answers(("127.0.0.1", refused))  # a refusal is an answer: the host is there
+        assert not tcpfence.answers(("127.0.0.1", port), timeout=0.2)
+        assert tcpfence.abort([("127.0.0.1", port)]) == 1
+        idle.settimeout(DEADLINE)
+        with pytest.raises(OSError):  # reset: no longer connected
+            idle.send(b"x")
+    finally:
+        idle.close()
+        listener.close()

@@ -17,14 +17,16 @@ are not among them) and decode sends them in its handshake. :func:`abort`
 then resets exactly this process's connections to those ``(ip, port)``
 endpoints, not another decode rank's on the same host, nor a zmq socket.
 
-Only a connection whose peer has stopped acknowledging is reset: one with
-bytes in flight that the kernel is already retransmitting (``TCP_INFO``:
-``tcpi_unacked`` and ``tcpi_retransmits``), as over a cut link or to a host
-that is gone. A peer that still acknowledges (a live process, or a stopped
-one: its kernel still acks and closes its window) is left alone: its kernel
-has taken or will take what was sent, whatever prefill does, and a reset
-there only hurts it (a stopped UCXX decode aborted on resume with "Endpoint
-timeout" when its connection had been reset).
+Connections are reset only when the peer's host no longer answers: a TCP
+handshake to its engine's port (:func:`answers`) gets neither a SYN-ACK nor a
+refusal within :data:`PROBE_TIMEOUT`, as over a cut link or to a host that is
+gone. Then all of them are, idle ones too: UCX's TCP transport holds further
+puts in user space until the peer acknowledges the one before, so an idle
+connection may still have bytes to send. A host that answers (a live
+process, or a stopped one: its kernel still answers and acknowledges) is
+left alone: its kernel has taken or will take what was sent, whatever
+prefill does, and a reset there only hurts it (a stopped UCXX decode aborted
+on resume with "Endpoint timeout" when its connection had been reset).
 
 Linux only (``/proc``); elsewhere :func:`listening` finds nothing and
 :func:`abort` aborts nothing. Transports without a socket (CMA between
@@ -41,7 +43,7 @@ import socket
 import struct
 from collections.abc import Collection, Iterator
 
-__all__ = ["Endpoint", "abort", "checked", "engine_endpoints", "listening", "unacknowledged"]
+__all__ = ["Endpoint", "abort", "answers", "checked", "engine_endpoints", "listening"]
 
 log = logging.getLogger(__name__)
 
@@ -138,49 +140,57 @@ def _disconnect(fd: int) -> bool:
     return False
 
 
-def unacknowledged(fd: int) -> bool:
-    """Whether the TCP socket ``fd`` has bytes in flight that its kernel is retransmitting: the peer
-    stopped acknowledging (``tcpi_retransmits`` > 0 and ``tcpi_unacked`` > 0). A zero window (a
-    peer that does not read) is neither: its probes are not retransmissions and nothing is in flight."""
-    info = socket.socket(fileno=fd)  # borrowed: detached, not closed, after reading
-    try:
-        raw = info.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-    finally:
-        info.detach()
-    retransmits = raw[2]  # u8 tcpi_state, tcpi_ca_state, tcpi_retransmits, ...
-    (unacked,) = struct.unpack_from("I", raw, 24)  # after 8 u8 fields: rto, ato, snd_mss, rcv_mss, unacked
-    return bool(retransmits) and unacked > 0
+#: How long a peer's host has to answer a TCP handshake before :func:`abort` takes it as unreachable.
+#: A kernel answers at once (in microseconds on a LAN), for a stopped process too; over a cut link nothing does.
+PROBE_TIMEOUT = 0.5
 
 
-def abort(remote: Collection[Endpoint], only_unacknowledged: bool = True) -> int:
-    """Reset this process's TCP connections whose remote end is one of ``remote`` and whose peer has
-    stopped acknowledging (:func:`unacknowledged`; every one with ``only_unacknowledged=False``);
-    return how many.
+def answers(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether the host of ``endpoint`` answers a TCP handshake to it within ``timeout``, with a SYN-ACK
+    or a refusal. An accepted probe is reset at once (``SO_LINGER`` 0), so its listener reads no data."""
+    ip, port = endpoint
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        probe.settimeout(timeout)
+        try:
+            probe.connect((ip, port))
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # timed out, or no route to the host
+            return False
+    return True
+
+
+def abort(remote: Collection[Endpoint], only_unreachable: bool = True) -> int:
+    """Reset this process's TCP connections whose remote end is one of ``remote``; return how many.
+
+    With ``only_unreachable`` (the default) only when a host of ``remote`` does
+    not answer a TCP handshake within :data:`PROBE_TIMEOUT` (:func:`answers`):
+    a cut link, or a host that is gone. Then every connection to ``remote`` is
+    reset, idle ones too: an engine may hold bytes back in user space, not in
+    the socket (UCX's TCP transport waits for the peer's acknowledgement of one
+    put before it sends the next), and would send them once the link is back.
 
     Each is aborted through a duplicate of its descriptor, checked to be the
     same socket first, so a descriptor closed and reused meanwhile is never
     touched. The engine that owns it sees a connection reset on its next call.
     """
     wanted = set(checked(remote, "abort()"))
-    if not wanted:
-        return 0
-    victims = [inode for _, peer, state, inode in _sockets() if state not in _UNCONNECTED and peer in wanted]
+    own = _own_sockets()
+    victims = [(inode, own[inode]) for _, peer, state, inode in _sockets()
+               if state not in _UNCONNECTED and peer in wanted and inode in own]
     if not victims:
         return 0
-    own = _own_sockets()
+    if only_unreachable and all(answers(min(e for e in wanted if e[0] == ip)) for ip in {ip for ip, _ in wanted}):
+        return 0
     done = 0
-    for inode in victims:
-        fd = own.get(inode)
-        if fd is None:
-            continue  # another process's connection (or already closed)
+    for inode, fd in victims:
         try:
             dup = os.dup(fd)
         except OSError:
             continue
         try:
-            if (os.fstat(dup).st_ino == inode and (not only_unacknowledged or unacknowledged(dup))
-                    and _disconnect(dup)):
-                done += 1
+            done += os.fstat(dup).st_ino == inode and _disconnect(dup)
         finally:
             os.close(dup)
     return done

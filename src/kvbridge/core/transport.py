@@ -147,7 +147,7 @@ class Transport:
         endpoints = self._tcp.get(peer)
         if not endpoints:
             return
-        n = tcpfence.abort(endpoints, only_unacknowledged=not stuck)
+        n = tcpfence.abort(endpoints, only_unreachable=not stuck)
         if n:
             log.warning("%s: reset %d TCP connection(s) to peer %r (%s) so nothing queued in them lands later",
                         self.name, n, peer, why)
