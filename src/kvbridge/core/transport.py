@@ -75,6 +75,7 @@ class Transport:
         self._staging: staging.Staging | None = None  # host staging of strided sources (core/staging.py)
         self._tcp: dict[str, tuple[tcpfence.Endpoint, ...]] = {}  # peer -> where its engine listens
         self._running: dict[str, float] = {}  # peer -> when its write in the backend is overdue (reset_overdue)
+        self._was_reset: dict[str, int] = {}  # peer -> connections reset() reset since its last write
 
     # -- memory -----------------------------------------------------------------------------
     def check_memory(self, regions: Sequence[Region], whose: str) -> None:
@@ -149,6 +150,7 @@ class Transport:
             return
         n = tcpfence.abort(endpoints, only_unreachable=not stuck)
         if n:
+            self._was_reset[peer] = self._was_reset.get(peer, 0) + n
             log.warning("%s: reset %d TCP connection(s) to peer %r (%s) so nothing queued in them lands later",
                         self.name, n, peer, why)
 
@@ -194,7 +196,7 @@ class Transport:
             self._check(peer, deadline, live, f"after {posted}{of} batches ({landed} of {plan.total_bytes} B landed)")
             self._running[peer] = deadline + RESET_GRACE
             try:
-                self.backend.write(peer, batch, deadline)
+                self._post(peer, batch, deadline, lambda: self._check(peer, deadline, live, "before a retry"))
             except TransferError as exc:
                 if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing
                     self.reset(peer, f"a write failed: {type(exc).__name__}")
@@ -222,6 +224,23 @@ class Transport:
                     staged.release()  # write() returned or raised: the engine reads the slice no more
         finally:
             _live.reset(token)
+
+    def _post(self, peer: str, batch: TransferPlan, deadline: float, check: Callable[[], None]) -> None:
+        """``backend.write``, again if it failed (not timed out) as the first write since :meth:`reset`
+        reset ``n`` of the peer's connections, up to ``n`` times: an engine that pools connections
+        (Mooncake) fails one call per reset connection it picks, dropping it, then reconnects. A retry
+        writes the same bytes to the same places, after ``check`` (deadline and liveness) again."""
+        retries = self._was_reset.pop(peer, 0)
+        while True:
+            try:
+                self.backend.write(peer, batch, deadline)
+                return
+            except TransferError as exc:
+                if retries == 0 or isinstance(exc, (TransferCancelled, TransferTimeout)):
+                    raise
+                retries -= 1
+                log.info("%s: write to peer %r failed after its connections were reset; retrying: %s", self.name, peer, exc)
+            check()
 
     def _windows(self, plan: TransferPlan) -> Iterator[TransferPlan]:
         """The plan in windows that staging may gather (one slice each), or whole when it cannot help."""

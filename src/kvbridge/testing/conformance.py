@@ -86,9 +86,10 @@ class Engines:
     dst: list[np.ndarray]  # the same shapes, zeroed before each test
     src_regions: list[Region]
     dst_regions: list[Region]
+    dst_tcp: tuple[tcpfence.Endpoint, ...]  # where dest's engine listens, as a decode's Hello says
 
     def add_dest(self) -> None:
-        self.source.add_peer("dest", self.dest.metadata(), self.dst_regions)
+        self.source.add_peer("dest", self.dest.metadata(), self.dst_regions, tcp=self.dst_tcp)
 
     def plan(self, src_pages: list[int], dst_pages: list[int]) -> TransferPlan:
         plan = plan_pages([self.src[0].ctypes.data], [self.dst[0].ctypes.data], [PAGE], src_pages, dst_pages)
@@ -147,13 +148,15 @@ class BackendConformance(BackendHarness):
         src = [rng.integers(1, 256, (PAGES, PAGE), dtype=np.uint8), rng.integers(1, 256, BYTES, dtype=np.uint8)]
         dst = [np.zeros((PAGES, PAGE), np.uint8), np.zeros(BYTES, np.uint8)]
         source = _engine(cls, "source")
+        before = tcpfence.listening()
         try:
             dest = _engine(cls, "dest")
         except BaseException:
             source.close()
             raise
         try:
-            engines = Engines(source, dest, src, dst, _regions(src), _regions(dst))
+            engines = Engines(source, dest, src, dst, _regions(src), _regions(dst),
+                              tcpfence.engine_endpoints(before, "127.0.0.1"))
             source.register(engines.src_regions)
             dest.register(engines.dst_regions)
             engines.add_dest()
@@ -231,6 +234,19 @@ class BackendConformance(BackendHarness):
         with pytest.raises(TransferError):
             _write(closing, "dest", engines.plan([1], [1]), time.monotonic() + self.scaled(5.0), self.slack)
         assert not engines.dst[0].any()
+
+    def test_the_write_after_core_reset_the_peers_connections_arrives(self, engines: Engines) -> None:
+        # Core resets the TCP connections to a peer whose write overran its deadline, idle ones
+        # too (core/tcpfence.py). The next write must land: the engine reconnects, or fails that
+        # one call on a reset connection, which core retries once (Mooncake does).
+        plan = engines.plan([1, 2, 30], [3, 4, 60])
+        _write(engines.source, "dest", plan, time.monotonic() + self.scaled(5.0), self.slack)  # connected
+        engines.source.reset("dest", "the conformance suite", stuck=True)
+        engines.dst[0].fill(0)
+        _write(engines.source, "dest", plan, time.monotonic() + self.scaled(5.0), self.slack)
+        want = np.zeros_like(engines.dst[0])
+        want[[3, 4, 60]] = engines.src[0][[1, 2, 30]]
+        np.testing.assert_array_equal(engines.dst[0], want)
 
     def test_a_write_to_a_frozen_peer_returns_by_its_deadline_and_the_peer_recovers(
         self, engines: Engines, children: Callable[..., Child]
