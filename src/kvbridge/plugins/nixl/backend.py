@@ -109,6 +109,13 @@ hosts whose wire is fast enough for NIXL's per-request work to matter
 prepared in :meth:`add_peer`, which also checks early that a peer's
 regions are covered by the memory its agent metadata declares.
 
+**A failed endpoint.** NIXL keeps a UCX endpoint that failed (its TCP
+connection reset, as core's fence does to a peer whose host stopped
+answering: ``core/tcpfence.py``) failed, and every later write to that peer
+raised ``nixlRemoteDisconnectError``. A write that fails so, or ends in
+``ERR``, unloads the peer's agent and loads its metadata again
+(:meth:`NixlBackend._reload`), so the next write connects anew.
+
 Options (``config.options``, declared in :mod:`kvbridge.plugins.nixl`):
 ``progress_delay_us`` (default 1000; 0 restores NIXL's spinning progress
 thread), ``ucx_error_handling_mode`` (``peer``, the default, reports a dead
@@ -310,6 +317,8 @@ class _Peer:
     table: PageTable | None  # None when the peer registered no regions, or they mix memory kinds
     regions: RegionTable  # its regions: which memory kind and device each destination is in
     kind: tuple[bool, int] | None  # (GPU memory?, device) of every region, if they share one
+    metadata: bytes  # its agent metadata, to load again after its endpoint failed (_reload)
+    region_list: list[Region]  # its regions as add_peer got them, for the page table _reload prepares again
     writes: int = 0  # writes in progress (guarded by the backend's lock)
     retired: bool = False  # removed while a write was in progress; released by the last write
     forget_agent: bool = True  # whether retiring also unloads the remote agent
@@ -415,7 +424,8 @@ class NixlBackend(Backend):
         with self._lock:
             old = self._peers.pop(peer, None)
             table_of_regions = RegionTable(regions)
-            self._peers[peer] = _Peer(peer, agent_name, table, table_of_regions, _one_kind(table_of_regions))
+            self._peers[peer] = _Peer(peer, agent_name, table, table_of_regions, _one_kind(table_of_regions),
+                                      bytes(metadata), list(regions))
         if old is not None:
             self._retire(old, forget_agent=old.agent != agent_name)
 
@@ -440,6 +450,23 @@ class NixlBackend(Backend):
         if forget_agent and self._agent is not None:
             self._quietly(lambda: self._agent.remove_remote_agent(peer.agent),
                           f"removing the agent of peer {peer.name!r}")
+
+    def _reload(self, p: _Peer) -> None:
+        """Unload ``p``'s agent and load its metadata again, so that the next write connects anew: NIXL
+        keeps a UCX endpoint that failed failed (the peer's connection was reset, by core's TCP fence
+        among others) and every later write to it would fail too. Runs on the writing thread."""
+        agent = self._live_agent()
+        if p.table is not None:
+            self._quietly(p.table.handle.release, f"releasing the page table of peer {p.name!r}")
+            p.table = None
+        self._quietly(lambda: agent.remove_remote_agent(p.agent), f"unloading the agent of peer {p.name!r}")
+        try:
+            agent.add_remote_agent(p.metadata)
+            p.table = self._prep(p.agent, p.region_list)
+        except self._errors as exc:
+            log.warning("nixl: loading the agent of peer %r again failed: %r; its writes will fail", p.name, exc)
+            return
+        log.info("nixl: loaded the agent of peer %r again after its endpoint failed; the next write reconnects", p.name)
 
     def _quietly(self, call: Any, what: str) -> None:
         try:
@@ -534,6 +561,8 @@ class NixlBackend(Backend):
         except self._errors as exc:
             if handle is not None:
                 self._release(handle)
+            if type(exc).__name__ == "nixlRemoteDisconnectError":
+                self._reload(p)
             raise TransferError(
                 f"nixl: write to peer {peer!r} (agent {p.agent}; {_what(batch)}) failed: {type(exc).__name__}: {exc}. "
                 + _hint(type(exc).__name__)
@@ -547,6 +576,7 @@ class NixlBackend(Backend):
                 + "; bytes may have partly landed, and puts UCX had queued may still land"
             )
         if state != "DONE":
+            self._reload(p)  # an endpoint that failed stays failed
             raise TransferError(
                 f"nixl: write to peer {peer!r} (agent {p.agent}; {_what(batch)}) ended in state {state!r}; "
                 "bytes may have partly landed"
