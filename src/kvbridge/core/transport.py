@@ -140,11 +140,11 @@ class Transport:
         self.backend.remove_peer(peer)
 
     def reset(self, peer: str, why: str, stuck: bool = False) -> None:
-        """Reset this process's TCP connections to ``peer``'s engine that it stopped acknowledging,
+        """Reset this process's TCP connections to ``peer``'s engine if its host no longer answers,
         dropping what they still queue: a write to it failed or timed out, and nothing of it may land
         later (core/tcpfence.py). ``stuck``: a write is still inside the engine past its deadline;
-        every connection to the peer is reset then, which ends the engine's wait. The engine
-        reconnects for the next write."""
+        they are reset whether it answers or not, which ends the engine's wait. The engine
+        reconnects for the next write (:meth:`_post` retries it where the engine fails one first)."""
         endpoints = self._tcp.get(peer)
         if not endpoints:
             return
