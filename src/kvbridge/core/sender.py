@@ -49,7 +49,8 @@ class _Job:
     announced: list[tuple[list[int], Any]] = field(default_factory=list)
     queued: bool = False  # a _write_layers call is queued or running on the peer's worker
     complete: bool = False  # every layer of the chunk was announced: the write that takes the last ends the chunk
-    arrived: threading.Event = field(default_factory=threading.Event)  # set by layer_ready(): wakes a lingering worker
+    # Set by layer_ready() for the chunk's last layer: ends a lingering worker's wait (_linger).
+    arrived: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -276,7 +277,8 @@ class Sender(Room):
             for job in lc.jobs:
                 job.announced.append((groups, ready))
                 job.complete = complete
-                job.arrived.set()
+                if complete:  # a lingering worker wakes for the last layer; the others it takes when its wait ends
+                    job.arrived.set()
                 if not job.queued:
                     job.queued = True
                     job.peer.worker.submit(functools.partial(self._write_layers, job, lc.chunk, lc.last))
@@ -483,9 +485,14 @@ class Sender(Room):
         return job.layered.nbytes(groups) * (per_byte or 0.0) < cost
 
     def _linger(self, job: _Job, groups: list[int]) -> tuple[list[int], bool]:
-        """Wait up to the peer's write cost for the next layer, take it, again, while that is worth it
-        (:meth:`_worth_waiting`) and until the chunk's last layer is taken; bounded in count (each round
-        takes a layer or waits) and in time."""
+        """Wait up to the peer's write cost, take the layers announced meanwhile, again while that is
+        worth it (:meth:`_worth_waiting`) and until the chunk's last layer is taken; bounded in count
+        (each round takes a layer or waits) and in time.
+
+        Only the chunk's last layer ends a wait early: woken by every announcement, this thread took
+        the GIL from the host's thread between its layers, and on the H200 a host announcing 16
+        layers without compute took 120 us per layer instead of ~50 (layer-wise TTFT 3.2 ms against
+        1.6 ms per chunk, in 4 writes; woken by the last only: 2.1 ms, 1 write).
         cost = job.peer.write_cost or 0.0
         until = time.monotonic() + cost
         for _ in range(4 * (len(self.manager.layer_index.keys) + 1)):
