@@ -31,6 +31,10 @@ from .metrics import metrics
 
 log = logging.getLogger(__name__)
 
+#: How long messages queued when the loop stops may still take to leave (zmq's linger, in ms);
+#: the process's exit waits for them at most this long.
+STOP_LINGER_MS = 1000
+
 Handler = Callable[[zmq.Socket, list[bytes]], None]
 #: Returns the channel to send on, looked up on the I/O thread (None: drop the message).
 SocketGetter = Callable[[], "Channel | None"]
@@ -61,11 +65,12 @@ class IOLoop:
         self._handlers[sock] = handler
         self._poller.register(sock, zmq.POLLIN)
 
-    def remove_socket(self, sock: zmq.Socket) -> None:
+    def remove_socket(self, sock: zmq.Socket, linger_ms: int = 0) -> None:
+        """Stop polling ``sock`` and close it; what it still queues is dropped, or sent for up to ``linger_ms``."""
         if sock in self._handlers:
             self._poller.unregister(sock)
             del self._handlers[sock]
-        sock.close(linger=0)
+        sock.close(linger=linger_ms)
 
     # -- thread-safe -------------------------------------------------------------------
     def send(self, channel: SocketGetter, payload: bytes, ident: bytes | None = None) -> None:
@@ -128,7 +133,10 @@ class IOLoop:
             self._drain_outbox()
         finally:
             for sock in list(self._handlers):
-                self.remove_socket(sock)
+                # Messages sent just before the loop stopped (a room's Done, each room's Failed at
+                # close) may still be in zmq's queue: closing with linger 0 dropped them, and
+                # decode waited for a Done its prefill had already counted as SUCCESS.
+                self.remove_socket(sock, STOP_LINGER_MS)
             os.close(self._wake_r)
             os.close(self._wake_w)
 
