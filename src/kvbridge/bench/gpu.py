@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from kvbridge.bench.raw_nixl import raw
-    from kvbridge.bench.transfer import finish_child, wait_for
+    from kvbridge.bench.transfer import finish_child
 
     kvargs, tensors = pools(args.page_kib, args.total_mib, 0, fill=True)
     servers = [BootstrapServer("127.0.0.1"), BootstrapServer("127.0.0.1")]
@@ -139,11 +139,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for rep in range(args.reps + 1):
                     room += 1
                     sender = Sender(mgr, room)
-                    wait_for(sender, Poll.WAITING_FOR_INPUT)
+                    sender.wait(Poll.WAITING_FOR_INPUT, 600)
                     metrics.reset()
                     t0 = time.perf_counter()
                     sender.send([], state_indices={space: src}, last=True)
-                    wait_for(sender, Poll.SUCCESS)
+                    sender.wait(Poll.SUCCESS, 600)
                     latency = time.perf_counter() - t0
                     if sender.poll() != Poll.SUCCESS:
                         raise RuntimeError(f"{path} page {page} {how}: {sender.failure()}")

@@ -176,10 +176,12 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
             # kvbridge, raw engine and memcpy alternate so noise hits all three alike.
             for rep in range(reps + 1):
                 sender = Sender(mgr, 1000 * c + rep + 1, metadata_row=0)
-                wait_for(sender, Poll.WAITING_FOR_INPUT)
+                sender.wait(Poll.WAITING_FOR_INPUT, 600)
                 t0 = time.perf_counter()
                 sender.send(src, last=True)
-                wait_for(sender, Poll.SUCCESS)
+                # Woken by the change: a host thread polling in a loop would compete with the sender's
+                # worker for the GIL, and the write it measures would pay for it.
+                sender.wait(Poll.SUCCESS, 600)
                 elapsed = time.perf_counter() - t0
                 if sender.poll() != Poll.SUCCESS:
                     raise RuntimeError(f"{name}: {sender.failure()}")
@@ -222,13 +224,6 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
         mgr.close()
         server.close()
     return results
-
-
-def wait_for(sender: Sender, state: Poll, timeout: float = 600) -> None:
-    """Wait until ``sender`` reaches ``state`` (or fails), at most ``timeout`` seconds, woken by the change:
-    a host thread polling in a loop would compete with the sender's worker for the GIL, and the
-    write it measures would pay for it."""
-    sender.wait(state, timeout)
 
 
 def finish_child(child: subprocess.Popen[str], timeout: float = 120) -> None:

@@ -237,8 +237,8 @@ class BackendConformance(BackendHarness):
 
     def test_the_write_after_core_reset_the_peers_connections_arrives(self, engines: Engines) -> None:
         # Core resets the TCP connections to a peer whose write overran its deadline, idle ones
-        # too (core/tcpfence.py). The next write must land: the engine reconnects, or fails that
-        # one call on a reset connection, which core retries once (Mooncake does).
+        # too (core/tcpfence.py). The next write must land: the engine reconnects, or fails a call
+        # per reset connection it picks, which core retries (Mooncake does).
         plan = engines.plan([1, 2, 30], [3, 4, 60])
         _write(engines.source, "dest", plan, time.monotonic() + self.scaled(5.0), self.slack)  # connected
         engines.source.reset("dest", "the conformance suite", stuck=True)

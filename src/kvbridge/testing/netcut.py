@@ -148,8 +148,7 @@ def run_prefill(sc: Scenario, sizes: list[int], gates: Path, split: set[int]) ->
                 return 2
             sender = Sender(mgr, req.room, metadata_row=0)  # as a host does when its router hands it the request
             deadline = time.monotonic() + sc.deadline
-            while sender.poll() == Poll.BOOTSTRAPPING and time.monotonic() < deadline:
-                time.sleep(0.001)
+            sender.wait(Poll.WAITING_FOR_INPUT, sc.deadline)
             pages = source_pages(n)
             if sender.poll() == Poll.WAITING_FOR_INPUT:
                 if i in split:
@@ -162,8 +161,7 @@ def run_prefill(sc: Scenario, sizes: list[int], gates: Path, split: set[int]) ->
                         sender.send(pages[-1:], last=True)
                 else:
                     sender.send(pages, last=True)
-            while sender.poll() not in (Poll.SUCCESS, Poll.FAILED) and time.monotonic() < deadline:
-                time.sleep(0.001)
+            sender.wait(Poll.SUCCESS, max(0.0, deadline - time.monotonic()))  # or FAILED
             _line(room=req.room, state=sender.poll().name, reason=sender.failure(), t=time.monotonic())
     finally:
         mgr.close()

@@ -42,7 +42,7 @@ Behaviour this adapter is built around (docs/engines.md, NIXL):
   write can leave up to its batch in flight; core keeps batches within
   16 MiB and 1024 descriptors for this reason, and over TCP resets the
   connections to the peer after a failed write, which drops what they queue
-  (docs/failures.md): NIXL's UCX then reconnects for the next write.
+  (docs/failures.md); the next write reconnects (a failed endpoint, below).
 - **The post does the copy.** With CMA, ``transfer()`` copies every byte
   before it returns (1 GiB: 0.2-0.3 s inside the call, state already DONE),
   so a deadline cannot interrupt it. The backend therefore declares
