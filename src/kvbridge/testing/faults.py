@@ -178,7 +178,10 @@ def _rooms(child: Any, n: int, timeout: float) -> list[dict[str, Any]]:
     _wait(lambda: len(lines()) >= n or child.proc.poll() is not None, timeout, f"{child.role}'s room {n}")
     got = lines()
     if len(got) < n:
-        raise RuntimeError(f"{child.role} exited with {child.proc.returncode}: {child.stderr()[-2000:]}")
+        # Engines (UCX) log to stdout: what they printed there besides the JSON lines belongs to the report.
+        other = "\n".join(x for x in child.stdout().splitlines() if not x.startswith("{"))[-1500:]
+        raise RuntimeError(f"{child.role} exited with {child.proc.returncode}: {child.stderr()[-2000:]}"
+                           + (f"\nits stdout: {other}" if other else ""))
     return got[:n]
 
 

@@ -139,7 +139,7 @@ class Child:
         self.scale = scale
         self.out_path, self.err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
         default, flag = ("kvbridge.testing.hybrid", "--spec") if isinstance(spec, Spec) else ("kvbridge.testing.e2e", "--scenario")
-        cmd = [*prefix, sys.executable, "-m", module or default, role, flag, msgspec.json.encode(spec).decode(), *extra]
+        cmd = [*prefix, sys.executable, "-X", "faulthandler", "-m", module or default, role, flag, msgspec.json.encode(spec).decode(), *extra]
         if bootstrap is not None:
             cmd += ["--bootstrap", bootstrap]
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:

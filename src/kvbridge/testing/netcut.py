@@ -101,8 +101,9 @@ class Link:
 
     def env(self, role: str) -> dict[str, str]:
         """UCX (nixl, ucx) on this side's veth only, and over TCP as between two hosts: UCX would otherwise
-        put by CMA (``process_vm_writev``), which crosses namespaces of one host without the link."""
-        return {"UCX_NET_DEVICES": self.dev[role], "UCX_TLS": "tcp"}
+        put by CMA (``process_vm_writev``), which crosses namespaces of one host without the link. A crash
+        inside UCX prints its backtrace (UCX_HANDLE_ERRORS)."""
+        return {"UCX_NET_DEVICES": self.dev[role], "UCX_TLS": "tcp", "UCX_HANDLE_ERRORS": "bt"}
 
     def set(self, up: bool) -> float:
         """Take prefill's end of the link down (or up); returns the monotonic time it took effect."""
