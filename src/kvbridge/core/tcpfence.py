@@ -164,10 +164,10 @@ def answers(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT) -> bool:
 def abort(remote: Collection[Endpoint], only_unreachable: bool = True) -> int:
     """Reset this process's TCP connections whose remote end is one of ``remote``; return how many.
 
-    With ``only_unreachable`` (the default) only when a host of ``remote`` does
-    not answer a TCP handshake within :data:`PROBE_TIMEOUT` (:func:`answers`):
-    a cut link, or a host that is gone. Then every connection to ``remote`` is
-    reset, idle ones too: an engine may hold bytes back in user space, not in
+    With ``only_unreachable`` (the default) only those to an address of ``remote``
+    that does not answer a TCP handshake within :data:`PROBE_TIMEOUT` (:func:`answers`;
+    decided per address this process is connected to): a cut link, or a host
+    that is gone. Then every connection to that address is reset, idle ones too: an engine may hold bytes back in user space, not in
     the socket (UCX's TCP transport waits for the peer's acknowledgement of one
     put before it sends the next), and would send them once the link is back.
 
@@ -177,14 +177,16 @@ def abort(remote: Collection[Endpoint], only_unreachable: bool = True) -> int:
     """
     wanted = set(checked(remote, "abort()"))
     own = _own_sockets()
-    victims = [(inode, own[inode]) for _, peer, state, inode in _sockets()
+    victims = [(inode, peer, own[inode]) for _, peer, state, inode in _sockets()
                if state not in _UNCONNECTED and peer in wanted and inode in own]
-    if not victims:
-        return 0
-    if only_unreachable and all(answers(min(e for e in wanted if e[0] == ip)) for ip in {ip for ip, _ in wanted}):
-        return 0
+    if only_unreachable:
+        # Per address this process is connected to: another advertised address (a second NIC's
+        # listener) that does not answer from here says nothing about the host behind this one.
+        silent = {ip for ip in {peer[0] for _, peer, _ in victims}
+                  if not answers(min(e for e in wanted if e[0] == ip))}
+        victims = [v for v in victims if v[1][0] in silent]
     done = 0
-    for inode, fd in victims:
+    for inode, _, fd in victims:
         try:
             dup = os.dup(fd)
         except OSError:

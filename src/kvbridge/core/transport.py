@@ -239,8 +239,15 @@ class Transport:
                 if retries == 0 or isinstance(exc, (TransferCancelled, TransferTimeout)):
                     raise
                 retries -= 1
+                failed = type(exc).__name__
                 log.info("%s: write to peer %r failed after its connections were reset; retrying: %s", self.name, peer, exc)
-            check()
+            try:
+                check()
+            except TransferCancelled:
+                # The attempt that failed was posted (write() takes a cancel for "nothing posted"):
+                # reset as after any failed write, or what it queued may land after the room failed.
+                self.reset(peer, f"a write failed: {failed}")
+                raise
 
     def _windows(self, plan: TransferPlan) -> Iterator[TransferPlan]:
         """The plan in windows that staging may gather (one slice each), or whole when it cannot help."""
