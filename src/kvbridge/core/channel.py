@@ -47,6 +47,9 @@ class IOLoop:
         self._handlers: dict[zmq.Socket, Handler] = {}
         self._outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
+        # Guards _wake_w against its close at stop: a write after it would go to whatever file
+        # reused the descriptor's number (a worker's Fenced can come after the loop stopped).
+        self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._tick = tick
@@ -91,19 +94,22 @@ class IOLoop:
             fn()
             return
         self._outbox.put((fn,))
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:  # closed during shutdown
-            pass
+        self._wake()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self._wake()
         if self._thread.is_alive() and not self.on_io_thread():
             self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w < 0:  # the loop has stopped and closed its pipe
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:  # the pipe is full: the loop is awake anyway
+                pass
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -137,8 +143,10 @@ class IOLoop:
                 # close) may still be in zmq's queue: closing with linger 0 dropped them, and
                 # decode waited for a Done its prefill had already counted as SUCCESS.
                 self.remove_socket(sock, STOP_LINGER_MS)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            with self._wake_lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = -1
 
     def _drain_outbox(self) -> None:
         while True:
