@@ -447,3 +447,28 @@ def test_messages_sent_just_before_the_io_loop_stops_still_leave() -> None:
     finally:
         sink.close(linger=0)
     assert got == count, f"{count - got} of {count} messages sent before stop() never left"
+
+
+def test_a_call_after_the_io_loop_stopped_writes_into_no_other_file() -> None:
+    """A worker that outlived close() (its Fenced, its Done) calls loop.call: the wake-up byte must
+    not go to the file that reused the closed wake pipe's descriptor number."""
+    import os
+
+    from kvbridge.core.channel import IOLoop
+
+    loop = IOLoop("test-stopped-wake")
+    loop.start()
+    old = loop._wake_w
+    loop.stop()
+    fds = [os.pipe() for _ in range(4)]  # one of them takes the old number (lowest free first)
+    try:
+        loop.call(lambda: None)
+        for r, w in fds:
+            os.set_blocking(r, False)
+            with pytest.raises(BlockingIOError):
+                got = os.read(r, 8)
+                pytest.fail(f"{got!r} written into an unrelated pipe (fds {r}, {w}; the loop's was {old})")
+    finally:
+        for r, w in fds:
+            os.close(r)
+            os.close(w)

@@ -20,9 +20,11 @@ endpoints, not another decode rank's on the same host, nor a zmq socket.
 Connections are reset only when the peer's host no longer answers: a TCP
 handshake to its engine's port (:func:`answers`) gets neither a SYN-ACK nor a
 refusal within :data:`PROBE_TIMEOUT`, as over a cut link or to a host that is
-gone. Then all of them are, idle ones too: UCX's TCP transport holds further
-puts in user space until the peer acknowledges the one before, so an idle
-connection may still have bytes to send. A host that answers (a live
+gone. That is decided per address this process is connected to (an engine
+may advertise a second NIC's address that does not answer from here), and
+then every connection to that address is reset, idle ones too: UCX's TCP
+transport holds further puts in user space until the peer acknowledges the
+one before, so an idle connection may still have bytes to send. A host that answers (a live
 process, or a stopped one: its kernel still answers and acknowledges) is
 left alone: its kernel has taken or will take what was sent, whatever
 prefill does, and a reset there only hurts it (a stopped UCXX decode aborted
@@ -149,7 +151,12 @@ def answers(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT) -> bool:
     """Whether the host of ``endpoint`` answers a TCP handshake to it within ``timeout``, with a SYN-ACK
     or a refusal. An accepted probe is reset at once (``SO_LINGER`` 0), so its listener reads no data."""
     ip, port = endpoint
-    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM) as probe:
+    try:
+        probe = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as exc:  # no descriptor left: cannot tell, and the fence comes first (reset)
+        log.warning("tcpfence: cannot probe %s:%d (%s); taking it as not answering", ip, port, exc)
+        return False
+    with probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         probe.settimeout(timeout)
         try:
@@ -164,12 +171,14 @@ def answers(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT) -> bool:
 def abort(remote: Collection[Endpoint], only_unreachable: bool = True) -> int:
     """Reset this process's TCP connections whose remote end is one of ``remote``; return how many.
 
-    With ``only_unreachable`` (the default) only those to an address of ``remote``
-    that does not answer a TCP handshake within :data:`PROBE_TIMEOUT` (:func:`answers`;
-    decided per address this process is connected to): a cut link, or a host
-    that is gone. Then every connection to that address is reset, idle ones too: an engine may hold bytes back in user space, not in
-    the socket (UCX's TCP transport waits for the peer's acknowledgement of one
-    put before it sends the next), and would send them once the link is back.
+    With ``only_unreachable`` (the default) only those to an address of
+    ``remote`` that does not answer a TCP handshake within
+    :data:`PROBE_TIMEOUT` (:func:`answers`; decided per address this process
+    is connected to): a cut link, or a host that is gone. Then every
+    connection to that address is reset, idle ones too: an engine may hold
+    bytes back in user space, not in the socket (UCX's TCP transport waits for
+    the peer's acknowledgement of one put before it sends the next), and would
+    send them once the link is back.
 
     Each is aborted through a duplicate of its descriptor, checked to be the
     same socket first, so a descriptor closed and reused meanwhile is never

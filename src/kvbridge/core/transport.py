@@ -137,6 +137,7 @@ class Transport:
         # and CUDA opens a handle once per process anyway.
         self._gpu_peers.pop(peer, None)
         self._tcp.pop(peer, None)
+        self._was_reset.pop(peer, None)  # a peer id handshaking again starts without retries owed
         self.backend.remove_peer(peer)
 
     def reset(self, peer: str, why: str, stuck: bool = False) -> None:
