@@ -350,6 +350,9 @@ class NixlBackend(Backend):
         except self._errors as exc:
             raise TransferError(f"nixl: could not create agent {self.agent_name!r} with UCX {params}: {exc!r}") from exc
         self._lock = threading.Lock()
+        # Loading and unloading remote agents (add_peer on the I/O thread, _retire, _reload on a writing
+        # thread): one at a time, or a reload could unload the agent a re-handshake just loaded.
+        self._agents = threading.RLock()
         self._peers: dict[str, _Peer] = {}
         self._registered: list[Region] = []
         self._reg_descs: list[Any] = []
@@ -400,6 +403,10 @@ class NixlBackend(Backend):
 
     def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
         """Load ``peer``'s agent metadata and prepare the page table of its regions."""
+        with self._agents:
+            self._add_peer(peer, metadata, regions)
+
+    def _add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
         agent = self._live_agent()
         try:
             loaded = agent.add_remote_agent(bytes(metadata))
@@ -438,6 +445,10 @@ class NixlBackend(Backend):
 
     def _retire(self, peer: _Peer, forget_agent: bool) -> None:
         """Release what ``peer`` holds now, or after the writes to it in progress."""
+        with self._agents:
+            self._retire_now(peer, forget_agent)
+
+    def _retire_now(self, peer: _Peer, forget_agent: bool) -> None:
         with self._lock:
             peer.forget_agent = forget_agent
             if peer.writes:
@@ -454,7 +465,21 @@ class NixlBackend(Backend):
     def _reload(self, p: _Peer) -> None:
         """Unload ``p``'s agent and load its metadata again, so that the next write connects anew: NIXL
         keeps a UCX endpoint that failed failed (the peer's connection was reset, by core's TCP fence
-        among others) and every later write to it would fail too. Runs on the writing thread."""
+        among others) and every later write to it would fail too. Runs on the writing thread.
+
+        Not for a peer that was retired or replaced meanwhile (a re-handshake loaded its agent afresh),
+        nor while another peer id uses the same agent (its page table was prepared against that load)."""
+        with self._agents:
+            with self._lock:
+                current = self._peers.get(p.name) is p and not p.retired
+                shared = any(o is not p and o.agent == p.agent for o in self._peers.values())
+            if not current or shared:
+                log.info("nixl: not reloading the agent of peer %r: %s", p.name,
+                         "another peer id uses it" if current else "the peer was replaced or removed")
+                return
+            self._reload_now(p)
+
+    def _reload_now(self, p: _Peer) -> None:
         agent = self._live_agent()
         if p.table is not None:
             self._quietly(p.table.handle.release, f"releasing the page table of peer {p.name!r}")
