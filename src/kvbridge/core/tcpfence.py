@@ -24,11 +24,12 @@ gone. That is decided per address this process is connected to (an engine
 may advertise a second NIC's address that does not answer from here), and
 then every connection to that address is reset, idle ones too: UCX's TCP
 transport holds further puts in user space until the peer acknowledges the
-one before, so an idle connection may still have bytes to send. A host that answers (a live
-process, or a stopped one: its kernel still answers and acknowledges) is
-left alone: its kernel has taken or will take what was sent, whatever
-prefill does, and a reset there only hurts it (a stopped UCXX decode aborted
-on resume with "Endpoint timeout" when its connection had been reset).
+one before, so an idle connection may still have bytes to send. A host that
+answers (a live process, or a stopped one: its kernel still answers and
+acknowledges) is left alone: its kernel has taken or will take what was
+sent, whatever prefill does, and a reset there only hurts it (a stopped
+UCXX decode aborted on resume with "Endpoint timeout" when its connection
+had been reset).
 
 Linux only (``/proc``); elsewhere :func:`listening` finds nothing and
 :func:`abort` aborts nothing. Transports without a socket (CMA between

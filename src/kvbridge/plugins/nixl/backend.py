@@ -446,21 +446,18 @@ class NixlBackend(Backend):
     def _retire(self, peer: _Peer, forget_agent: bool) -> None:
         """Release what ``peer`` holds now, or after the writes to it in progress."""
         with self._agents:
-            self._retire_now(peer, forget_agent)
-
-    def _retire_now(self, peer: _Peer, forget_agent: bool) -> None:
-        with self._lock:
-            peer.forget_agent = forget_agent
-            if peer.writes:
-                peer.retired = True  # the last write in progress releases it
-                return
-            # Another peer id may use the same agent (a re-handshake under a new id).
-            forget_agent = forget_agent and not any(p.agent == peer.agent for p in self._peers.values())
-        if peer.table is not None:
-            self._quietly(peer.table.handle.release, f"releasing the page table of peer {peer.name!r}")
-        if forget_agent and self._agent is not None:
-            self._quietly(lambda: self._agent.remove_remote_agent(peer.agent),
-                          f"removing the agent of peer {peer.name!r}")
+            with self._lock:
+                peer.forget_agent = forget_agent
+                if peer.writes:
+                    peer.retired = True  # the last write in progress releases it
+                    return
+                # Another peer id may use the same agent (a re-handshake under a new id).
+                forget_agent = forget_agent and not any(p.agent == peer.agent for p in self._peers.values())
+            if peer.table is not None:
+                self._quietly(peer.table.handle.release, f"releasing the page table of peer {peer.name!r}")
+            if forget_agent and self._agent is not None:
+                self._quietly(lambda: self._agent.remove_remote_agent(peer.agent),
+                              f"removing the agent of peer {peer.name!r}")
 
     def _reload(self, p: _Peer) -> None:
         """Unload ``p``'s agent and load its metadata again, so that the next write connects anew: NIXL
@@ -477,20 +474,17 @@ class NixlBackend(Backend):
                 log.info("nixl: not reloading the agent of peer %r: %s", p.name,
                          "another peer id uses it" if current else "the peer was replaced or removed")
                 return
-            self._reload_now(p)
-
-    def _reload_now(self, p: _Peer) -> None:
-        agent = self._live_agent()
-        if p.table is not None:
-            self._quietly(p.table.handle.release, f"releasing the page table of peer {p.name!r}")
-            p.table = None
-        self._quietly(lambda: agent.remove_remote_agent(p.agent), f"unloading the agent of peer {p.name!r}")
-        try:
-            agent.add_remote_agent(p.metadata)
-            p.table = self._prep(p.agent, p.region_list)
-        except self._errors as exc:
-            log.warning("nixl: loading the agent of peer %r again failed: %r; its writes will fail", p.name, exc)
-            return
+            agent = self._live_agent()
+            if p.table is not None:
+                self._quietly(p.table.handle.release, f"releasing the page table of peer {p.name!r}")
+                p.table = None
+            self._quietly(lambda: agent.remove_remote_agent(p.agent), f"unloading the agent of peer {p.name!r}")
+            try:
+                agent.add_remote_agent(p.metadata)
+                p.table = self._prep(p.agent, p.region_list)
+            except self._errors as exc:
+                log.warning("nixl: loading the agent of peer %r again failed: %r; its writes will fail", p.name, exc)
+                return
         log.info("nixl: loaded the agent of peer %r again after its endpoint failed; the next write reconnects", p.name)
 
     def _quietly(self, call: Any, what: str) -> None:
