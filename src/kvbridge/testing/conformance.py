@@ -317,7 +317,7 @@ class BackendConformance(BackendHarness):
         decode = children("decode", sc, bootstrap=prefill.bootstrap)
         rc_d, d = decode.finish(sc.deadline + 10)
         rc_p, p = prefill.finish()
-        assert rc_d == 0 and d is not None, decode.stderr()[-3000:]
+        assert rc_d == 0 and d is not None, f"decode exited with {rc_d}, last line {d}: {decode.stderr()[-3000:]}"
         assert d["requests"] == sc.requests and d["failed"] == [] and d["mismatched_regions"] == 0
         assert d["active_rooms"] == 0
         assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
@@ -328,7 +328,7 @@ class BackendConformance(BackendHarness):
         decode = children("decode", sc, bootstrap=prefill.bootstrap)
         rc_d, d = decode.finish(sc.deadline + 10)
         rc_p, p = prefill.finish()
-        assert rc_d == 0 and d is not None, decode.stderr()[-3000:]
+        assert rc_d == 0 and d is not None, f"decode exited with {rc_d}, last line {d}: {decode.stderr()[-3000:]}"
         assert d["requests"] == sc.requests and d["failed"] == [] and d["mismatched_regions"] == 0
         assert d["active_rooms"] == 0
         assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
@@ -463,7 +463,7 @@ class BackendConformance(BackendHarness):
         decode = children("decode", sc, bootstrap=prefill.bootstrap)
         rc_d, d = decode.finish(sc.deadline + 10)
         rc_p, p = prefill.finish()
-        assert rc_d == 0 and d is not None, decode.stderr()[-3000:]
+        assert rc_d == 0 and d is not None, f"decode exited with {rc_d}, last line {d}: {decode.stderr()[-3000:]}"
         assert d["requests"] == sc.requests and d["failed"] == [] and d["mismatched_regions"] == 0
         assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
 
