@@ -472,3 +472,28 @@ def test_a_call_after_the_io_loop_stopped_writes_into_no_other_file() -> None:
         for r, w in fds:
             os.close(r)
             os.close(w)
+
+
+def test_a_prefill_rank_counts_as_gone_only_when_its_connection_closed_and_reconnecting_is_refused() -> None:
+    """A frozen process keeps its connections and a cut link closes none; a process that dropped the
+    connection but takes it back (it refused an oversized frame, say) is not gone; a dead one's
+    port refuses reconnects: gone, after GONE_GRACE for what its kernel still delivers."""
+    import zmq
+
+    from kvbridge.core.decode import GONE_GRACE, PrefillRank
+
+    info = P.RankInfo(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, control_addr="127.0.0.1:1", backend="memory")
+    rank = PrefillRank(info)
+    rank.on_event(zmq.EVENT_CONNECTED)
+    assert not rank.is_gone(time.monotonic() + 100)  # connected (or silent: frozen, cut off)
+    rank.on_event(zmq.EVENT_DISCONNECTED)
+    assert not rank.is_gone(time.monotonic() + 100)  # closed, but no reconnect refused yet
+    rank.on_event(zmq.EVENT_CONNECTED)  # reconnected: the same process still listens
+    rank.on_event(zmq.EVENT_CONNECT_RETRIED)
+    assert not rank.is_gone(time.monotonic() + 100)
+    rank.on_event(zmq.EVENT_DISCONNECTED)
+    rank.on_event(zmq.EVENT_CONNECT_RETRIED)  # refused: nobody listens there any more
+    assert not rank.is_gone(time.monotonic())  # within the grace
+    assert rank.is_gone(time.monotonic() + GONE_GRACE)
+    rank.on_event(zmq.EVENT_CONNECTED)  # a new process on the same port: the old one is still gone
+    assert rank.is_gone(time.monotonic() + GONE_GRACE)

@@ -94,6 +94,11 @@ class Backend(abc.ABC):
     """Base class of transports. Subclasses set :attr:`capabilities`."""
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
+    #: Seconds the engine may still write a batch's bytes after :meth:`write` raised. 0, as the
+    #: contract wants (return only once the engine has no work left for the batch); an engine
+    #: that cannot be made to stop sets its own deadline here, and core holds back ``Fenced``
+    #: for the peer that long after a failed write (docs/failures.md).
+    drain_after_failure: float = 0.0
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config

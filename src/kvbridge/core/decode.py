@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from . import protocol as P
 from .bootstrap import MAX_RANKS, check_rank
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 
 LOOKUP_RETRY = 0.2  # seconds between bootstrap lookups while prefill ranks are still registering
 MAX_QUEUED = 1024  # messages kept for a server until its handshake completes
+#: Seconds a prefill rank's control connection must have been closed, with reconnecting refused, before
+#: its process counts as gone: what its engine had already sent (a dead process's kernel still delivers
+#: its sockets' queued bytes) lands within it on a working link.
+GONE_GRACE = 0.5
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 class PrefillRank:
@@ -40,6 +46,26 @@ class PrefillRank:
         self.last_ping = 0.0
         #: The latest clock this rank put in a heartbeat reply: echoed in the next ping (its lease).
         self.clock: float | None = None
+        #: zmq's events of ``chan``'s connection (a PAIR socket), to tell a dead process from a silent one.
+        self.monitor: zmq.Socket | None = None
+        self.dropped_at: float | None = None  # when the connection closed (None: connected, or never was)
+        self.refused = False  # a reconnect since then was refused: nobody listens at the address
+        self.gone = False  # its process is gone: it writes nothing more
+
+    def on_event(self, event: int) -> None:
+        """A zmq monitor event of the control connection."""
+        if event == zmq.EVENT_DISCONNECTED:
+            if self.dropped_at is None:
+                self.dropped_at, self.refused = time.monotonic(), False
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            self.refused = self.dropped_at is not None
+        elif event == zmq.EVENT_CONNECTED and not self.refused:
+            self.dropped_at = None  # the same process took the connection back (it had dropped it)
+
+    def is_gone(self, now: float) -> bool:
+        """Whether the process is gone: its connection closed, a reconnect was refused since, and
+        :data:`GONE_GRACE` passed. A frozen process keeps its connections; a cut link closes none."""
+        return self.dropped_at is not None and self.refused and now - self.dropped_at >= GONE_GRACE
 
     def socket(self) -> Channel | None:
         """The control channel, looked up on the I/O thread when a message goes out."""
@@ -83,6 +109,8 @@ class DecodeManager(TransferManager[Receiver]):
         self._servers: dict[str, PrefillServer] = {}
         #: Servers given up on whose sockets stay open while their rooms wait for ``Fenced``.
         self._retired: list[PrefillServer] = []
+        #: Rooms reported FAILED without every prefill rank's ``Fenced`` (``Receiver.fenced`` False), by id.
+        self._unconfirmed: dict[int, Receiver] = {}
         self.loop.start()
 
     # -- for receivers -----------------------------------------------------------------------
@@ -91,8 +119,34 @@ class DecodeManager(TransferManager[Receiver]):
         server = self._servers.get(address)
         if server is None:
             server = self._servers[address] = PrefillServer(address)
-            self.loop.call(lambda: self._lookup(server))
+            self.loop.call(lambda: self._start(server))
         return server
+
+    def unconfirmed(self, recv: Receiver) -> None:
+        """``recv`` failed without every rank's ``Fenced``: keep listening for them. Caller holds the lock."""
+        if not self.closed:
+            self._unconfirmed[recv.room] = recv
+
+    def confirmed(self, recv: Receiver) -> None:
+        """The last missing confirmation of a FAILED room came. Caller holds the lock."""
+        if self._unconfirmed.get(recv.room) is recv:
+            del self._unconfirmed[recv.room]
+        log.info("decode: room %d: every prefill rank has now stopped writing it (%.1fs after FAILED)", recv.room,
+                 time.monotonic() - (recv.ended or 0.0))
+
+    def _start(self, server: PrefillServer) -> None:
+        """Connect to a new server; a retired one at the same address is closed first (I/O thread).
+
+        Its ranks' connections carried the same identity as the new ones (the prefill ROUTER hands an
+        identity over to its newest connection), and what they would still bring (``Fenced`` of rooms
+        given up on) comes through the new ones, matched by address.
+        """
+        with self.lock:
+            old = [s for s in self._retired if s.address == server.address]
+            self._retired = [s for s in self._retired if s.address != server.address]
+        for s in old:
+            self._close_server(s)
+        self._lookup(server)
 
     def send_to_ranks(self, server: PrefillServer, msg: P.Message) -> None:
         """Send ``msg`` to every prefill rank of ``server`` (any thread)."""
@@ -166,10 +220,16 @@ class DecodeManager(TransferManager[Receiver]):
             rank = server.ranks[key] = PrefillRank(info)
             rank.chan = self._channel(info.control_addr, identity=self.peer_id.encode())
             self.loop.add_socket(rank.chan.sock, self._rank_handler(server, rank))
+            rank.monitor = rank.chan.sock.get_monitor_socket(_MONITORED)
+            self.loop.add_socket(rank.monitor, self._monitor_handler(rank))
             rank.chan.send(hello)
 
     def _rank_handler(self, server: PrefillServer, rank: PrefillRank) -> Callable[[zmq.Socket, list[bytes]], None]:
         return lambda _sock, frames: self._on_prefill(server, rank, frames)
+
+    @staticmethod
+    def _monitor_handler(rank: PrefillRank) -> Callable[[zmq.Socket, list[bytes]], None]:
+        return lambda _sock, frames: rank.on_event(parse_monitor_message(frames)["event"])
 
     def _on_prefill(self, server: PrefillServer, rank: PrefillRank, frames: list[bytes]) -> None:
         assert rank.chan is not None
@@ -208,6 +268,8 @@ class DecodeManager(TransferManager[Receiver]):
                     self._fail_server(server, f"{rank.label} no longer knows this decode rank: {msg.reason}", "peer_dead")
             elif isinstance(msg, (P.ChunkDone, P.Done, P.Failed, P.Abort, P.Fenced)):
                 target = self.rooms.get(msg.room)
+                if target is None and isinstance(msg, P.Fenced):
+                    target = self._unconfirmed.get(msg.room)  # FAILED here before it came (a rank resumed)
                 # The same rank through a newer connection (this decode reconnected) counts too.
                 if target is None or target.server.address != server.address:
                     return  # finished or aborted here already
@@ -269,12 +331,29 @@ class DecodeManager(TransferManager[Receiver]):
                 self._retired.append(server)
 
     def _close_server(self, server: PrefillServer) -> None:
+        for r in server.ranks.values():
+            if r.monitor is not None and r.chan is not None:
+                r.chan.sock.disable_monitor()
+                self.loop.remove_socket(r.monitor)
+            r.monitor = None
         for chan in [server.lookup, *(r.chan for r in server.ranks.values())]:
             if chan is not None:
                 self.loop.remove_socket(chan.sock)
         server.lookup = None
         for r in server.ranks.values():
             r.chan = None
+
+    def _gone(self, server: PrefillServer, rank: PrefillRank) -> None:
+        """``rank``'s process is gone: it writes nothing more. Its rooms here stop waiting for its
+        ``Fenced``, and a server still in use fails its rooms now, not at ``heartbeat_timeout``."""
+        rank.gone = True
+        if self._servers.get(server.address) is server:
+            why = "its control connection closed and reconnecting is refused"
+            self._fail_server(server, f"{rank.label}: the process is gone ({why})", "peer_dead")
+        with self.lock:
+            for recv in [*self.rooms.values(), *self._unconfirmed.values()]:
+                if recv.server.address == server.address:
+                    recv.on_fenced(rank.key)
 
     # -- timeouts, heartbeats (I/O thread) ---------------------------------------------
     def _tick(self) -> None:
@@ -283,6 +362,10 @@ class DecodeManager(TransferManager[Receiver]):
         with self.lock:
             servers = list(self._servers.values())
         for server in servers:
+            gone = next((r for r in server.ranks.values() if r.is_gone(now)), None)
+            if gone is not None:
+                self._gone(server, gone)
+                continue
             if not server.ready:
                 if now - server.created > cfg.bootstrap_timeout:
                     refusals = [c.last_refusal for c in (server.lookup, *(r.chan for r in server.ranks.values()))
@@ -300,6 +383,12 @@ class DecodeManager(TransferManager[Receiver]):
                     rank.last_ping = now
                     rank.chan.send_msg(P.Heartbeat(clock=rank.clock))
         with self.lock:
+            retired = list(self._retired)
+        for server in retired:  # a rank given up on that rooms still wait for (or wait for again)
+            for rank in server.ranks.values():
+                if not rank.gone and rank.is_gone(now):
+                    self._gone(server, rank)
+        with self.lock:
             for recv in list(self.rooms.values()):
                 if recv.fencing:
                     recv.fence_overdue(now)
@@ -308,6 +397,7 @@ class DecodeManager(TransferManager[Receiver]):
                 if overdue is not None:
                     recv.fail(overdue, "timeout")
             keep = {id(r.server) for r in self.rooms.values() if r.fencing}
+            keep.update(id(r.server) for r in self._unconfirmed.values())
             keep.update(id(s) for s in self._retired if now < s.linger_until)
             retired, self._retired = self._retired, [s for s in self._retired if id(s) in keep]
         for server in retired:

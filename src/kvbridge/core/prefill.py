@@ -117,6 +117,8 @@ class PrefillManager(TransferManager[Sender]):
         self._writing: dict[tuple[int, str], int] = {}
         #: Rooms a decode gave up on before their sender existed: reason, when (expire after bootstrap_timeout).
         self._aborted: dict[int, tuple[str, float]] = {}
+        #: ``Fenced`` held back while an engine may still write a failed write's bytes: (due, room, peer id).
+        self._deferred_fenced: list[tuple[float, int, str]] = []
         self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
         self.layer_index = LayerIndex(kvargs)  # layer-wise sending: which layer each source address belongs to
         #: Layer-wise senders' pace: seconds between a chunk's announcements (a moving average; None until one).
@@ -230,14 +232,24 @@ class PrefillManager(TransferManager[Sender]):
             if left > 0:
                 self._writing[key] = left
             elif sender.poll() == Poll.FAILED:
-                self.send(lambda: self._chan, P.Fenced(room=sender.room), peer.ident)
+                self._fenced(sender.room, peer.peer_id)
 
     def _tell_failed(self, room: int, peer_id: str, reason: str) -> None:
         """Send ``Failed``, then ``Fenced`` unless a write to that peer is running (its end sends it)."""
         ident = peer_id.encode()
         self.send(lambda: self._chan, P.Failed(room=room, reason=reason), ident)
         if (room, peer_id) not in self._writing:
-            self.send(lambda: self._chan, P.Fenced(room=room), ident)
+            self._fenced(room, peer_id)
+
+    def _fenced(self, room: int, peer_id: str) -> None:
+        """Tell ``peer_id`` nothing of ``room`` lands any more: now, or once the engine has certainly
+        stopped writing what a failed write to it left behind (``Transport.fence_delay``; sent by the tick)."""
+        delay = self.transport.fence_delay(peer_id)
+        with self.lock:
+            if delay > 0:
+                self._deferred_fenced.append((time.monotonic() + delay, room, peer_id))
+            else:
+                self.send(lambda: self._chan, P.Fenced(room=room), peer_id.encode())
 
     def note_layer_gap(self, seconds: float) -> None:
         """A layer-wise sender announced layers ``seconds`` after its previous announcement (or its send())."""
@@ -430,7 +442,7 @@ class PrefillManager(TransferManager[Sender]):
                                        (sender.poll() == Poll.BOOTSTRAPPING and not sender.peer_ids())):
                 self.fail_sender(sender, reason, "aborted")
         if (msg.room, peer_id) not in self._writing:
-            self._reply(peer_id.encode(), P.Fenced(room=msg.room))
+            self._fenced(msg.room, peer_id)
 
     # -- the bootstrap lease (I/O thread) ----------------------------------------------
     def _renew(self, now: float) -> None:
@@ -459,6 +471,11 @@ class PrefillManager(TransferManager[Sender]):
         self._renew(now)
         self.transport.reset_overdue(now)
         with self.lock:
+            due = [d for d in self._deferred_fenced if d[0] <= now]
+            if due:
+                self._deferred_fenced = [d for d in self._deferred_fenced if d[0] > now]
+                for _, room, peer_id in due:
+                    self._reply(peer_id.encode(), P.Fenced(room=room))
             for room, reqs in list(self._pending.items()):
                 if now - min(r.received for r in reqs.values()) > cfg.sender_grace:
                     reason = f"no sender was created for room {room} within sender_grace={cfg.sender_grace}s of decode's request"

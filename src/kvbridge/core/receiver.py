@@ -34,7 +34,9 @@ class Receiver(Room):
     Once the room has given up (an abort, a timeout, a dead peer, prefill's
     ``Failed``) it is *fencing*: ``poll()`` keeps its last state until every
     prefill rank confirmed it stopped writing (``Fenced``) or
-    ``SessionConfig.fence_wait`` passed, and only then says FAILED.
+    ``SessionConfig.fence_wait`` passed, and only then says FAILED. In the
+    second case :attr:`fenced` stays False until the missing confirmations
+    arrive (a frozen prefill that resumed) or those ranks' processes are gone.
     """
 
     def __init__(self, manager: DecodeManager, room: int, bootstrap: str) -> None:
@@ -46,6 +48,8 @@ class Receiver(Room):
         self._done: set[tuple[int, int]] = set()
         self._fenced: set[tuple[int, int]] = set()  # prefill ranks that confirmed they stopped
         self._fencing: tuple[str, str, float] | None = None  # (reason, metrics kind, give up waiting at)
+        #: FAILED without every rank's confirmation: a rank that was asked may still be writing.
+        self._unconfirmed = False
         with manager.lock:
             manager.add_room(self)
             self.server: PrefillServer = manager.server(bootstrap)
@@ -119,21 +123,43 @@ class Receiver(Room):
             self.manager.send_to_ranks(self.server, P.Abort(room=self.room, reason=reason))
             self._check_fenced()
 
+    @property
+    def fenced(self) -> bool:
+        """Whether no byte of this room can land any more (read it after ``poll()`` says FAILED).
+
+        True at SUCCESS, and at FAILED once every prefill rank that was asked
+        confirmed it stopped writing, or nothing was asked. False while such a
+        rank may still write: decode reported FAILED at ``fence_timeout``
+        without its confirmation (a prefill frozen or cut off). It turns True
+        when that rank's ``Fenced`` arrives after all (it resumed) or its
+        process is gone (its control connection closed and reconnecting is
+        refused). A host that must never have a page written after it reused
+        it keeps the pages of a FAILED room until this is True (docs/failures.md).
+        """
+        return self.final and not self._unconfirmed
+
     def on_fenced(self, rank: tuple[int, int]) -> None:
-        """Prefill ``rank`` confirmed it stopped writing the room.
+        """Prefill ``rank`` confirmed it stopped writing the room (or its process is gone).
 
         Prefill sends ``Failed`` before it when it gives up itself, so a
-        ``Fenced`` for a room that is not fencing here answers an earlier
-        ``Abort`` of the same room id (a failed ``init``) and is ignored.
+        ``Fenced`` for a room that is neither fencing here nor FAILED without
+        confirmations answers an earlier ``Abort`` of the same room id (a
+        failed ``init``) and is ignored.
         """
         if self._fencing is not None:
             self._fenced.add(rank)
-            self._check_fenced()
+            if self._unconfirmed and len(self._fenced) >= len(self.server.ranks):
+                self._unconfirmed = False
+                self.manager.confirmed(self)
+            else:
+                self._check_fenced()
 
     def fence_overdue(self, now: float) -> bool:
-        """Past the fence timeout: report FAILED without every rank's confirmation."""
-        if self._fencing is not None and now >= self._fencing[2]:
+        """Past the fence timeout: report FAILED without every rank's confirmation (not :attr:`fenced`)."""
+        if self._fencing is not None and not self.final and now >= self._fencing[2]:
+            self._unconfirmed = True
             self.manager.finish(self, Poll.FAILED, self._fencing[0], self._fencing[1])
+            self.manager.unconfirmed(self)
             return True
         return False
 

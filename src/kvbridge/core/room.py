@@ -28,8 +28,9 @@ class Poll(enum.IntEnum):
 
     SUCCESS: everything landed, metadata row last. FAILED: nothing of the room
     lands after it (decode reports it once prefill confirmed it stopped, or
-    ``fence_timeout`` passed), so the host may reuse the room's memory at once.
-    See docs/failures.md.
+    ``fence_timeout`` passed), so the host may reuse the room's memory at once;
+    ``Receiver.fenced`` says when even a frozen prefill's in-flight batch is
+    excluded. See docs/failures.md.
     """
 
     FAILED = 0

@@ -76,6 +76,7 @@ class Transport:
         self._tcp: dict[str, tuple[tcpfence.Endpoint, ...]] = {}  # peer -> where its engine listens
         self._running: dict[str, float] = {}  # peer -> when its write in the backend is overdue (reset_overdue)
         self._was_reset: dict[str, int] = {}  # peer -> connections reset() reset since its last write
+        self._failed_at: dict[str, float] = {}  # peer -> when a write to it last raised (fence_delay)
 
     # -- memory -----------------------------------------------------------------------------
     def check_memory(self, regions: Sequence[Region], whose: str) -> None:
@@ -137,7 +138,11 @@ class Transport:
         # and CUDA opens a handle once per process anyway.
         self._gpu_peers.pop(peer, None)
         self._tcp.pop(peer, None)
-        self._was_reset.pop(peer, None)  # a peer id handshaking again starts without retries owed
+        # _was_reset and _failed_at stay: the engine still pools the connections reset to that endpoint
+        # and may still drain a failed write into it. A peer dropped then handshaking again (the same
+        # id: decode after a prefill resumed from a freeze) failed one write per reset connection when
+        # they were not retried (measured: the resumed room failed), and a Fenced sent at the drop
+        # must still wait out the drain.
         self.backend.remove_peer(peer)
 
     def reset(self, peer: str, why: str, stuck: bool = False) -> None:
@@ -154,6 +159,14 @@ class Transport:
             self._was_reset[peer] = self._was_reset.get(peer, 0) + n
             log.warning("%s: reset %d TCP connection(s) to peer %r (%s) so nothing queued in them lands later",
                         self.name, n, peer, why)
+
+    def fence_delay(self, peer: str) -> float:
+        """Seconds until the engine certainly has no work left of a write to ``peer`` that failed
+        (``Backend.drain_after_failure`` after it raised; 0 for most engines): ``Fenced`` waits that long."""
+        at = self._failed_at.get(peer)
+        if at is None:
+            return 0.0
+        return max(0.0, at + self.backend.drain_after_failure - time.monotonic())
 
     def reset_overdue(self, now: float) -> None:
         """Reset the connections of peers whose write is still inside the backend ``RESET_GRACE``
@@ -200,6 +213,7 @@ class Transport:
                 self._post(peer, batch, deadline, lambda: self._check(peer, deadline, live, "before a retry"))
             except TransferError as exc:
                 if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing
+                    self._failed_at[peer] = time.monotonic()
                     self.reset(peer, f"a write failed: {type(exc).__name__}")
                 if posted == 0:
                     raise

@@ -16,7 +16,9 @@ module) and a survivor in the calling process:
 Each cell reports the survivor's time from the fault to FAILED (with the
 reason), the *late writes* (decode pages of a FAILED room that changed after
 FAILED was reported, counted by whichever side is decode, after a frozen
-victim resumed), whether a frozen prefill reported SUCCESS for a room decode
+victim resumed), the late writes after the room was *fenced*
+(``Receiver.fenced``: none may land from then on, in any cell) and how long
+that took, whether a frozen prefill reported SUCCESS for a room decode
 had failed, and whether the survivor then served a fresh peer and (frozen
 victims) the resumed one. ``python -m kvbridge.testing.faults`` runs the whole
 matrix and prints the table; ``tests/test_faults.py`` runs a sample.
@@ -74,6 +76,11 @@ def source_pages(n: int) -> np.ndarray:
     return np.arange(n) * 2
 
 
+def _changed(pools: Pools, before: list[np.ndarray]) -> int:
+    """Decode pages (rows of every pool) that differ from ``before``."""
+    return int(sum((a != b).any(axis=1).sum() for a, b in zip((*pools.kv, pools.meta), before)))
+
+
 def _line(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -89,12 +96,20 @@ def run_decode(sc: Scenario, bootstrap: str, gap: float, big: bool) -> int:
             recv = Receiver(mgr, req.room, bootstrap=bootstrap)
             recv.init(np.arange(n), metadata_row=0)
             recv.wait(Poll.SUCCESS, sc.deadline)  # or FAILED
-            late = None
+            fields: dict[str, Any] = {}
             if recv.poll() == Poll.FAILED:
                 at_failed = [a.copy() for a in (*pools.kv, pools.meta)]
+                fields["fenced_at_failed"] = recv.fenced
+                t0 = time.monotonic()
+                try:
+                    _wait(lambda: recv.fenced, 10.0, "the room fenced")
+                    fields["fenced_after_s"] = time.monotonic() - t0
+                except TimeoutError:
+                    pass
+                at_fenced = [a.copy() for a in (*pools.kv, pools.meta)]
                 time.sleep(SETTLE)
-                late = int(sum((a != b).any(axis=1).sum() for a, b in zip((*pools.kv, pools.meta), at_failed)))
-            _line(room=req.room, state=recv.poll().name, reason=recv.failure(), late_pages=late)
+                fields.update(late_pages=_changed(pools, at_failed), late_after_fenced=_changed(pools, at_fenced))
+            _line(room=req.room, state=recv.poll().name, reason=recv.failure(), **fields)
             time.sleep(gap)
     finally:
         mgr.close()
@@ -132,6 +147,11 @@ class Cell(msgspec.Struct, kw_only=True):
     survivor_failed_s: float | None = None  # fault -> survivor's room FAILED (or peer dropped, between requests)
     reason: str | None = None
     late_pages: int | None = None
+    #: Decode: whether the room was fenced when FAILED was reported, the seconds from the fault to
+    #: ``fenced`` (None: never, within the wait), and the pages that changed after that.
+    fenced_at_failed: bool | None = None
+    fenced_s: float | None = None
+    late_after_fenced: int | None = None
     prefill_success_after_decode_failed: bool = False
     served_fresh_peer: bool | None = None
     resumed_peer_served: bool | None = None
@@ -142,9 +162,18 @@ class Cell(msgspec.Struct, kw_only=True):
 
     @property
     def late_allowed(self) -> int:
-        """Late pages the guarantee allows: none, except from a prefill frozen inside an engine call
-        (mid-transfer), which may finish that one batch when it resumes (docs/failures.md)."""
-        return FENCE_BATCH_DESCRIPTORS if (self.fault, self.phase) == ("prefill-freeze", "mid-transfer") else 0
+        """Late pages after FAILED the guarantee allows: none, except from a prefill frozen inside an
+        engine call (mid-transfer), which may finish that one batch when it resumes, and then only in a
+        room reported FAILED before it was fenced (docs/failures.md). After ``fenced``: none, ever."""
+        frozen = (self.fault, self.phase) == ("prefill-freeze", "mid-transfer") and self.fenced_at_failed is False
+        return FENCE_BATCH_DESCRIPTORS if frozen else 0
+
+    @property
+    def fence_ok(self) -> bool:
+        """Decode's room was fenced in the end, and nothing landed after that (where decode survived)."""
+        if self.fenced_at_failed is None:
+            return True  # not measured here (decode is the victim, or the room did not fail)
+        return self.fenced_s is not None and self.late_after_fenced == 0
 
     @property
     def ok(self) -> bool:
@@ -152,6 +181,7 @@ class Cell(msgspec.Struct, kw_only=True):
             self.survivor_failed_s is not None and self.survivor_failed_s <= BOUND)
         return (self.error is None and self.skipped is None and in_time
                 and (self.late_pages or 0) <= self.late_allowed and not self.prefill_success_after_decode_failed
+                and self.fence_ok
                 and self.served_fresh_peer is not False and self.resumed_peer_served is not False)
 
 
@@ -193,7 +223,10 @@ def run_cell(backend: str, fault: str, phase: str, workdir: Path, options: dict[
     started: list[Child] = []
 
     def child(role: str, bootstrap: str | None = None, gap: float = 0.0, big: bool = False) -> Child:
-        c = Child(role, sc, workdir / f"{len(started)}-{role}", bootstrap, 1.0, module="kvbridge.testing.faults",
+        # A prefill victim's next sender waits for a decode that first waits for its failed room to be
+        # fenced (seconds after the victim resumed): its bootstrap_timeout is not what a cell measures.
+        victim_sc = msgspec.structs.replace(sc, bootstrap_timeout=30.0) if role == "prefill" else sc
+        c = Child(role, victim_sc, workdir / f"{len(started)}-{role}", bootstrap, 1.0, module="kvbridge.testing.faults",
                   extra=["--gap", str(gap)] + (["--big"] if big else []))
         started.append(c)
         return c
@@ -251,7 +284,11 @@ def _decode_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Call
             victim.thaw()
             if phase == "mid-transfer":
                 (room,) = _rooms(victim, 1, 30.0)
-                cell.late_pages = room["late_pages"]
+                cell.late_pages = room.get("late_pages")
+                if "fenced_at_failed" in room:
+                    cell.fenced_at_failed = room["fenced_at_failed"]
+                    cell.fenced_s = room.get("fenced_after_s")  # here: from decode's FAILED, not the fault
+                    cell.late_after_fenced = room["late_after_fenced"]
             # The resumed decode's next room: a new sender on this side, served in full.
             nxt = _sender(mgr, reqs[1].room, "the resumed decode's next request")
             _wait(lambda: nxt.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "the resumed decode's next request")
@@ -308,13 +345,24 @@ def _prefill_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Cal
         cell.reason = recv.failure() if recv.poll() == Poll.FAILED else "SUCCESS"
         if recv.poll() == Poll.FAILED:
             at_failed = [a.copy() for a in (*pools.kv, pools.meta)]
+            cell.fenced_at_failed = recv.fenced
         if fault.endswith("freeze"):
             victim.thaw()
+        if recv.poll() == Poll.FAILED:
+            # A frozen prefill confirms once it resumed; a killed one is gone (its connection closed).
+            try:
+                _wait(lambda: recv.fenced, 30.0, "decode's room fenced")
+                cell.fenced_s = time.monotonic() - t0
+            except TimeoutError:
+                pass
+            at_fenced = [a.copy() for a in (*pools.kv, pools.meta)]
+        if fault.endswith("freeze"):
             if recv.poll() == Poll.FAILED:
                 done = 2 if phase == "between" else 1
                 lines = _rooms(victim, done, 30.0)
                 time.sleep(SETTLE)
-                cell.late_pages = int(sum((a != b).any(axis=1).sum() for a, b in zip((*pools.kv, pools.meta), at_failed)))
+                cell.late_pages = _changed(pools, at_failed)
+                cell.late_after_fenced = _changed(pools, at_fenced)
                 cell.prefill_success_after_decode_failed = lines[-1]["state"] == "SUCCESS"
                 # The resumed prefill serves this decode's next room (a new handshake).
                 pools.reset()
@@ -323,6 +371,10 @@ def _prefill_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Cal
                 _wait(lambda: nxt.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the resumed prefill's next room")
                 cell.resumed_peer_served = nxt.poll() == Poll.SUCCESS
             victim.kill()
+        elif recv.poll() == Poll.FAILED:
+            time.sleep(SETTLE)
+            cell.late_pages = _changed(pools, at_failed)
+            cell.late_after_fenced = _changed(pools, at_fenced)
         # A fresh prefill process: this decode handshakes with it and is served.
         fresh = child("prefill")
         pools.reset()
@@ -368,15 +420,18 @@ def cells(backends: list[str], faults: list[str] | None = None) -> list[tuple[st
 
 
 def table(results: list[Cell]) -> str:
-    head = f"{'backend':9} {'fault':15} {'phase':13} {'to FAILED':>9} {'late':>5} {'fresh':>5} {'resumed':>7}  ok  reason"
+    head = (f"{'backend':9} {'fault':15} {'phase':13} {'to FAILED':>9} {'late':>5} {'fenced':>8} {'late':>4} {'fresh':>5} "
+            f"{'resumed':>7}  ok  reason")
     rows = [head, "-" * len(head)]
     for c in results:
         t = f"{c.survivor_failed_s:8.2f}s" if c.survivor_failed_s is not None else "       -"
         yn = {True: "yes", False: "NO", None: "-"}
         why = c.error or (f"skipped: {c.skipped}" if c.skipped else None) or c.reason or ""
         why = f"[landed {c.written}] {why}" if c.written else why
+        fenced = "-" if c.fenced_at_failed is None else "never" if c.fenced_s is None else f"{c.fenced_s:.2f}s"
+        after = "-" if c.late_after_fenced is None else str(c.late_after_fenced)
         rows.append(f"{c.backend:9} {c.fault:15} {c.phase:13} {t:>9} {str(c.late_pages if c.late_pages is not None else '-'):>5} "
-                    f"{yn[c.served_fresh_peer]:>5} {yn[c.resumed_peer_served]:>7}  {'ok' if c.ok else '--' if c.skipped else 'NO'}  {why[:160]}")
+                    f"{fenced:>8} {after:>4} {yn[c.served_fresh_peer]:>5} {yn[c.resumed_peer_served]:>7}  {'ok' if c.ok else '--' if c.skipped else 'NO'}  {why[:160]}")
     return "\n".join(rows)
 
 

@@ -97,6 +97,11 @@ class MooncakeBackend(Backend):
         self.protocol: str = config.options["protocol"]
         self.device_name: str = config.options["device_name"]
         _engine_env(config.transfer_timeout)
+        # A failed batch_transfer_sync_write (rc -1: its status timed out, say after this process was
+        # stopped) does not stop the slices still queued in the engine's lanes: measured, a prefill
+        # frozen mid-write and resumed landed 564 pages after its write returned. They complete or the
+        # engine drops them within its progress timeout.
+        self.drain_after_failure = float(os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC") or 0) or 30.0
         # Imported only now: Mooncake reads MC_LOG_LEVEL when its module loads.
         from mooncake.engine import TransferEngine
 
