@@ -220,12 +220,22 @@ class DecodeManager(TransferManager[Receiver]):
             rank = server.ranks[key] = PrefillRank(info)
             rank.chan = self._channel(info.control_addr, identity=self.peer_id.encode())
             self.loop.add_socket(rank.chan.sock, self._rank_handler(server, rank))
-            rank.monitor = rank.chan.sock.get_monitor_socket(_MONITORED)
+            rank.monitor = self._monitor(rank.chan)
             self.loop.add_socket(rank.monitor, self._monitor_handler(rank))
             rank.chan.send(hello)
 
     def _rank_handler(self, server: PrefillServer, rank: PrefillRank) -> Callable[[zmq.Socket, list[bytes]], None]:
         return lambda _sock, frames: self._on_prefill(server, rank, frames)
+
+    def _monitor(self, chan: Channel) -> zmq.Socket:
+        """A PAIR socket receiving ``chan``'s connection events. Its address is unique: pyzmq's own
+        (``get_monitor_socket``) is named after the socket's descriptor, which a later socket reuses while
+        the closed one's endpoint may still be registered, and that monitor then fails to start."""
+        address = f"inproc://kvbridge-monitor-{uuid.uuid4().hex}"
+        chan.sock.monitor(address, _MONITORED)
+        mon = self.loop.ctx.socket(zmq.PAIR)
+        mon.connect(address)
+        return mon
 
     @staticmethod
     def _monitor_handler(rank: PrefillRank) -> Callable[[zmq.Socket, list[bytes]], None]:
@@ -330,12 +340,22 @@ class DecodeManager(TransferManager[Receiver]):
             if server not in self._retired:
                 self._retired.append(server)
 
+    def _stop_monitor(self, rank: PrefillRank) -> None:
+        """Stop monitoring ``rank``'s connection, then close the socket its events came to (I/O thread).
+
+        In this order: libzmq sends monitor events without waiting only while the receiving socket is
+        there; one closed first left a reconnecting socket's event blocking zmq's I/O thread, and with it
+        every socket of the process (measured: bootstrap endpoints in the same process stopped answering).
+        """
+        if rank.monitor is not None:
+            if rank.chan is not None:
+                rank.chan.sock.disable_monitor()
+            self.loop.remove_socket(rank.monitor)
+            rank.monitor = None
+
     def _close_server(self, server: PrefillServer) -> None:
         for r in server.ranks.values():
-            if r.monitor is not None and r.chan is not None:
-                r.chan.sock.disable_monitor()
-                self.loop.remove_socket(r.monitor)
-            r.monitor = None
+            self._stop_monitor(r)
         for chan in [server.lookup, *(r.chan for r in server.ranks.values())]:
             if chan is not None:
                 self.loop.remove_socket(chan.sock)
@@ -417,4 +437,12 @@ class DecodeManager(TransferManager[Receiver]):
         with self.lock:
             for recv in list(self.rooms.values()):
                 recv.fence_overdue(float("inf"))
+            servers = [*self._servers.values(), *self._retired]
             self._servers.clear()
+        ranks = [r for s in servers for r in s.ranks.values()]
+
+        def stop_monitors() -> None:  # before the loop closes the sockets (it runs what is queued first)
+            for r in ranks:
+                self._stop_monitor(r)
+
+        self.loop.call(stop_monitors)
