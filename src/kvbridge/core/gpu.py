@@ -124,10 +124,11 @@ def shape(part: Part, hint: tuple[int, int] = (0, 0)) -> Shape:
 #: checked between slices.
 SLICE_BYTES = 1 << 30
 #: A part of at least ``PIPELINE_BYTES`` goes first as a slice of ``FIRST_SLICE`` of it, so that the
-#: rest's table is packed, staged and launched while that slice copies instead of before it. On an
-#: H200 host a launch costs ~75 us of fixed host work (shape, table copy and kernel launch calls) and
-#: packing a 1 GiB write's table 50 us (64 KiB pages) to 170 us (16 KiB, with sizes), against 520 us of
-#: copying: the first slice must copy long enough to hide the second's host work.
+#: rest's table is packed, staged and launched while that slice copies instead of before it. Measured on
+#: an H200 (1 GiB scattered, 20 interleaved reps, medians): 16 KiB pages (65,535 columns with sizes, a
+#: 170 us pack) 1.03 -> 0.96 ms; 64 KiB pages (a 26 us pack) unchanged at 0.86-0.88 ms, the second
+#: launch's fixed host cost hidden but its table copy and the gap between kernels not; first slices of
+#: 0.25 and 0.55 measured the same within noise.
 PIPELINE_BYTES = 256 << 20
 FIRST_SLICE = 0.4
 
@@ -234,7 +235,6 @@ def _driver() -> Any:
         lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
         lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         _check(lib.cuInit(0), "cuInit")
         _lib = lib
     return _lib
@@ -245,24 +245,10 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUDA driver error {rc}")
 
 
-_primary: dict[int, int] = {}  # device -> its primary context (as torch made it current)
-
-
 def _on_device(device: int) -> None:
-    """Make ``device``'s primary context current in this thread, unless it already is: a worker thread
-    stays on its device between writes, and ``torch.cuda.set_device`` cost ~13 us of an H200 host's time
-    per write against ~2 us for asking the driver."""
-    lib = _driver()
-    ctx = ctypes.c_void_p()
-    known = _primary.get(device)
-    if known is not None and lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value == known:
-        return
     import torch
 
-    torch.cuda.set_device(device)
-    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    if ctx.value:
-        _primary[device] = ctx.value
+    torch.cuda.set_device(device)  # makes the device's primary context current in this thread
 
 
 def boot_id() -> str:
