@@ -100,6 +100,25 @@ def test_slices_cover_every_descriptor_once_in_launches_of_about_slice_bytes(cut
     assert len(have) == len(want) and set(have) == want  # every descriptor once
 
 
+@pytest.mark.parametrize("cut", ["rows", "columns"])
+def test_a_large_part_goes_first_as_a_smaller_slice_then_the_rest(cut, monkeypatch):
+    # The rest's table is packed and launched while the first slice copies: 2/5 first, then slices of SLICE_BYTES.
+    monkeypatch.setattr(gpu, "SLICE_BYTES", 1 << 18)
+    monkeypatch.setattr(gpu, "PIPELINE_BYTES", 1 << 19)
+    many = np.arange(1000, dtype=np.int64) * 4096
+    one = np.zeros(1, np.int64)
+    part = ((many, many + 7, one, one, np.full(1000, 1024, np.int64)) if cut == "rows"  # 1000 rows of 1 KiB
+            else (one, one + 7, many, many, np.full(1000, 1024, np.int64)))
+    got = gpu.slices(part)
+    assert [len(p[0 if cut == "rows" else 2]) for p in got] == [256, 256, 256, 232]  # 400 > 256 a slice: capped
+    monkeypatch.setattr(gpu, "SLICE_BYTES", 1 << 30)
+    got = gpu.slices(part)
+    assert [len(p[0 if cut == "rows" else 2]) for p in got] == [400, 600]
+    assert np.array_equal(np.concatenate([p[0 if cut == "rows" else 2] for p in got]), many)  # each once, in order
+    monkeypatch.setattr(gpu, "PIPELINE_BYTES", 1 << 20)  # 1000 KiB: below it, one launch
+    assert [len(p[0 if cut == "rows" else 2]) for p in gpu.slices(part)] == [1000]
+
+
 def outer_plans(src_base: int, dst_base: int):
     """Plans the planner keeps as outer sums: NHD rows of 4 heads into 8-head pages (heterogeneous TP 2 -> 1,
     rank 1), and scattered whole pages; each over 3 regions of 16 items, 4 indices."""

@@ -12,7 +12,10 @@ four ways measured in the same run:
   the backend (NIXL), one descriptor per page;
 - **raw NIXL**: the same descriptor lists through NIXL's own calls, request
   prepared outside the timed loop (:mod:`kvbridge.bench.raw_nixl`);
-- **D2D**: ``torch`` copying the same number of bytes inside this process.
+- **D2D**: ``torch`` copying the same number of bytes inside this process,
+  once right after each fast-path write (``fast/D2D``: both medians over the
+  same repetitions, the GPU in the same state), and, as measured before, in a
+  block after every path (``D2D after``, ``/after``).
 
 kvbridge's columns are transfer time (the writes of the request, from core's
 metrics: planning and the control plane excluded; the request's end-to-end
@@ -109,6 +112,17 @@ def _transfer_seconds(backend: str) -> float:
     return float(snap.get("transfer_seconds", {}).get("sum", 0.0))
 
 
+def _d2d_seconds(a: Any, b: Any) -> float:
+    """One device-to-device copy of ``a`` into ``b``, timed on the host as kvbridge's writes are."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    b.copy_(a)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
@@ -134,6 +148,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             src, dst = pages_of(page, total, how, c)
             space = f"p{page >> 10}"
             row: dict[str, Any] = {"page_bytes": page, "request_bytes": total, "pattern": how}
+            a, b = tensors[page][: total // 8], torch.empty(total // 8, dtype=torch.int64, device="cuda:0")
+            d2d = []
             for path, mgr in managers.items():
                 times, latencies = [], []
                 for rep in range(args.reps + 1):
@@ -150,6 +166,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if rep:  # rep 0 warms up (connections, kernel compilation)
                         times.append(_transfer_seconds(mgr.backend_name))
                         latencies.append(latency)
+                    if path == "fast":  # D2D right after each fast write: both see the GPU in the same state
+                        d2d.append(_d2d_seconds(a, b))
                 row[f"{path}_GBps"] = total / statistics.median(times) / 1e9
                 row[f"{path}_latency_ms"] = statistics.median(latencies) * 1e3
             # Raw NIXL: the plain manager's plan, through NIXL's calls (one request, re-posted).
@@ -166,16 +184,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     go()
                     raw_times.append(time.perf_counter() - t0)
                 row["raw_nixl_GBps"] = total / statistics.median(raw_times) / 1e9
-            a, b = tensors[page][: total // 8], torch.empty(total // 8, dtype=torch.int64, device="cuda:0")
-            d2d = []
-            for _ in range(args.reps + 1):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                b.copy_(a)
-                torch.cuda.synchronize()
-                d2d.append(time.perf_counter() - t0)
             row["d2d_GBps"] = total / statistics.median(d2d[1:]) / 1e9
             row["fast_vs_d2d"] = row["fast_GBps"] / row["d2d_GBps"]
+            # The method before D2D was interleaved: reps + 1 copies after every path, the first left out.
+            after = [_d2d_seconds(a, b) for _ in range(args.reps + 1)]
+            row["d2d_after_GBps"] = total / statistics.median(after[1:]) / 1e9
+            row["fast_vs_d2d_after"] = row["fast_GBps"] / row["d2d_after_GBps"]
             row["verified"] = json.loads(child.stdout.readline())["verified"]  # type: ignore[union-attr]
             rows.append(row)
             print(format_row(row), file=sys.stderr, flush=True)
@@ -189,13 +203,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 HEAD = (f"{'page':>7} {'request':>8} {'pattern':<10} {'desc':>7} {'fast GB/s':>10} {'plain GB/s':>10} "
-        f"{'raw NIXL':>9} {'D2D GB/s':>9} {'fast/D2D':>8} {'fast ms':>8} {'ok':>3}")
+        f"{'raw NIXL':>9} {'D2D GB/s':>9} {'fast/D2D':>8} {'D2D after':>9} {'/after':>6} {'fast ms':>8} {'ok':>3}")
 
 
 def format_row(r: dict[str, Any]) -> str:
     raw = f"{r['raw_nixl_GBps']:>9.1f}" if "raw_nixl_GBps" in r else f"{'-':>9}"
     return (f"{r['page_bytes'] >> 10:>6}K {r['request_bytes'] >> 20:>6}Mi {r['pattern']:<10} {r['descriptors']:>7} "
             f"{r['fast_GBps']:>10.1f} {r['plain_GBps']:>10.1f} {raw} {r['d2d_GBps']:>9.1f} {r['fast_vs_d2d']:>8.2f} "
+            f"{r['d2d_after_GBps']:>9.1f} {r['fast_vs_d2d_after']:>6.2f} "
             f"{r['fast_latency_ms']:>8.2f} {'yes' if r['verified'] else 'NO':>3}")
 
 
@@ -203,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-backend", default="nixl", help="backend of the plain path (default: nixl)")
     parser.add_argument("--page-kib", type=int, nargs="+", default=[4, 16, 64, 256, 1024], help="page sizes in KiB")
     parser.add_argument("--total-mib", type=int, nargs="+", default=[64, 1024], help="request sizes in MiB")
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per case (median; default 3)")
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case, after one warm-up (median; default 10)")
     parser.add_argument("--decode-gpu", type=int, default=0, help="GPU of the decode process (default 0)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--decode", help=argparse.SUPPRESS)
