@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from kvbridge.core import protocol as P
+from kvbridge.core.decode import GONE_GRACE
 from kvbridge.core.session import Poll, Receiver, Sender
 from kvbridge.testing.e2e import Pools, meta_row_for, pattern, schedule, SENTINEL
 from kvbridge.testing.harness import (
@@ -117,7 +118,7 @@ class TestCorePolicy(BackendHarness):
         assert decode["mismatches"] == []
 
 
-    def test_prefill_killed_fails_the_waiting_receiver_after_the_heartbeat_and_fence_timeouts(
+    def test_prefill_killed_fails_the_waiting_receiver_once_its_process_is_seen_gone_and_the_room_is_fenced(
         self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
     ) -> None:
         sc = self.scenario(requests=1, bootstrap_timeout=30.0)  # the holder keeps its sender open
@@ -130,18 +131,19 @@ class TestCorePolicy(BackendHarness):
         time.sleep(3 * sc.heartbeat_interval)  # heartbeats are flowing
 
         holder.kill()
-        # A silent prefill cannot confirm it stopped writing: decode waits the fence timeout
-        # too before it reports FAILED (and hands the pages back).
-        fence = sc.session_config().fence_wait
-        bound = sc.heartbeat_timeout + fence + self.slack
+        # Its control connection closes and reconnecting is refused: the process is gone, so nothing
+        # of the room can land any more. FAILED (and fenced) after GONE_GRACE, not after
+        # heartbeat_timeout + fence_timeout as for a silent (frozen, cut off) prefill.
+        bound = sc.heartbeat_timeout + self.slack
         elapsed = wait_until(finished(recv), bound, "receiver after the prefill was killed")
         assert recv.poll() == Poll.FAILED
-        assert elapsed >= fence
+        assert recv.fenced
+        assert GONE_GRACE <= elapsed < bound
         assert re.fullmatch(
-            rf"prefill tp0/pp0 at 127\.0\.0\.1:\d+ sent nothing for \d+\.\ds \(heartbeat_timeout={sc.heartbeat_timeout}s\)",
+            r"prefill tp0/pp0 at 127\.0\.0\.1:\d+: the process is gone \(its control connection closed and "
+            r"reconnecting is refused\)",
             recv.failure() or "",
         ), recv.failure()
-        assert elapsed < bound
         assert decode.mgr.active_rooms() == 0
 
     # -- 5. destinations outside the registered memory -----------------------------------------------
