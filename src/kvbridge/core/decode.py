@@ -49,23 +49,27 @@ class PrefillRank:
         #: zmq's events of ``chan``'s connection (a PAIR socket), to tell a dead process from a silent one.
         self.monitor: zmq.Socket | None = None
         self.dropped_at: float | None = None  # when the connection closed (None: connected, or never was)
-        self.refused = False  # a reconnect since then was refused: nobody listens at the address
+        self.retries = 0  # reconnects zmq scheduled since then (the first when it closed)
         self.gone = False  # its process is gone: it writes nothing more
 
     def on_event(self, event: int) -> None:
         """A zmq monitor event of the control connection."""
         if event == zmq.EVENT_DISCONNECTED:
             if self.dropped_at is None:
-                self.dropped_at, self.refused = time.monotonic(), False
+                self.dropped_at, self.retries = time.monotonic(), 0
         elif event == zmq.EVENT_CONNECT_RETRIED:
-            self.refused = self.dropped_at is not None
-        elif event == zmq.EVENT_CONNECTED and not self.refused:
-            self.dropped_at = None  # the same process took the connection back (it had dropped it)
+            self.retries += self.dropped_at is not None
+        elif event == zmq.EVENT_CONNECTED:
+            # A listener took the connection back (the process had dropped it: prefill's ROUTER hands an
+            # identity to its newest connection), or a new process on the port: not known gone.
+            self.dropped_at, self.retries = None, 0
 
     def is_gone(self, now: float) -> bool:
-        """Whether the process is gone: its connection closed, a reconnect was refused since, and
-        :data:`GONE_GRACE` passed. A frozen process keeps its connections; a cut link closes none."""
-        return self.dropped_at is not None and self.refused and now - self.dropped_at >= GONE_GRACE
+        """Whether the process is gone: its connection closed, reconnecting failed since (zmq schedules
+        one retry as it closes, then one per failed attempt: two or more) and no reconnect succeeded
+        within :data:`GONE_GRACE`. A frozen process keeps its connections (its kernel even accepts new
+        ones); a cut link closes none."""
+        return self.dropped_at is not None and self.retries >= 2 and now - self.dropped_at >= GONE_GRACE
 
     def socket(self) -> Channel | None:
         """The control channel, looked up on the I/O thread when a message goes out."""
@@ -117,10 +121,22 @@ class DecodeManager(TransferManager[Receiver]):
     def server(self, address: str) -> PrefillServer:
         """The prefill server behind bootstrap ``address``; starts connecting on first use. Caller holds the lock."""
         server = self._servers.get(address)
+        silent = self._silent(server, time.monotonic()) if server is not None and server.ready else None
+        if server is not None and silent is not None:
+            # Its tick has not failed it yet (this process was stopped, say): a new room joins a new one.
+            self._fail_server(server, silent, "peer_dead")
+            server = None
         if server is None:
             server = self._servers[address] = PrefillServer(address)
             self.loop.call(lambda: self._start(server))
         return server
+
+    def _silent(self, server: PrefillServer, now: float) -> str | None:
+        """Why ``server`` counts as dead: a rank that sent nothing for ``heartbeat_timeout``; or None."""
+        for rank in server.ranks.values():
+            if now - rank.last_seen > self.config.heartbeat_timeout:
+                return f"{rank.label} sent nothing for {now - rank.last_seen:.1f}s (heartbeat_timeout={self.config.heartbeat_timeout}s)"
+        return None
 
     def unconfirmed(self, recv: Receiver) -> None:
         """``recv`` failed without every rank's ``Fenced``: keep listening for them. Caller holds the lock."""
@@ -395,10 +411,11 @@ class DecodeManager(TransferManager[Receiver]):
                 elif server.lookup is not None and now >= server.next_lookup:
                     self._lookup(server)
                 continue
+            silent = self._silent(server, now)
+            if silent is not None:
+                self._fail_server(server, silent, "peer_dead")
+                continue
             for rank in server.ranks.values():
-                if now - rank.last_seen > cfg.heartbeat_timeout:
-                    self._fail_server(server, f"{rank.label} sent nothing for {now - rank.last_seen:.1f}s (heartbeat_timeout={cfg.heartbeat_timeout}s)", "peer_dead")
-                    break
                 if now - rank.last_ping >= cfg.heartbeat_interval and rank.chan is not None:
                     rank.last_ping = now
                     rank.chan.send_msg(P.Heartbeat(clock=rank.clock))

@@ -51,8 +51,9 @@ class Receiver(Room):
         #: FAILED without every rank's confirmation: a rank that was asked may still be writing.
         self._unconfirmed = False
         with manager.lock:
-            manager.add_room(self)
+            # The server first: finding it may fail a dead one's rooms, which must not include this one yet.
             self.server: PrefillServer = manager.server(bootstrap)
+            manager.add_room(self)
             if self.server.ready:
                 self.on_ready()
 
