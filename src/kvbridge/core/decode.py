@@ -359,9 +359,10 @@ class DecodeManager(TransferManager[Receiver]):
     def _stop_monitor(self, rank: PrefillRank) -> None:
         """Stop monitoring ``rank``'s connection, then close the socket its events came to (I/O thread).
 
-        In this order: libzmq sends monitor events without waiting only while the receiving socket is
-        there; one closed first left a reconnecting socket's event blocking zmq's I/O thread, and with it
-        every socket of the process (measured: bootstrap endpoints in the same process stopped answering).
+        In this order. Measured: with the receiving socket closed first (and pyzmq's descriptor-named
+        addresses), after a few dozen managers the process's other zmq sockets stopped answering (a
+        bootstrap endpoint in the same process, handshakes); in this order and with unique addresses,
+        they did not. Most likely a monitor event with nowhere to go blocked zmq's I/O thread.
         """
         if rank.monitor is not None:
             if rank.chan is not None:
