@@ -130,12 +130,14 @@ class TestCorePolicy(BackendHarness):
         wait_until(lambda: recv.poll() == Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "handshake with the holder")
         time.sleep(3 * sc.heartbeat_interval)  # heartbeats are flowing
 
+        killed = time.monotonic()  # kill() returns once the process is reaped: decode may see it before
         holder.kill()
         # Its control connection closes and reconnecting is refused: the process is gone, so nothing
         # of the room can land any more. FAILED (and fenced) after GONE_GRACE, not after
         # heartbeat_timeout + fence_timeout as for a silent (frozen, cut off) prefill.
         bound = sc.heartbeat_timeout + self.slack
-        elapsed = wait_until(finished(recv), bound, "receiver after the prefill was killed")
+        wait_until(finished(recv), bound, "receiver after the prefill was killed")
+        elapsed = time.monotonic() - killed
         assert recv.poll() == Poll.FAILED
         assert recv.fenced
         assert GONE_GRACE <= elapsed < bound
