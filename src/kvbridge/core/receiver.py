@@ -135,7 +135,8 @@ class Receiver(Room):
         when that rank's ``Fenced`` arrives after all (it resumed) or its
         process is gone (its control connection closed and reconnecting is
         refused). A host that must never have a page written after it reused
-        it keeps the pages of a FAILED room until this is True (docs/failures.md).
+        it keeps the pages of a FAILED room until this is True (docs/failures.md;
+        a decode process that was itself stopped is the one exception there).
         """
         return self.final and not self._unconfirmed
 
