@@ -397,12 +397,14 @@ class DecodeManager(TransferManager[Receiver]):
         now = time.monotonic()
         cfg = self.config
         with self.lock:
-            servers = list(self._servers.values())
-        for server in servers:
-            gone = next((r for r in server.ranks.values() if r.is_gone(now)), None)
+            watched = [*self._servers.values(), *self._retired]
+        for server in watched:  # servers in use, and those given up on whose rooms still wait for Fenced
+            gone = next((r for r in server.ranks.values() if not r.gone and r.is_gone(now)), None)
             if gone is not None:
                 self._gone(server, gone)
-                continue
+        with self.lock:
+            servers = list(self._servers.values())
+        for server in servers:
             if not server.ready:
                 if now - server.created > cfg.bootstrap_timeout:
                     refusals = [c.last_refusal for c in (server.lookup, *(r.chan for r in server.ranks.values()))
@@ -420,12 +422,6 @@ class DecodeManager(TransferManager[Receiver]):
                 if now - rank.last_ping >= cfg.heartbeat_interval and rank.chan is not None:
                     rank.last_ping = now
                     rank.chan.send_msg(P.Heartbeat(clock=rank.clock))
-        with self.lock:
-            retired = list(self._retired)
-        for server in retired:  # a rank given up on that rooms still wait for (or wait for again)
-            for rank in server.ranks.values():
-                if not rank.gone and rank.is_gone(now):
-                    self._gone(server, rank)
         with self.lock:
             for recv in list(self.rooms.values()):
                 if recv.fencing:

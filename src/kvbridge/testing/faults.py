@@ -76,9 +76,22 @@ def source_pages(n: int) -> np.ndarray:
     return np.arange(n) * 2
 
 
+def _snapshot(pools: Pools) -> list[np.ndarray]:
+    """A copy of every decode pool (KV and metadata), to compare with later."""
+    return [a.copy() for a in (*pools.kv, pools.meta)]
+
+
 def _changed(pools: Pools, before: list[np.ndarray]) -> int:
     """Decode pages (rows of every pool) that differ from ``before``."""
     return int(sum((a != b).any(axis=1).sum() for a, b in zip((*pools.kv, pools.meta), before)))
+
+
+def _fenced_after(recv: Receiver, timeout: float) -> float | None:
+    """Seconds until the FAILED ``recv`` is fenced (waiting at most ``timeout``), or None."""
+    try:
+        return _wait(lambda: recv.fenced, timeout, "the room fenced")
+    except TimeoutError:
+        return None
 
 
 def _line(**fields: Any) -> None:
@@ -98,15 +111,9 @@ def run_decode(sc: Scenario, bootstrap: str, gap: float, big: bool) -> int:
             recv.wait(Poll.SUCCESS, sc.deadline)  # or FAILED
             fields: dict[str, Any] = {}
             if recv.poll() == Poll.FAILED:
-                at_failed = [a.copy() for a in (*pools.kv, pools.meta)]
-                fields["fenced_at_failed"] = recv.fenced
-                t0 = time.monotonic()
-                try:
-                    _wait(lambda: recv.fenced, 10.0, "the room fenced")
-                    fields["fenced_after_s"] = time.monotonic() - t0
-                except TimeoutError:
-                    pass
-                at_fenced = [a.copy() for a in (*pools.kv, pools.meta)]
+                at_failed = _snapshot(pools)
+                fields.update(fenced_at_failed=recv.fenced, fenced_after_s=_fenced_after(recv, 10.0))
+                at_fenced = _snapshot(pools)
                 time.sleep(SETTLE)
                 fields.update(late_pages=_changed(pools, at_failed), late_after_fenced=_changed(pools, at_fenced))
             _line(room=req.room, state=recv.poll().name, reason=recv.failure(), **fields)
@@ -341,28 +348,25 @@ def _prefill_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Cal
         if phase == "between":
             recv.init(np.arange(n[1]), metadata_row=0)
         _wait(lambda: recv.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "decode's room")
-        cell.survivor_failed_s = time.monotonic() - t0 if recv.poll() == Poll.FAILED else None
-        cell.reason = recv.failure() if recv.poll() == Poll.FAILED else "SUCCESS"
-        if recv.poll() == Poll.FAILED:
-            at_failed = [a.copy() for a in (*pools.kv, pools.meta)]
+        failed, frozen = recv.poll() == Poll.FAILED, fault.endswith("freeze")
+        cell.survivor_failed_s = time.monotonic() - t0 if failed else None
+        cell.reason = recv.failure() if failed else "SUCCESS"
+        if failed:
+            at_failed = _snapshot(pools)
             cell.fenced_at_failed = recv.fenced
-        if fault.endswith("freeze"):
+        if frozen:
             victim.thaw()
-        if recv.poll() == Poll.FAILED:
+        if failed:
             # A frozen prefill confirms once it resumed; a killed one is gone (its connection closed).
-            try:
-                _wait(lambda: recv.fenced, 30.0, "decode's room fenced")
-                cell.fenced_s = time.monotonic() - t0
-            except TimeoutError:
-                pass
-            at_fenced = [a.copy() for a in (*pools.kv, pools.meta)]
-        if fault.endswith("freeze"):
-            if recv.poll() == Poll.FAILED:
-                done = 2 if phase == "between" else 1
-                lines = _rooms(victim, done, 30.0)
-                time.sleep(SETTLE)
-                cell.late_pages = _changed(pools, at_failed)
-                cell.late_after_fenced = _changed(pools, at_fenced)
+            waited = _fenced_after(recv, 30.0)
+            cell.fenced_s = None if waited is None else time.monotonic() - t0
+            at_fenced = _snapshot(pools)
+            done = 2 if phase == "between" else 1
+            lines = _rooms(victim, done, 30.0) if frozen else []
+            time.sleep(SETTLE)
+            cell.late_pages = _changed(pools, at_failed)
+            cell.late_after_fenced = _changed(pools, at_fenced)
+            if frozen:
                 cell.prefill_success_after_decode_failed = lines[-1]["state"] == "SUCCESS"
                 # The resumed prefill serves this decode's next room (a new handshake).
                 pools.reset()
@@ -370,11 +374,8 @@ def _prefill_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Cal
                 nxt.init(np.arange(n[done]), metadata_row=0)
                 _wait(lambda: nxt.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the resumed prefill's next room")
                 cell.resumed_peer_served = nxt.poll() == Poll.SUCCESS
+        if frozen:
             victim.kill()
-        elif recv.poll() == Poll.FAILED:
-            time.sleep(SETTLE)
-            cell.late_pages = _changed(pools, at_failed)
-            cell.late_after_fenced = _changed(pools, at_fenced)
         # A fresh prefill process: this decode handshakes with it and is served.
         fresh = child("prefill")
         pools.reset()
