@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 STOP_LINGER_MS = 1000
 
 Handler = Callable[[zmq.Socket, list[bytes]], None]
+# Plain ints: zmq's are enum flags, and every ``&`` with one builds an enum member (on each wake-up).
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
 #: Returns the channel to send on, looked up on the I/O thread (None: drop the message).
 SocketGetter = Callable[[], "Channel | None"]
 
@@ -118,16 +121,18 @@ class IOLoop:
             while not self._stop.is_set():
                 # Rounded up: truncated, the last millisecond before each tick polled with 0 (a busy loop).
                 timeout_ms = max(0, math.ceil((next_tick - time.monotonic()) * 1000))
-                events = dict(self._poller.poll(timeout_ms))
-                if self._wake_r in events:
-                    try:
-                        os.read(self._wake_r, 65536)
-                    except BlockingIOError:
-                        pass
+                events = self._poller.poll(timeout_ms)
+                for sock, _ in events:
+                    if sock == self._wake_r:
+                        try:
+                            os.read(self._wake_r, 65536)
+                        except BlockingIOError:
+                            pass
                 self._drain_outbox()
-                for sock, handler in list(self._handlers.items()):
+                for sock, event in events:
                     # A handler may have removed (closed) another socket meanwhile.
-                    if sock in self._handlers and events.get(sock, 0) & zmq.POLLIN:
+                    handler = self._handlers.get(sock) if event & _POLLIN else None
+                    if handler is not None:
                         self._read(sock, handler)
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_interval
@@ -164,7 +169,7 @@ class IOLoop:
         # cannot starve the others or the tick.
         for _ in range(256):
             # Asking first is cheaper than the zmq.Again exception that would end every wake-up.
-            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
