@@ -182,9 +182,9 @@ class TestControlPlane(BackendHarness):
         prefill.pools.meta[0] = meta_row_for(req.room)
         notify = prefill.mgr.notify
 
-        def tampering(peer, *msgs):
+        def tampering(peer, *msgs, **kwargs):
             notify(peer, *(msgspec.structs.replace(m, row=change(m.row, decode))
-                           if isinstance(m, P.Done) and m.row is not None else m for m in msgs))
+                           if isinstance(m, P.Done) and m.row is not None else m for m in msgs), **kwargs)
 
         prefill.mgr.notify = tampering
         sender = Sender(prefill.mgr, req.room, metadata_row=0)
@@ -197,6 +197,24 @@ class TestControlPlane(BackendHarness):
         assert recv.failure().startswith("prefill tp0/pp0 at "), recv.failure()
         assert (decode.pools.meta == SENTINEL).all(), "a rejected row was written into decode's metadata rows"
         assert all((kv[len(req.src_pages):] == SENTINEL).all() for kv in decode.pools.kv), "a byte landed outside the room"
+
+    def test_a_prefill_host_waiting_for_success_is_woken_once_done_left(self, local_prefill, local_decode):
+        # The transfer worker moves the room to SUCCESS without waking hosts; the I/O thread wakes them
+        # after it sent Done (so the host's thread does not hold the GIL before Done is out). A host
+        # blocked in wait() must still wake then, not at its timeout (nothing else changes in this manager).
+        sc = self.scenario(requests=1, max_pages=8, max_chunks=1, concurrency=2)
+        (req,) = schedule(sc)
+        prefill = local_prefill(sc)
+        decode = local_decode(sc)
+        sender = Sender(prefill.mgr, req.room, metadata_row=0)
+        recv = Receiver(decode.mgr, req.room, bootstrap=prefill.address)
+        recv.init(list(range(len(req.src_pages))), metadata_row=0)
+        assert sender.wait(Poll.WAITING_FOR_INPUT, START_WAIT) == Poll.WAITING_FOR_INPUT
+        sender.send(req.src_pages, last=True)
+        t0 = time.monotonic()
+        state = sender.wait(Poll.SUCCESS, 60)
+        assert state == Poll.SUCCESS and time.monotonic() - t0 < 10, (state, time.monotonic() - t0)
+        assert recv.wait(Poll.SUCCESS, START_WAIT) == Poll.SUCCESS, recv.failure()
 
     backend = "memory"  # nothing here depends on the transport: core's policy, tested once
 

@@ -177,6 +177,11 @@ class TransferManager(Generic[R]):
         """Send ``msg`` on the channel ``channel()`` returns, from the I/O thread (any thread may call)."""
         self.loop.send(channel, P.encode(msg), ident)
 
+    def wake_hosts(self) -> None:
+        """Wake every host waiting in ``Room.wait`` or :meth:`wait_any` (after a change made with ``wake=False``)."""
+        with self.changed:
+            self.changed.notify_all()
+
     def wait_any(self, rooms: Iterable[Room], timeout: float, seen: Mapping[Room, Poll] | None = None) -> None:
         """Block until one of ``rooms`` is final or in another state than ``seen`` says, or ``timeout`` seconds pass.
 
@@ -207,13 +212,15 @@ class TransferManager(Generic[R]):
                 raise ValueError(f"room {room.room} already has a {kind} on this {self.role} rank")
             self.rooms[room.room] = room
 
-    def finish(self, room: Room, state: Poll, reason: str | None = None, kind: str = "transfer_error") -> bool:
+    def finish(self, room: Room, state: Poll, reason: str | None = None, kind: str = "transfer_error",
+               wake: bool = True) -> bool:
         """Move ``room`` to a final state and drop everything held for it; False if it was final already.
 
-        ``kind`` is the failure's metrics label (one of ``metrics.FAILURE_REASONS``).
+        ``kind`` is the failure's metrics label (one of ``metrics.FAILURE_REASONS``); ``wake``: as
+        :meth:`Room.advance`.
         """
         with self.lock:
-            changed = room.advance(state, reason)
+            changed = room.advance(state, reason, wake)
             if changed and state == Poll.FAILED:
                 metrics().failed(self.backend_name, self.role, kind)
             elif changed and state == Poll.SUCCESS:

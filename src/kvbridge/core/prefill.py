@@ -267,14 +267,23 @@ class PrefillManager(TransferManager[Sender]):
         """The host's source list for ``space``, checked against this rank's own index space."""
         return Indices.check(f"source {space} index", values, self._space_counts.get(space))
 
-    def notify(self, peer: DecodePeer, *msgs: P.Message) -> None:
-        """Send ``msgs`` to decode ``peer``, in order, with one hand-off to the I/O thread (any thread)."""
+    def notify(self, peer: DecodePeer, *msgs: P.Message, wake: bool = False) -> None:
+        """Send ``msgs`` to decode ``peer``, in order, with one hand-off to the I/O thread (any thread).
+
+        ``wake``: then wake this rank's waiting hosts (:meth:`wake_hosts`), once the messages are on
+        their way: a room that reached SUCCESS with ``wake=False`` wakes its host after its ``Done``
+        left, so the host's thread does not compete with the I/O thread for the GIL before that.
+        """
         payloads = [P.encode(m) for m in msgs]
 
         def send_all() -> None:
             for payload in payloads:
                 self._chan.send(payload, peer.ident)
+            if wake:
+                self.wake_hosts()
 
+        if wake and self.closed:  # the loop may have stopped: nobody would wake the hosts
+            self.wake_hosts()
         self.loop.call(send_all)
 
     def fail_sender(self, sender: Sender, reason: str, kind: str) -> None:

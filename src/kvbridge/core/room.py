@@ -84,8 +84,11 @@ class Room:
     def final(self) -> bool:
         return self._state in (Poll.FAILED, Poll.SUCCESS)
 
-    def advance(self, state: Poll, reason: str | None = None) -> bool:
-        """Move forward (never back); False if nothing changed. The caller holds the manager's lock."""
+    def advance(self, state: Poll, reason: str | None = None, wake: bool = True) -> bool:
+        """Move forward (never back); False if nothing changed. The caller holds the manager's lock.
+
+        ``wake=False``: the caller wakes the waiting hosts itself, later (``changed.notify_all()``).
+        """
         if self.final:
             return False
         if state == Poll.FAILED:
@@ -97,7 +100,7 @@ class Room:
                 self.ended = time.monotonic()
         else:
             return False
-        if self.changed is not None:
+        if wake and self.changed is not None:
             with self.changed:
                 self.changed.notify_all()
         return True

@@ -604,13 +604,14 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
         live = [w for w in live if m.live(w.sender, peer)]
         # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
         # wake-up of decode's host fewer per request).
-        m.notify(peer, *(P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w))) if w.last
-                         else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live))
+        finished = False
         for w in live:
             if w.last:
                 w.sender._unfinished -= 1
                 if w.sender._unfinished == 0:
-                    m.finish(w.sender, Poll.SUCCESS)
+                    finished = m.finish(w.sender, Poll.SUCCESS, wake=False) or finished
+        m.notify(peer, *(P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w))) if w.last
+                         else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live), wake=finished)
     for w in live:
         if w.job.totals:  # something was written
             metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
