@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,23 @@ def test_request_bench_moves_checked_requests_and_reports_latency_and_references
     for c in res["cells"]:
         assert 0 < c["p50_us"] <= c["p99_us"] and c["requests_per_s"] > 0
     assert res["zmq_rtt_p50_us"] > 0 and res["raw_write_p50_us"] is None  # memory has no raw engine
+
+
+def test_request_trace_puts_both_processes_steps_on_one_timeline_in_causal_order():
+    # In a child process: tracing wraps core's classes for the rest of the process.
+    out = subprocess.run([sys.executable, "-m", "kvbridge.bench.request", "--trace", "--backends", "memory",
+                          "--requests", "320", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (res,) = json.loads(out.stdout)
+    rows = res["trace"]
+    assert res["result"] == "PASS" and res["traced_requests"] == 299, res
+    assert rows[0]["side"] == "decode" and rows[0]["step"] == "Receiver.init >" and rows[0]["at_us"] == 0
+    assert [r["at_us"] for r in rows] == sorted(r["at_us"] for r in rows)
+    order = [(r["side"], r["step"]) for r in rows]
+    causal = [("prefill", "received TransferRequest"), ("prefill", "Sender.send >"), ("prefill", "MemoryBackend.write <"),
+              ("prefill", "Done handed to I/O >"), ("decode", "received Done"), ("decode", "Room.wait <")]
+    assert all(step in order for step in causal), order
+    assert [order.index(step) for step in causal] == sorted(order.index(step) for step in causal), order
 
 
 def test_request_bench_rejects_an_unknown_backend_naming_the_installed_ones(capsys):

@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +44,7 @@ import numpy as np
 import zmq
 
 from kvbridge import ui
-from kvbridge.bench import common
+from kvbridge.bench import common, trace
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
 from kvbridge.core.room import Room
@@ -141,8 +142,10 @@ def _echo(ctx: zmq.Context[Any], sock: zmq.Socket[Any], stop: threading.Event) -
             sock.send_multipart(sock.recv_multipart())
 
 
-def run_decode(backend: str, bootstrap: str, cell_list: list[Cell]) -> int:
+def run_decode(backend: str, bootstrap: str, cell_list: list[Cell], trace_file: str | None = None) -> int:
     kv, meta, args = pools(fill=False)
+    if trace_file:
+        trace.install()
     ctx: zmq.Context[Any] = zmq.Context.instance()
     echo = ctx.socket(zmq.ROUTER)
     port = echo.bind_to_random_port("tcp://127.0.0.1")
@@ -158,6 +161,9 @@ def run_decode(backend: str, bootstrap: str, cell_list: list[Cell]) -> int:
             ok = ok and not problems
             print(json.dumps({"cell": c, "latency_s": lat, "round_s": elapsed, "problems": problems[:5]}), flush=True)
         sys.stdin.readline()  # stay up while prefill measures the references
+        if trace_file:
+            with open(trace_file, "w") as f:
+                json.dump(trace.events(), f)
     finally:
         stop.set()
         mgr.close()
@@ -291,17 +297,22 @@ def raw_write(mgr: PrefillManager, backend: str, n: int = 2000) -> list[float] |
 
 
 def run_backend(backend: str, cell_list: list[Cell], tracker: ui.Tracker | None = None,
-                between: Callable[[str, subprocess.Popen[str]], None] | None = None) -> dict[str, Any]:
+                between: Callable[[str, subprocess.Popen[str]], None] | None = None,
+                trace_file: str | None = None) -> dict[str, Any]:
     """Every cell on ``backend``, then the references; one result.
 
     ``between(stage, child)`` runs at "start" (connected, before the first cell) and "end" (after the last).
+    ``trace_file``: trace every step in both processes (:mod:`kvbridge.bench.trace`; the child writes its
+    events there) and add the timeline to the result as ``trace``.
     """
     kv, meta, args = pools(fill=True)
     server = BootstrapServer("127.0.0.1")
     mgr = PrefillManager(args, backend, bootstrap=server.address, config=CONFIG)
+    if trace_file:
+        trace.install(type(mgr.transport.backend))
     child = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.bench.request", "--decode", server.address, "--backends", backend,
-         "--cells", encode_cells(cell_list)],
+         "--cells", encode_cells(cell_list), *(["--trace-file", trace_file] if trace_file else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     rows = []
@@ -343,6 +354,10 @@ def run_backend(backend: str, cell_list: list[Cell], tracker: ui.Tracker | None 
         server.close()
     if child.returncode not in (0, None):
         problems.append(f"decode child exited with status {child.returncode}")
+    timeline: tuple[list[dict[str, Any]], int] = ([], 0)
+    if trace_file and child.returncode == 0:
+        with open(trace_file) as f:
+            timeline = trace.timeline({"prefill": trace.events(), "decode": [tuple(e) for e in json.load(f)]})
     seq1 = next((r for r in rows if r["pages"] == 1 and r["in_flight"] == 1), None)
     raw_p50 = percentile(raw_us, 50) if raw_us else None
     return {
@@ -355,6 +370,7 @@ def run_backend(backend: str, cell_list: list[Cell], tracker: ui.Tracker | None 
         "overhead_p50_us": seq1["p50_us"] - raw_p50 if seq1 and raw_p50 is not None else None,
         "result": "FAIL" if problems else "PASS",
         "problems": problems,
+        **({"trace": timeline[0], "traced_requests": timeline[1]} if trace_file else {}),
     }
 
 
@@ -407,7 +423,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ", ".join(ENGINES) + ")")
     parser.add_argument("--requests", type=ui.int_at_least(ROUNDS * MAX_INFLIGHT), default=1000, metavar="N",
                         help=f"requests per cell, at least {ROUNDS * MAX_INFLIGHT} (timed in {ROUNDS} rounds)")
+    parser.add_argument("--trace", action="store_true",
+                        help="instead of the cells: time every step of 1-page sequential requests in both processes "
+                             "and print where a request's time goes (kvbridge.bench.trace)")
     parser.add_argument("--decode", metavar="BOOTSTRAP", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-file", help=argparse.SUPPRESS)
     parser.add_argument("--cells", help=argparse.SUPPRESS)
 
 
@@ -416,15 +436,40 @@ def run_from_args(args: argparse.Namespace) -> int:
         os.environ.setdefault(key, value)
     cell_list = decode_cells(args.cells) if args.cells else cells(args.requests)
     if args.decode:
-        return run_decode(args.backends[0], args.decode, cell_list)
+        return run_decode(args.backends[0], args.decode, cell_list, args.trace_file)
     prog = "kvbridge bench request"
-    common.check_plot(args, prog)
     backends = args.backends or available(ENGINES)
+    if args.trace:
+        return run_trace(args, prog, backends)
+    common.check_plot(args, prog)
     results = []
     with ui.progress(len(cell_list) * len(backends), "cells", description="bench request") as tracker:
         for backend in backends:
             results.append(run_backend(backend, cell_list, tracker))
     return common.finish_backends(args, prog, results, lambda: format_table(results), plot)
+
+
+def run_trace(args: argparse.Namespace, prog: str, backends: Sequence[str]) -> int:
+    """``--trace``: the 1-page sequential cell per backend, traced; a timeline per backend."""
+    if args.plot:
+        raise SystemExit(f"{prog}: --trace prints a timeline; it has no plot")
+    cell = Cell(1, 1, args.requests)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvbridge-trace-") as tmp, \
+            ui.progress(len(backends), "backends", description="bench request --trace") as tracker:
+        for backend in backends:
+            results.append(run_backend(backend, [cell], trace_file=os.path.join(tmp, f"{backend}.json")))
+            trace.reset()
+            tracker.advance()
+    ok = all(r["result"] == "PASS" for r in results)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            if r["trace"]:
+                ui.print_table(trace.format_timeline(r["backend"], r["trace"], r["traced_requests"]))
+            print(f"{r['backend']}: p50 {r['cells'][0]['p50_us']:.0f} us traced; {r['result']} {'; '.join(r['problems'][:3])}")
+    return ui.EXIT_OK if ok else ui.EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
