@@ -154,6 +154,83 @@ def test_the_kernels_split_of_an_unexpanded_plan_moves_what_its_descriptors_say(
     np.testing.assert_array_equal(dst, want)
 
 
+@pytest.mark.parametrize("sizes", ["uniform", "per column", "per row"])
+def test_the_table_is_packed_columns_then_rows_with_sizes_where_they_differ(sizes):
+    cols = np.array([0, 4096, 8192], np.int64)
+    rows = np.array([1 << 40, 1 << 41], np.int64)
+    part = {"uniform": (rows, rows + 8, cols, cols + 16, np.full(3, 4096, np.int64)),
+            "per column": (rows, rows + 8, cols, cols + 16, np.array([4096, 512, 4096], np.int64)),
+            "per row": gpu.arrays_part(rows, rows + 8, np.array([64, 128], np.int64))}[sizes]
+    h = np.full(64, -1, np.int64)
+    kind, r, end = gpu._pack(part, gpu.shape(part), h, 4)
+    src_rows, dst_rows, src_cols, dst_cols, nbytes = part
+    want_cols = [src_cols, dst_cols] + ([nbytes] if kind == 2 else [])
+    want_rows = [src_rows, dst_rows] + ([nbytes] if kind == 1 else [])
+    assert kind == {"uniform": 0, "per column": 2, "per row": 1}[sizes]
+    assert r == 4 + len(want_cols) * len(src_cols) and end == r + len(want_rows) * len(src_rows)
+    np.testing.assert_array_equal(h[4:end], np.concatenate(want_cols + want_rows))
+    assert (h[:4] == -1).all() and (h[end:] == -1).all()  # nothing outside its words
+
+
+def test_a_write_makes_no_torch_call_and_copies_later_tables_beside_the_running_slices(monkeypatch):
+    # copy()'s host path with the driver, streams and kernel recorded instead of run: the context is made
+    # current (a torch call) only when the driver says it is not; the first slice's table goes on the
+    # copy's stream, each later one on the side stream with its launch waiting for it; the fence check
+    # runs between slices (the transport checked before the first).
+    calls: list[tuple] = []
+
+    class Driver:
+        current = 0xC0
+
+        def cuCtxGetCurrent(self, ctx):
+            ctx._obj.value = self.current
+            return 0
+
+        def cuMemcpyHtoDAsync_v2(self, dst, src, n, stream):
+            calls.append(("table copy", stream))
+            return 0
+
+        def cuEventRecord(self, event, stream):
+            calls.append(("event", stream.value))
+            return 0
+
+        def cuStreamWaitEvent(self, stream, event, flags):
+            calls.append(("wait", stream.value))
+            return 0
+
+    class Stream:
+        def __init__(self, handle: int) -> None:
+            self.cuda_stream = handle
+
+        def synchronize(self) -> None:
+            calls.append(("sync", self.cuda_stream))
+
+    driver = Driver()
+    host = np.zeros(1 << 16, np.int64)
+    monkeypatch.setattr(gpu, "_lib", driver)
+    monkeypatch.setattr(gpu, "_kernel", object())
+    monkeypatch.setattr(gpu, "_on_device", lambda device: calls.append(("set device", device)))
+    monkeypatch.setattr(gpu, "_run", lambda *args: calls.append(("launch", args[-2])))
+    monkeypatch.setattr(gpu, "PIPELINE_BYTES", 1 << 20)
+    staging = gpu._Staging()
+    staging.by_device[0] = gpu._Buffers(Stream(1), 1, Stream(2), 2, 7, host, host, host.ctypes.data, None, 1 << 40, 0, 0xC0)
+    monkeypatch.setattr(gpu, "_staging", staging)
+    peer = gpu.GpuPeer(np.zeros(1, np.int64), np.full(1, 1 << 50, np.int64), np.zeros(1, np.int64))
+    monkeypatch.setattr(peer, "on_device", lambda device: (0, 0, 0, 1))
+    cols = np.arange(1000, dtype=np.int64) * 4096
+    part = (np.zeros(1, np.int64), np.zeros(1, np.int64), cols, cols, np.full(1000, 4096, np.int64))
+    checks: list[int] = []
+    gpu.copy(0, [part], peer, lambda: checks.append(len(calls)))
+    assert [c for c in calls if c[0] == "set device"] == []
+    assert calls == [("table copy", 1), ("launch", 1), ("table copy", 2), ("event", 2), ("wait", 1), ("launch", 1),
+                     ("sync", 1), ("sync", 2)]
+    assert checks == [2]  # once, between the two slices
+    calls.clear()
+    driver.current = 0  # another context (or none) is current in this thread: made current first
+    gpu.copy(0, [part], peer)
+    assert calls[0] == ("set device", 0)
+
+
 def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():
     if gpu.available():
         pytest.skip("this machine has CUDA")
