@@ -172,20 +172,14 @@ def test_the_table_is_packed_columns_then_rows_with_sizes_where_they_differ(size
     assert (h[:4] == -1).all() and (h[end:] == -1).all()  # nothing outside its words
 
 
-def test_a_write_makes_no_torch_call_and_copies_later_tables_beside_the_running_slices(monkeypatch):
-    # copy()'s host path with the driver, streams and kernel recorded instead of run: the context is made
-    # current (a torch call) only when the driver says it is not; the first slice's table goes on the
-    # copy's stream, each later one on the side stream with its launch waiting for it; the fence check
-    # runs between slices (the transport checked before the first).
+def test_later_slices_tables_are_copied_beside_the_running_slices_and_the_fence_checked_between(monkeypatch):
+    # copy()'s host path with the driver, streams and kernel recorded instead of run: the first slice's
+    # table goes on the copy's stream, each later one on the side stream with its launch waiting for it
+    # (the copy engine moves it while the kernels before it run); the fence check runs between slices
+    # (the transport checked before the first); both streams are waited for.
     calls: list[tuple] = []
 
     class Driver:
-        current = 0xC0
-
-        def cuCtxGetCurrent(self, ctx):
-            ctx._obj.value = self.current
-            return 0
-
         def cuMemcpyHtoDAsync_v2(self, dst, src, n, stream):
             calls.append(("table copy", stream))
             return 0
@@ -205,15 +199,14 @@ def test_a_write_makes_no_torch_call_and_copies_later_tables_beside_the_running_
         def synchronize(self) -> None:
             calls.append(("sync", self.cuda_stream))
 
-    driver = Driver()
     host = np.zeros(1 << 16, np.int64)
-    monkeypatch.setattr(gpu, "_lib", driver)
+    monkeypatch.setattr(gpu, "_lib", Driver())
     monkeypatch.setattr(gpu, "_kernel", object())
     monkeypatch.setattr(gpu, "_on_device", lambda device: calls.append(("set device", device)))
     monkeypatch.setattr(gpu, "_run", lambda *args: calls.append(("launch", args[-2])))
     monkeypatch.setattr(gpu, "PIPELINE_BYTES", 1 << 20)
     staging = gpu._Staging()
-    staging.by_device[0] = gpu._Buffers(Stream(1), 1, Stream(2), 2, 7, host, host, host.ctypes.data, None, 1 << 40, 0, 0xC0)
+    staging.by_device[0] = gpu._Buffers(Stream(1), 1, Stream(2), 2, 7, host, host, host.ctypes.data, None, 1 << 40, 0)
     monkeypatch.setattr(gpu, "_staging", staging)
     peer = gpu.GpuPeer(np.zeros(1, np.int64), np.full(1, 1 << 50, np.int64), np.zeros(1, np.int64))
     monkeypatch.setattr(peer, "on_device", lambda device: (0, 0, 0, 1))
@@ -221,14 +214,9 @@ def test_a_write_makes_no_torch_call_and_copies_later_tables_beside_the_running_
     part = (np.zeros(1, np.int64), np.zeros(1, np.int64), cols, cols, np.full(1000, 4096, np.int64))
     checks: list[int] = []
     gpu.copy(0, [part], peer, lambda: checks.append(len(calls)))
-    assert [c for c in calls if c[0] == "set device"] == []
-    assert calls == [("table copy", 1), ("launch", 1), ("table copy", 2), ("event", 2), ("wait", 1), ("launch", 1),
-                     ("sync", 1), ("sync", 2)]
-    assert checks == [2]  # once, between the two slices
-    calls.clear()
-    driver.current = 0  # another context (or none) is current in this thread: made current first
-    gpu.copy(0, [part], peer)
-    assert calls[0] == ("set device", 0)
+    assert calls == [("set device", 0), ("table copy", 1), ("launch", 1), ("table copy", 2), ("event", 2), ("wait", 1),
+                     ("launch", 1), ("sync", 1), ("sync", 2)]
+    assert checks == [3]  # once, between the two slices
 
 
 def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():

@@ -130,7 +130,9 @@ SLICE_BYTES = 1 << 30
 #: an H200 (1 GiB scattered, 20 interleaved reps, medians): 16 KiB pages (65,535 columns with sizes, a
 #: 170 us pack) 1.03 -> 0.96 ms; 64 KiB pages (a 26 us pack) unchanged at 0.86-0.88 ms, the second
 #: launch's fixed host cost hidden but its table copy and the gap between kernels not; first slices of
-#: 0.25 and 0.55 measured the same within noise.
+#: 0.25 and 0.55 measured the same within noise. Later (copy() in one process, 40 reps interleaved with
+#: D2D, the later table copied on a side stream): a first slice of 0.25 instead of 0.4 gave 0.876 vs 0.860
+#: of D2D for 64 KiB pages but 0.728 vs 0.759 for 16 KiB ones.
 PIPELINE_BYTES = 256 << 20
 FIRST_SLICE = 0.4
 
@@ -432,7 +434,7 @@ def _compile() -> Any:
 class _Buffers(NamedTuple):
     """One thread's launch resources on one device: its stream (and its handle); a side stream (handle) and
     an event (handle) for the tables of later slices; a pinned host buffer for descriptor tables (as numpy,
-    and its address) and a device buffer for them (and its address); the device's primary context."""
+    and its address) and a device buffer for them (and its address)."""
 
     stream: Any
     handle: int
@@ -445,29 +447,22 @@ class _Buffers(NamedTuple):
     dev: Any
     dev_addr: int
     device: int
-    context: int | None
 
 
 class _Staging(threading.local):
-    """Per thread and device: :class:`_Buffers`, grown as needed; and the thread's current context."""
+    """Per thread and device: :class:`_Buffers`, grown as needed."""
 
     def __init__(self) -> None:
         self.by_device: dict[int, _Buffers] = {}
-        self.ctx = ctypes.c_void_p()
 
     def get(self, device: int, words: int) -> _Buffers:
-        """``device``'s buffers of at least ``words`` words, its context current in this thread (made
-        current only when it is not: a thread that copies keeps it, and a torch call costs more than the
-        driver's question)."""
+        """``device``'s buffers of at least ``words`` words, its context current in this thread."""
+        # torch.cuda.set_device on the current device: 0.56 us on an H200 host, as the driver's
+        # cuCtxGetCurrent (0.59 us) that would tell whether it is needed.
+        _on_device(device)
         got = self.by_device.get(device)
-        if got is not None:
-            _check(_driver().cuCtxGetCurrent(ctypes.byref(self.ctx)), "cuCtxGetCurrent")
-            if self.ctx.value != got.context:
-                _on_device(device)
-            if len(got.words) >= words:
-                return got
-        else:
-            _on_device(device)
+        if got is not None and len(got.words) >= words:
+            return got
         import torch
 
         if got is None:
@@ -479,10 +474,8 @@ class _Staging(threading.local):
         words = max(words, 1 << 16)
         host = torch.empty(words, dtype=torch.int64, pin_memory=True)
         dev = torch.empty(words, dtype=torch.int64, device=f"cuda:{device}")
-        _check(_driver().cuCtxGetCurrent(ctypes.byref(self.ctx)), "cuCtxGetCurrent")
         got = self.by_device[device] = _Buffers(stream, stream.cuda_stream, side, side.cuda_stream, event.value or 0,
-                                                 host, host.numpy(), host.data_ptr(), dev, dev.data_ptr(), device,
-                                                 self.ctx.value)
+                                                 host, host.numpy(), host.data_ptr(), dev, dev.data_ptr(), device)
         return got
 
 
@@ -502,9 +495,8 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
     left running when this returns or raises. ``hints``: per part, what
     :meth:`~kvbridge.core.plan.TransferPlan.hints` says of its columns.
 
-    Before the first launch: no torch call (the context is made current only where it is not), one table
-    copy and one launch. A later slice's table is copied on a side stream while the slices before it run,
-    and its launch waits for that copy alone.
+    Before the first launch: one table copy and one launch. A later slice's table is copied on a side
+    stream while the slices before it run, and its launch waits for that copy alone.
     """
     global _kernel
     work = _work(parts, hints)
