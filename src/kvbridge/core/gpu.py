@@ -523,7 +523,7 @@ def _launch(part: Part, sh: Shape, at: int, buf: _Buffers, table: tuple[int, int
     """Launch one slice on ``buf``'s stream, its table staged from word ``at`` (``later``: through the side
     stream, the launch waiting for that copy); the next free (even) word."""
     sizes, r, end = _pack(part, sh, buf.words, at)
-    lib = _lib
+    lib = _driver()
     if later:  # the copy engine moves this table while the kernels before it run
         _check(lib.cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), buf.side_handle),
                "cuMemcpyHtoDAsync of a descriptor table")
