@@ -1,4 +1,5 @@
-"""The fast path's kernel in one process: tuning, and heterogeneous TP 2 -> 1 NHD vs equal TP.
+"""The fast path's kernel in one process: tuning, heterogeneous TP 2 -> 1 NHD vs equal TP, and where a
+write's host time goes (``--host``).
 
 Runs :func:`kvbridge.core.gpu.copy` with a peer mapped at its own address
 (one process: no IPC; the kernel and its host-side work are what the
@@ -7,7 +8,14 @@ same bytes in the same run, and the kernel alone (``kernel_only_GBps``: its
 table already on the GPU, timed with CUDA events). Every case is checked byte-exact with torch
 indexing. Needs a CUDA GPU.
 
-    python benchmarks/gpu_kernel_bench.py [--json]
+``--host`` times :func:`~kvbridge.core.gpu.copy` of 1 GiB of scattered 16 and 64 KiB pages,
+planned as ``kvbridge bench transfer --device cuda`` plans them, on the host next to torch's D2D copy
+(interleaved, as the transfer bench does), and then, in a traced pass, each step from the copy's start to
+its return: the buffers (and current context), the peer's table, each slice's shape, packing, table copy
+and launch, and the wait for the GPU (``return``). Every step but the wait is host time the GPU does not
+hide before the first launch, or hides behind the slices already launched after it.
+
+    python benchmarks/gpu_kernel_bench.py [--json] [--host]
 """
 
 from __future__ import annotations
@@ -119,6 +127,92 @@ def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
     return rows
 
 
+def host(reps: int) -> list[dict]:
+    """copy() of 1 GiB of scattered pages next to D2D, and its steps (medians of ``reps``; see the docstring)."""
+    src = torch.arange(GiB // 8, dtype=torch.int64, device="cuda")
+    dst = torch.zeros(GiB // 8, dtype=torch.int64, device="cuda")
+    other = torch.empty_like(src)
+    peer = identity_peer(dst)
+
+    def d2d() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        other.copy_(src)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    marks: list[tuple[str, float]] = []
+
+    def traced(name, fn):
+        def step(*args, **kwargs):
+            got = fn(*args, **kwargs)
+            marks.append((name, time.perf_counter()))
+            return got
+        return step
+
+    rows = []
+    for kib in (16, 64):
+        page = kib << 10
+
+        def pool(t: torch.Tensor) -> KVArgs:
+            region = Region(name="pool", addr=t.data_ptr(), nbytes=GiB, stride=page, role="kv", index_space="p",
+                            layer=0, mem="vram", device=0)
+            return KVArgs(regions=(region,), index_spaces=(IndexSpace("p", GiB // page),), dtype="int64", page_size=1)
+
+        n = GiB // page
+        perm = np.random.default_rng(kib).permutation(n)
+        plan = pair_layouts(pool(src), pool(dst)).plan({"p": np.arange(n)}, {"p": perm})
+        go = lambda: gpu.copy(0, plan.factors(), peer, lambda: None, plan.hints())  # noqa: E731
+        go()
+        ok = torch.equal(dst.view(-1, page // 8)[torch.as_tensor(perm, device="cuda")], src.view(-1, page // 8))
+        copies, d2ds = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            go()
+            copies.append(time.perf_counter() - t0)
+            d2ds.append(d2d())
+        go()  # the staging buffers exist: the traced pass patches the thread's instance
+        patched = {"shape": gpu.shape, "_pack": gpu._pack, "_run": gpu._run}
+        names = {"shape": "shape", "_pack": "pack", "_run": "launch"}
+        h2d = gpu._lib.cuMemcpyHtoDAsync_v2
+        try:
+            for attr, fn in patched.items():
+                setattr(gpu, attr, traced(names[attr], fn))
+            gpu._lib.cuMemcpyHtoDAsync_v2 = traced("table copy", h2d)
+            gpu._staging.get = traced("buffers", type(gpu._staging).get.__get__(gpu._staging))
+            peer.on_device = traced("peer table", type(peer).on_device.__get__(peer))
+            steps: dict[str, list[float]] = {}
+            for _ in range(reps):
+                d2d()
+                marks.clear()
+                t0 = time.perf_counter()
+                go()
+                marks.append(("return", time.perf_counter()))
+                seen: dict[str, int] = {}
+                prev = t0
+                for name, t in marks:
+                    seen[name] = seen.get(name, 0) + 1
+                    steps.setdefault(name if seen[name] == 1 else f"{name}#{seen[name]}", []).append(t - prev)
+                    prev = t
+        finally:
+            for attr, fn in patched.items():
+                setattr(gpu, attr, fn)
+            gpu._lib.cuMemcpyHtoDAsync_v2 = h2d
+            del gpu._staging.get, peer.on_device
+        row = {"page_kib": kib, "columns": len(plan.factors()[0][2]), "copy_ms": statistics.median(copies) * 1e3,
+               "d2d_ms": statistics.median(d2ds) * 1e3, "ok": bool(ok),
+               "steps_us": {k: statistics.median(v) * 1e6 for k, v in steps.items()}}
+        row["copy_vs_d2d"] = row["d2d_ms"] / row["copy_ms"]
+        rows.append(row)
+        print(f"{kib:>4}K x {n} scattered, 1 GiB: copy {row['copy_ms']:.3f} ms, D2D {row['d2d_ms']:.3f} ms, "
+              f"{row['copy_vs_d2d']:.2f} of D2D, ok={ok}; steps (us): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in row["steps_us"].items()), file=sys.stderr, flush=True)
+    del src, dst, other
+    torch.cuda.empty_cache()
+    return rows
+
+
 HEADS, HEAD_DIM, LAYERS, PAGE = 8, 128, 32, 16
 
 
@@ -183,9 +277,13 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tune", action="store_true", help="try several program sizes (bytes) and warp counts")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--host", action="store_true", help="only where a write's host time goes (copy() vs D2D, by step)")
     a = p.parse_args()
     tunings = [(gpu.TILE_BYTES, gpu.NUM_WARPS)] + ([(2048, 2), (4096, 4), (8192, 2), (8192, 4), (16384, 8)] if a.tune else [])
-    out = {"pages": pages(a.reps, tunings), "hetero": hetero(a.reps)}
+    if a.host:
+        out = {"host": host(max(a.reps, 20))}
+    else:
+        out = {"pages": pages(a.reps, tunings), "hetero": hetero(a.reps), "host": host(max(a.reps, 20))}
     if a.json:
         print(json.dumps(out, indent=1))
     return 0

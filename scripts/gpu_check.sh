@@ -3,9 +3,11 @@
 #
 # Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
-# Writes gpu-tests.log, kernel.{txt,json}, bench{,-4g}.{txt,json}, layerwise.txt and demo.txt to $OUT (default ./gpu-out).
+# Writes gpu-tests.log, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, layerwise.txt and demo.txt
+# to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
-# (default "tests kernel bench demo layerwise"), e.g. STEPS="layerwise demo" to fit a shorter session.
+# (default "tests kernel bench demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
+# STEPS="layerwise demo" to fit a shorter session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -28,6 +30,9 @@ want tests && python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
   2>&1 | tee "$OUT/gpu-tests.log" || rc=1
 want kernel && { python3 benchmarks/gpu_kernel_bench.py --json ${KERNEL_TUNE:+--tune} > "$OUT/kernel.json" 2> "$OUT/kernel.txt" || rc=1
 tail -20 "$OUT/kernel.txt"; }
+# Where one write's host time goes (copy() vs D2D in one process, step by step); also part of "kernel".
+want host && { python3 benchmarks/gpu_kernel_bench.py --host --json > "$OUT/host.json" 2> "$OUT/host.txt" || rc=1
+tail -3 "$OUT/host.txt"; }
 if want bench; then
   python3 -m kvbridge.cli bench transfer --device cuda --json "$@" > "$OUT/bench.json" 2> "$OUT/bench.txt" || rc=1
   tail -30 "$OUT/bench.txt"

@@ -154,6 +154,71 @@ def test_the_kernels_split_of_an_unexpanded_plan_moves_what_its_descriptors_say(
     np.testing.assert_array_equal(dst, want)
 
 
+@pytest.mark.parametrize("sizes", ["uniform", "per column", "per row"])
+def test_the_table_is_packed_columns_then_rows_with_sizes_where_they_differ(sizes):
+    cols = np.array([0, 4096, 8192], np.int64)
+    rows = np.array([1 << 40, 1 << 41], np.int64)
+    part = {"uniform": (rows, rows + 8, cols, cols + 16, np.full(3, 4096, np.int64)),
+            "per column": (rows, rows + 8, cols, cols + 16, np.array([4096, 512, 4096], np.int64)),
+            "per row": gpu.arrays_part(rows, rows + 8, np.array([64, 128], np.int64))}[sizes]
+    h = np.full(64, -1, np.int64)
+    kind, r, end = gpu._pack(part, gpu.shape(part), h, 4)
+    src_rows, dst_rows, src_cols, dst_cols, nbytes = part
+    want_cols = [src_cols, dst_cols] + ([nbytes] if kind == 2 else [])
+    want_rows = [src_rows, dst_rows] + ([nbytes] if kind == 1 else [])
+    assert kind == {"uniform": 0, "per column": 2, "per row": 1}[sizes]
+    assert r == 4 + len(want_cols) * len(src_cols) and end == r + len(want_rows) * len(src_rows)
+    np.testing.assert_array_equal(h[4:end], np.concatenate(want_cols + want_rows))
+    assert (h[:4] == -1).all() and (h[end:] == -1).all()  # nothing outside its words
+
+
+def test_later_slices_tables_are_copied_beside_the_running_slices_and_the_fence_checked_between(monkeypatch):
+    # copy()'s host path with the driver, streams and kernel recorded instead of run: the first slice's
+    # table goes on the copy's stream, each later one on the side stream with its launch waiting for it
+    # (the copy engine moves it while the kernels before it run); the fence check runs between slices
+    # (the transport checked before the first); both streams are waited for.
+    calls: list[tuple] = []
+
+    class Driver:
+        def cuMemcpyHtoDAsync_v2(self, dst, src, n, stream):
+            calls.append(("table copy", stream))
+            return 0
+
+        def cuEventRecord(self, event, stream):
+            calls.append(("event", stream.value))
+            return 0
+
+        def cuStreamWaitEvent(self, stream, event, flags):
+            calls.append(("wait", stream.value))
+            return 0
+
+    class Stream:
+        def __init__(self, handle: int) -> None:
+            self.cuda_stream = handle
+
+        def synchronize(self) -> None:
+            calls.append(("sync", self.cuda_stream))
+
+    host = np.zeros(1 << 16, np.int64)
+    monkeypatch.setattr(gpu, "_lib", Driver())
+    monkeypatch.setattr(gpu, "_kernel", object())
+    monkeypatch.setattr(gpu, "_on_device", lambda device: calls.append(("set device", device)))
+    monkeypatch.setattr(gpu, "_run", lambda *args: calls.append(("launch", args[-2])))
+    monkeypatch.setattr(gpu, "PIPELINE_BYTES", 1 << 20)
+    staging = gpu._Staging()
+    staging.by_device[0] = gpu._Buffers(Stream(1), 1, Stream(2), 2, 7, host, host, host.ctypes.data, None, 1 << 40, 0)
+    monkeypatch.setattr(gpu, "_staging", staging)
+    peer = gpu.GpuPeer(np.zeros(1, np.int64), np.full(1, 1 << 50, np.int64), np.zeros(1, np.int64))
+    monkeypatch.setattr(peer, "on_device", lambda device: (0, 0, 0, 1))
+    cols = np.arange(1000, dtype=np.int64) * 4096
+    part = (np.zeros(1, np.int64), np.zeros(1, np.int64), cols, cols, np.full(1000, 4096, np.int64))
+    checks: list[int] = []
+    gpu.copy(0, [part], peer, lambda: checks.append(len(calls)))
+    assert calls == [("set device", 0), ("table copy", 1), ("launch", 1), ("table copy", 2), ("event", 2), ("wait", 1),
+                     ("launch", 1), ("sync", 1), ("sync", 2)]
+    assert checks == [3]  # once, between the two slices
+
+
 def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():
     if gpu.available():
         pytest.skip("this machine has CUDA")

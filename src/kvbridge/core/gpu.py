@@ -88,6 +88,11 @@ class Shape(NamedTuple):
     uniform: int = 0
 
 
+def _or(a: IntArray) -> int:
+    """The bitwise or of ``a``'s elements (a part's rows are often one: no numpy call then)."""
+    return int(a[0]) if len(a) == 1 else int(np.bitwise_or.reduce(a))
+
+
 def shape(part: Part, hint: tuple[int, int] = (0, 0)) -> Shape:
     """The launch shape of a part: the widest element every address and size is a multiple of.
 
@@ -104,13 +109,10 @@ def shape(part: Part, hint: tuple[int, int] = (0, 0)) -> Shape:
         # Sizes are multiples of ``align``: what follows reads only their lowest set bit, which is then at
         # least ``align``, and of a piece's bytes (at most TILE_BYTES) whether it is at least that: one pass
         # over the sizes fewer (a scattered 1 GiB of 16 KiB pages has 65,535 of them).
-        size_bits = align if align >= TILE_BYTES else int(np.bitwise_or.reduce(nbytes))
-    bits = size_bits | int(np.bitwise_or.reduce(src_rows)) | int(np.bitwise_or.reduce(dst_rows))
-    if align:
-        bits |= align  # columns are multiples of it: the widest element is then at most as wide
-    else:
-        bits |= int(np.bitwise_or.reduce(src_cols)) | int(np.bitwise_or.reduce(dst_cols))
-    width = next(w for w in (8, 4, 2, 1) if bits % w == 0)
+        size_bits = align if align >= TILE_BYTES else _or(nbytes)
+    # columns are multiples of ``align`` where known: the widest element is then at most as wide
+    bits = size_bits | _or(src_rows) | _or(dst_rows) | (align if align else _or(src_cols) | _or(dst_cols))
+    width = min(8, bits & -bits) if bits else 8
     longest = max(1, most // width)
     tile = TILE_BYTES // width
     chunk = min(tile, 1 << (longest - 1).bit_length())
@@ -128,7 +130,9 @@ SLICE_BYTES = 1 << 30
 #: an H200 (1 GiB scattered, 20 interleaved reps, medians): 16 KiB pages (65,535 columns with sizes, a
 #: 170 us pack) 1.03 -> 0.96 ms; 64 KiB pages (a 26 us pack) unchanged at 0.86-0.88 ms, the second
 #: launch's fixed host cost hidden but its table copy and the gap between kernels not; first slices of
-#: 0.25 and 0.55 measured the same within noise.
+#: 0.25 and 0.55 measured the same within noise. Later (copy() in one process, 40 reps interleaved with
+#: D2D, the later table copied on a side stream): a first slice of 0.25 instead of 0.4 gave 0.876 vs 0.860
+#: of D2D for 64 KiB pages but 0.728 vs 0.759 for 16 KiB ones.
 PIPELINE_BYTES = 256 << 20
 FIRST_SLICE = 0.4
 
@@ -428,11 +432,15 @@ def _compile() -> Any:
 
 
 class _Buffers(NamedTuple):
-    """One thread's launch resources on one device: its stream (and its handle), and a pinned host buffer and
-    a device buffer for descriptor tables (and their addresses)."""
+    """One thread's launch resources on one device: its stream (and its handle); a side stream (handle) and
+    an event (handle) for the tables of later slices; a pinned host buffer for descriptor tables (as numpy,
+    and its address) and a device buffer for them (and its address)."""
 
     stream: Any
     handle: int
+    side: Any
+    side_handle: int
+    event: int
     host: Any
     words: Any  # ``host`` as numpy
     host_addr: int
@@ -448,17 +456,26 @@ class _Staging(threading.local):
         self.by_device: dict[int, _Buffers] = {}
 
     def get(self, device: int, words: int) -> _Buffers:
+        """``device``'s buffers of at least ``words`` words, its context current in this thread."""
+        # torch.cuda.set_device on the current device: 0.56 us on an H200 host, as the driver's
+        # cuCtxGetCurrent (0.59 us) that would tell whether it is needed.
+        _on_device(device)
         got = self.by_device.get(device)
         if got is not None and len(got.words) >= words:
             return got
         import torch
 
-        stream = got.stream if got is not None else torch.cuda.Stream(device)
+        if got is None:
+            stream, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            event = ctypes.c_void_p()
+            _check(_driver().cuEventCreate(ctypes.byref(event), 2), "cuEventCreate")  # 2: CU_EVENT_DISABLE_TIMING
+        else:
+            stream, side, event = got.stream, got.side, ctypes.c_void_p(got.event)
         words = max(words, 1 << 16)
         host = torch.empty(words, dtype=torch.int64, pin_memory=True)
         dev = torch.empty(words, dtype=torch.int64, device=f"cuda:{device}")
-        got = self.by_device[device] = _Buffers(stream, stream.cuda_stream, host, host.numpy(), host.data_ptr(),
-                                                 dev, dev.data_ptr(), device)
+        got = self.by_device[device] = _Buffers(stream, stream.cuda_stream, side, side.cuda_stream, event.value or 0,
+                                                 host, host.numpy(), host.data_ptr(), dev, dev.data_ptr(), device)
         return got
 
 
@@ -472,11 +489,14 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
     Destinations are the peer's own addresses; the kernel translates them.
     The descriptors must lie in local GPU memory of ``device`` and in the
     peer's mapped allocations (core checked both). Each part goes in
-    :func:`slices`, one launch each on this thread's stream, and one synchronisation at the end. ``check`` runs before
-    each slice is launched and may raise to stop there (a failed room's
+    :func:`slices`, one launch each on this thread's stream, and one synchronisation at the end. ``check`` runs
+    between slices (the caller checks before the first) and may raise to stop there (a failed room's
     fence); the slices already launched are still waited for, so nothing is
     left running when this returns or raises. ``hints``: per part, what
     :meth:`~kvbridge.core.plan.TransferPlan.hints` says of its columns.
+
+    Before the first launch: one table copy and one launch. A later slice's table is copied on a side
+    stream while the slices before it run, and its launch waits for that copy alone.
     """
     global _kernel
     work = _work(parts, hints)
@@ -484,72 +504,81 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
         return
     if _kernel is None:
         _kernel = _compile()
-    _on_device(device)
     # each table starts on a 16-byte boundary (an even word)
     buf = _staging.get(device, sum(3 * (len(p[0]) + len(p[2])) + 1 for p, _ in work))
     table = peer.on_device(device)
     at = 0
     try:
-        for piece, hint in work:
-            if check is not None:
+        for i, (piece, hint) in enumerate(work):
+            if i and check is not None:
                 check()
-            at = _launch(piece, shape(piece, hint), at, buf, table)
+            at = _launch(piece, shape(piece, hint), at, buf, table, i > 0)
     finally:
         buf.stream.synchronize()  # whatever was launched has landed before this returns or raises
+        if len(work) > 1:
+            buf.side.synchronize()  # a table copy whose launch never came (it raised) ends too
 
 
-def _launch(part: Part, sh: Shape, at: int, buf: _Buffers, table: tuple[int, int, int, int]) -> int:
-    """Launch one slice on ``buf``'s stream, its table staged from word ``at``; the next free (even) word."""
+def _launch(part: Part, sh: Shape, at: int, buf: _Buffers, table: tuple[int, int, int, int], later: bool) -> int:
+    """Launch one slice on ``buf``'s stream, its table staged from word ``at`` (``later``: through the side
+    stream, the launch waiting for that copy); the next free (even) word."""
     sizes, r, end = _pack(part, sh, buf.words, at)
-    _check(_driver().cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), buf.handle),
-           "cuMemcpyHtoDAsync of a descriptor table")
-    _run(sh, sizes, len(part[0]), len(part[2]), buf.dev_addr + 8 * r, buf.dev_addr + 8 * at, *table, buf.handle,
-         buf.device)
+    lib = _driver()
+    if later:  # the copy engine moves this table while the kernels before it run
+        _check(lib.cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), buf.side_handle),
+               "cuMemcpyHtoDAsync of a descriptor table")
+        _check(lib.cuEventRecord(ctypes.c_void_p(buf.event), ctypes.c_void_p(buf.side_handle)), "cuEventRecord")
+        _check(lib.cuStreamWaitEvent(ctypes.c_void_p(buf.handle), ctypes.c_void_p(buf.event), 0), "cuStreamWaitEvent")
+    else:
+        _check(lib.cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), buf.handle),
+               "cuMemcpyHtoDAsync of a descriptor table")
+    _run(sh, sizes, len(part[0]), len(part[2]), buf.dev_addr + 8 * r, buf.dev_addr + 8 * at, *table, buf.handle, buf.device)
     return end + (end & 1)
 
 
 def _pack(part: Part, sh: Shape, h: Any, at: int) -> tuple[int, int, int]:
-    """Write ``part``'s table into ``h`` from word ``at``: columns (sources, destinations[, sizes]), then rows
-    (sources, destinations[, sizes]). Returns where sizes are kept (0: ``sh.uniform`` for all, 1: per
-    row, 2: per column), the first row word and the end."""
+    """Write ``part``'s table into ``h`` from word ``at`` (one numpy call): columns (sources,
+    destinations[, sizes]), then rows (sources, destinations[, sizes]). Returns where sizes are kept (0:
+    ``sh.uniform`` for all, 1: per row, 2: per column), the first row word and the end."""
     src_rows, dst_rows, src_cols, dst_cols, nbytes = part
     sizes = 0 if sh.uniform else 1 if row_sizes(part) else 2
-    m, ncols = len(src_rows), len(src_cols)
-    h[at:at + ncols], h[at + ncols:at + 2 * ncols] = src_cols, dst_cols
-    r = at + (3 if sizes == 2 else 2) * ncols
-    if sizes == 2:
-        h[at + 2 * ncols:r] = nbytes
-    h[r:r + m], h[r + m:r + 2 * m] = src_rows, dst_rows
-    end = r + (3 if sizes == 1 else 2) * m
-    if sizes == 1:
-        h[r + 2 * m:end] = nbytes
+    cols = (src_cols, dst_cols, nbytes) if sizes == 2 else (src_cols, dst_cols)
+    rows = (src_rows, dst_rows, nbytes) if sizes == 1 else (src_rows, dst_rows)
+    r = at + len(cols) * len(src_cols)
+    end = r + len(rows) * len(src_rows)
+    np.concatenate(cols + rows, out=h[at:end])
     return sizes, r, end
+
+
+_I32 = (1 << 31) - 1
 
 
 def _run(sh: Shape, sizes: int, m: int, ncols: int, rows: int, cols: int, starts: int, deltas: int, steps: int,
          allocs: int, stream: int, device: int) -> None:
     """Launch the kernel over ``m`` rows x ``ncols`` columns whose tables are on the GPU at ``rows``/``cols``,
     on ``stream`` (a handle of ``device``)."""
-    dtype = _dtypes[sh.width]
     grid = -(-m * ncols * sh.pieces // sh.rows)
-    args = (rows, m, cols, ncols, sh.uniform, starts, deltas, allocs,
-            sh.pieces, sh.rows, sh.chunk, sh.width, dtype, steps, sh.align16, sh.even, sizes)
-    # Triton types an integer argument i32 or i64 by its value: part of what the compiled kernel is.
-    # A compiled kernel is loaded into one device's context.
-    key = (device, *args[8:], NUM_WARPS, *(not -(1 << 31) <= v < 1 << 31 for v in args[:8]))
+    size = sh.uniform
+    # Triton types an integer argument i32 or i64 by its value (all are >= 0 here): part of what the compiled
+    # kernel is. A compiled kernel is loaded into one device's context.
+    key = (device, sh.pieces, sh.rows, sh.chunk, sh.width, steps, sh.align16, sh.even, sizes, NUM_WARPS,
+           rows > _I32, m > _I32, cols > _I32, ncols > _I32, size > _I32, starts > _I32, deltas > _I32, allocs > _I32)
     direct = _compiled.get(key) if DIRECT_LAUNCH else None
     if direct is not None:
-        kernel, count = direct
-        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args[:count])
+        kernel, constants = direct
+        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   rows, m, cols, ncols, size, starts, deltas, allocs, *constants)
         return
     import torch
 
+    dtype = _dtypes[sh.width]
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # Triton launches on torch's current stream
-        kernel = _kernel[(grid,)](*args[:8], PIECES=sh.pieces, ROWS=sh.rows, CHUNK=sh.chunk, WIDTH=sh.width,
-                                  DTYPE=dtype, STEPS=steps, ALIGN16=sh.align16, EVEN=sh.even, SIZES=sizes,
-                                  num_warps=NUM_WARPS)
+        kernel = _kernel[(grid,)](rows, m, cols, ncols, size, starts, deltas, allocs, PIECES=sh.pieces, ROWS=sh.rows,
+                                  CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps, ALIGN16=sh.align16,
+                                  EVEN=sh.even, SIZES=sizes, num_warps=NUM_WARPS)
     # The compiled launcher takes every argument (Triton >= 3.2: constants too, which it skips) or only
     # the non-constant ones (older): its signature says which. Anything else: keep launching through Triton.
+    constants = (sh.pieces, sh.rows, sh.chunk, sh.width, dtype, steps, sh.align16, sh.even, sizes)
     count = len(getattr(getattr(kernel, "src", None), "signature", ()))
-    if count in (8, len(args)) and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
-        _compiled[key] = (kernel, count)
+    if count in (len(_INTS), len(_INTS) + len(constants)) and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
+        _compiled[key] = (kernel, constants if count > len(_INTS) else ())

@@ -283,7 +283,8 @@ class Transport:
     ) -> TransferPlan:
         """Copy the descriptors GPU -> mapped peer GPU with the kernel; return the rest for the backend.
 
-        ``check`` (deadline and liveness) runs before each slice is launched, as before each batch.
+        ``check`` (deadline and liveness) runs before each slice is launched but the first (:meth:`write`
+        checked right before), as before each batch.
         """
         if device is not None:  # every descriptor qualifies (decided per region at add_peer)
             groups = [(device, plan.factors(), plan.hints())]  # as the planner left it: rows x columns, unexpanded
@@ -299,8 +300,10 @@ class Transport:
                 on = fast & (devices == dev)
                 groups.append((int(dev), [gpu.arrays_part(plan.src_addr[on], plan.dst_addr[on], plan.nbytes[on])], [(0, 0)]))
             rest = TransferPlan(plan.src_addr[~fast], plan.dst_addr[~fast], plan.nbytes[~fast])
-        for dev, parts, hints in groups:
+        for i, (dev, parts, hints) in enumerate(groups):
             try:
+                if i:  # gpu.copy checks between its slices, not before the first
+                    check()
                 gpu.copy(dev, parts, mapped, check, hints)
             except (TransferTimeout, TransferCancelled):
                 raise
