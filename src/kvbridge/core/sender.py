@@ -629,8 +629,9 @@ def _write_live(
     the same place). Each redo drops at least one room, so there are at most
     ``len(writes)`` of them.
     """
-    for _ in range(len(writes) + 1):
-        writes = [w for w in writes if m.live(w.sender, peer, wait=True)]
+    for attempt in range(len(writes) + 1):
+        if attempt:  # the first write's check before its first batch (below) covers every room in it
+            writes = [w for w in writes if m.live(w.sender, peer, wait=True)]
         plan = TransferPlan.concat(p for w in writes if (p := part(w)) is not None)
         if not writes or not len(plan):
             return writes

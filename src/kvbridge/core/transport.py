@@ -201,6 +201,8 @@ class Transport:
         if route is not None:
             self._check(peer, deadline, live, "before it started")
             plan = self._copy_on_gpu(peer, *route, plan, lambda: self._check(peer, deadline, live, "between GPU copy slices"))
+            if not len(plan):  # the kernel copied it all (the usual case): nothing for the backend
+                return
         landed = 0
         posted = 0
         token = _live.set(live)  # the backend re-checks right before it posts (backend.may_post)
