@@ -566,7 +566,8 @@ def _write_chunks(writes: list[_ChunkWrite]) -> None:
         body = sum(w.body.total_bytes for w in live)
         if body:
             peer.note_write(body, rows - start)
-        if not peer.inline_row:  # else each row travels in its Done (below)
+        # Rows as a second write, after the pages: unless each travels in its Done (below), or there is none.
+        if not peer.inline_row and any(w.job.meta_plan is not None for w in live):
             live = _write_live(m, peer, live, lambda w: w.job.meta_plan, deadline)
             row_bytes = sum(w.job.meta_plan.total_bytes for w in live if w.job.meta_plan is not None)
             if row_bytes:
