@@ -294,3 +294,45 @@ def test_partial_item_plans_are_every_segment_of_every_index_with_neighbours_mer
     # and batches of it (expanded one at a time when kept as an outer sum) are the same descriptors
     parts = list(plan.batches(max_descriptors=3))
     assert sum((list(zip(b.src_addr.tolist(), b.dst_addr.tolist(), b.nbytes.tolist())) for b in parts), []) == got
+
+
+def _places(starts, ends, groups):
+    """group_of for TransferPlan.split over places [starts[i], ends[i]) of group groups[i]."""
+    starts, ends, groups = (np.asarray(a, np.int64) for a in (starts, ends, groups))
+
+    def group_of(addr, nbytes):
+        pos = np.searchsorted(starts, addr, side="right") - 1
+        ok = pos >= 0
+        pos = np.where(ok, pos, 0)
+        return groups[pos], ok & (addr + nbytes <= ends[pos])
+
+    return group_of
+
+
+def test_split_takes_whole_rows_in_plan_order_without_expanding_and_falls_back_per_descriptor():
+    # Three regions of 1000 B: rows (region bases) x columns (item offsets); regions 0 and 2 are group 1,
+    # region 1 is group 0. A plain array part follows, and a row across two regions.
+    group_of = _places([0, 1000, 2000], [1000, 2000, 3000], [1, 0, 1])
+    outer = TransferPlan.outer(np.array([0, 1000, 2000]), np.array([10**6, 10**6 + 1000, 10**6 + 2000]),
+                               np.array([100, 0, 300]), np.array([0, 200, 400]), np.array([50, 50, 50]), (2, 50))
+    arrays = TransferPlan(np.array([1500, 10, 2900]), np.array([7, 8, 9]), np.array([10, 10, 10]))
+    across = TransferPlan.outer(np.array([900]), np.array([5 * 10**6]), np.array([0, 150]), np.array([0, 150]),
+                                np.array([50, 50]))  # 900-950 in region 0, 1050-1100 in region 1
+    plan = TransferPlan.concat([outer, arrays, across])
+    parts = plan.split(group_of, 2)
+    # The outer part's rows went whole to their groups: still rows x columns, with the planner's hint
+    # (read before anything below expands the plans).
+    np.testing.assert_array_equal(parts[1].factors()[0][0], [0, 2000])
+    assert parts[1].hints()[0] == (2, 50) and parts[0].factors()[0][0].tolist() == [1000]
+    want = {g: [d for d in zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.nbytes.tolist())
+                if [1, 0, 1][d[0] // 1000] == g] for g in (0, 1)}
+    for g in (0, 1):
+        got = list(zip(parts[g].src_addr.tolist(), parts[g].dst_addr.tolist(), parts[g].nbytes.tolist()))
+        assert got == want[g]
+    assert sum(len(p) for p in parts) == len(plan)
+
+
+def test_split_refuses_a_descriptor_outside_every_place():
+    plan = TransferPlan(np.array([10, 5000]), np.array([0, 0]), np.array([10, 10]))
+    with pytest.raises(PlanError, match=r"source 0x1388, 10 B\) lies in none of the places"):
+        plan.split(_places([0], [1000], [0]), 1)

@@ -2,23 +2,23 @@
 
 A rank's layers are the ``(layer, draft)`` keys of its regions (the metadata
 row is not a layer: it is the commit point, written last). A chunk is planned
-once, as usual; :meth:`LayerIndex.split` then sorts the plan's descriptors by
-the layer of their source region (one ``searchsorted`` and one stable
-``argsort`` over the whole plan) and keeps offsets, so posting a layer is
-slicing three arrays: no re-planning, no loop per page or descriptor.
+once, as usual; :meth:`LayerIndex.split` then cuts the plan by the layer of
+each row's source region (a plan is region pairs x pages, unexpanded: a
+``searchsorted`` per part over its rows, not its descriptors), so posting a
+layer is taking its rows: no re-planning, no loop per page or descriptor.
 Descriptors of regions without a layer (``layer < 0``) form a last group,
 posted with the metadata row once every layer has been.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
-from .indices import IntArray, PlanError
+from .indices import IntArray
 from .layout import METADATA_SPACE, KVArgs
 from .plan import RegionTable, TransferPlan
 
@@ -50,38 +50,25 @@ def layer_list(layers: int | Iterable[int]) -> list[int]:
 
 @dataclass(eq=False)
 class LayeredPlan:
-    """A plan sorted by layer group: group ``g`` is ``plan`` rows ``offsets[g]:offsets[g + 1]``.
+    """A plan split by layer group: ``parts[g]`` is group ``g``'s descriptors, in the plan's order.
 
     Groups ``0 .. len(keys) - 1`` are the rank's layers in :attr:`LayerIndex.keys`
     order; the last group holds descriptors of regions without a layer.
     """
 
-    plan: TransferPlan
-    offsets: IntArray
+    parts: list[TransferPlan]
 
     def group(self, g: int) -> TransferPlan:
-        """Group ``g``'s descriptors (views of the sorted arrays)."""
-        lo, hi = int(self.offsets[g]), int(self.offsets[g + 1])
-        p = self.plan
-        return TransferPlan(p.src_addr[lo:hi], p.dst_addr[lo:hi], p.nbytes[lo:hi])
+        """Group ``g``'s descriptors."""
+        return self.parts[g]
 
     def nbytes(self, gs: Sequence[int]) -> int:
         """How many bytes groups ``gs`` move."""
-        csum = self._csum
-        return int(sum(csum[self.offsets[g + 1]] - csum[self.offsets[g]] for g in gs))
-
-    @functools.cached_property
-    def _csum(self) -> IntArray:
-        return np.concatenate(([0], np.cumsum(self.plan.nbytes)))
+        return sum(self.parts[g].total_bytes for g in gs)
 
     def groups(self, gs: Sequence[int]) -> TransferPlan:
-        """The descriptors of groups ``gs``: one view when they are consecutive, else one concatenation."""
-        gs = sorted(gs)
-        if gs and gs[-1] - gs[0] == len(gs) - 1:
-            lo, hi = int(self.offsets[gs[0]]), int(self.offsets[gs[-1] + 1])
-            p = self.plan
-            return TransferPlan(p.src_addr[lo:hi], p.dst_addr[lo:hi], p.nbytes[lo:hi])
-        return TransferPlan.concat(self.group(g) for g in gs)
+        """The descriptors of groups ``gs``, in group order (no copy: the groups' parts, joined)."""
+        return TransferPlan.concat(self.parts[g] for g in sorted(gs))
 
 
 class LayerIndex:
@@ -111,19 +98,16 @@ class LayerIndex:
         return f"{'draft ' if draft else ''}layers {_ranges(ids)}" if ids else f"no {'draft ' if draft else ''}layers"
 
     def split(self, plan: TransferPlan) -> LayeredPlan:
-        """``plan`` (validated against this rank's regions) sorted by layer group, order kept inside each."""
-        groups = len(self.keys) + 1
-        if not len(plan):
-            return LayeredPlan(plan, np.zeros(groups + 1, np.int64))
-        pos, inside = self._table.locate(plan.src_addr, plan.nbytes)
-        if not inside.all():  # validate() ran before: only a plan from another rank gets here
-            i = int(np.flatnonzero(~inside)[0])
-            raise PlanError(f"descriptor {i} (source {int(plan.src_addr[i]):#x}) is in none of this rank's layer regions")
-        group = self._region_group[pos]
-        order = np.argsort(group, kind="stable")
-        offsets = np.zeros(groups + 1, np.int64)
-        np.cumsum(np.bincount(group, minlength=groups), out=offsets[1:])
-        return LayeredPlan(TransferPlan(plan.src_addr[order], plan.dst_addr[order], plan.nbytes[order]), offsets)
+        """``plan`` (validated against this rank's regions) split by layer group, order kept inside each.
+
+        Raises :class:`PlanError` for a descriptor outside this rank's layer regions (validation ran
+        before: only a plan from another rank gets there)."""
+        return LayeredPlan(plan.split(self._locate, len(self.keys) + 1))
+
+    def _locate(self, addr: IntArray, nbytes: IntArray) -> tuple[IntArray, npt.NDArray[np.bool_]]:
+        """Each source range's layer group, and whether it lies wholly in one of this rank's regions."""
+        pos, inside = self._table.locate(addr, nbytes)
+        return self._region_group[pos], inside
 
 
 def _ranges(ids: Sequence[int]) -> str:

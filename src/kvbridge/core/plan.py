@@ -9,7 +9,7 @@ and moves exactly those bytes, split to its own limits with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Union
 
 import numpy as np
@@ -175,6 +175,27 @@ class _Arrays:
 _Part = Union[_Arrays, _Outer]
 
 
+def _runs_of(group: IntArray) -> Iterator[tuple[int, IntArray | slice | None]]:
+    """Per group present in ``group``, ascending: its positions, in order (None: all of them). Slices when
+    each group is one run and the runs ascend (rows in layer order, the usual plan), else index arrays."""
+    n = len(group)
+    cuts = np.flatnonzero(group[1:] != group[:-1]) + 1
+    if not cuts.size:
+        yield int(group[0]), None
+        return
+    if (np.diff(group[np.concatenate(([0], cuts))]) > 0).all():  # each group one run (sorted): slices
+        bounds = [0, *cuts.tolist(), n]
+        ids = group[bounds[:-1]].tolist()
+        for g, lo, hi in zip(ids, bounds, bounds[1:]):
+            yield g, slice(lo, hi)
+        return
+    order = np.argsort(group, kind="stable")
+    ordered = group[order]
+    bounds = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), n]
+    for lo, hi in zip(bounds, bounds[1:]):
+        yield int(ordered[lo]), order[lo:hi]
+
+
 class TransferPlan:
     """Descriptors to move: ``nbytes[i]`` bytes from ``src_addr[i]`` to ``dst_addr[i]``.
 
@@ -300,6 +321,38 @@ class TransferPlan:
         if n > limit:
             lines.append(f"  ... {n - limit} more")
         return "\n".join(lines)
+
+    def split(self, group_of: Callable[[IntArray, IntArray], tuple[IntArray, npt.NDArray[np.bool_]]],
+              groups: int) -> list[TransferPlan]:
+        """The descriptors cut into ``groups`` plans by their source, in this plan's order inside each; nothing expanded.
+
+        ``group_of(addr, nbytes)`` says, per source range, its group and whether the range lies wholly
+        in one place of that group. A part kept as rows x columns is asked once per row, for the range
+        from its lowest column to the end of its highest: a row goes whole to one group, so splitting a
+        plan of region pairs x pages costs a few calls per region, not per descriptor. A part given as
+        arrays, or one with a row across two places, is asked per descriptor. Raises :class:`PlanError`
+        for a descriptor in no group's place.
+        """
+        out: list[list[_Part]] = [[] for _ in range(groups)]
+        for p in self._parts:
+            if isinstance(p, _Outer):
+                lo = int(p.src_cols.min())
+                span = int((p.src_cols + p.col_nbytes).max()) - lo
+                group, inside = group_of(p.src_rows + lo, np.full(p.src_rows.shape, span, np.int64))
+                if inside.all():
+                    for g, take in _runs_of(group):
+                        out[g].append(p if take is None else _Outer(p.src_rows[take], p.dst_rows[take], p.src_cols,
+                                                                    p.dst_cols, p.col_nbytes, p.hint))
+                    continue
+                p = _Arrays(*p.arrays(0, len(p)))
+            group, inside = group_of(p.src, p.nbytes)
+            if not inside.all():
+                i = int(np.flatnonzero(~inside)[0])
+                raise PlanError(f"a descriptor (source {int(p.src[i]):#x}, {int(p.nbytes[i])} B) lies in none of the "
+                                "places it is split by")
+            for g, take in _runs_of(group):
+                out[g].append(p if take is None else _Arrays(p.src[take], p.dst[take], p.nbytes[take]))
+        return [TransferPlan._of(parts) for parts in out]
 
     def validate(self, src_regions: Sequence[Region], dst_regions: Sequence[Region]) -> None:
         """Check every descriptor lies inside one registered region on each side.
