@@ -34,13 +34,14 @@ def _record(step: str) -> None:
     _events.append((time.perf_counter_ns(), threading.current_thread().name, step))
 
 
-def _wrap(owner: Any, name: str, label: str, enter: bool = True, leave: bool = True) -> None:
-    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+def _wrap(owner: Any, name: str, label: str, leave: bool = True) -> None:
+    """Record ``label >`` when ``owner.name`` (a plain function or method, possibly inherited) is entered,
+    and ``label <`` when it returns (``leave``)."""
+    original = getattr(owner, name)
 
     @functools.wraps(original)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        if enter:
-            _record(label + " >")
+        _record(label + " >")
         try:
             return original(*args, **kwargs)
         finally:

@@ -175,7 +175,7 @@ class _Arrays:
 _Part = Union[_Arrays, _Outer]
 
 
-def _runs_of(group: IntArray) -> Iterator[tuple[int, IntArray | slice | None]]:
+def _by_group(group: IntArray) -> Iterator[tuple[int, IntArray | slice | None]]:
     """Per group present in ``group``, ascending: its positions, in order (None: all of them). Slices when
     each group is one run and the runs ascend (rows in layer order, the usual plan), else index arrays."""
     n = len(group)
@@ -340,7 +340,7 @@ class TransferPlan:
                 span = int((p.src_cols + p.col_nbytes).max()) - lo
                 group, inside = group_of(p.src_rows + lo, np.full(p.src_rows.shape, span, np.int64))
                 if inside.all():
-                    for g, take in _runs_of(group):
+                    for g, take in _by_group(group):
                         out[g].append(p if take is None else _Outer(p.src_rows[take], p.dst_rows[take], p.src_cols,
                                                                     p.dst_cols, p.col_nbytes, p.hint))
                     continue
@@ -350,7 +350,7 @@ class TransferPlan:
                 i = int(np.flatnonzero(~inside)[0])
                 raise PlanError(f"a descriptor (source {int(p.src[i]):#x}, {int(p.nbytes[i])} B) lies in none of the "
                                 "places it is split by")
-            for g, take in _runs_of(group):
+            for g, take in _by_group(group):
                 out[g].append(p if take is None else _Arrays(p.src[take], p.dst[take], p.nbytes[take]))
         return [TransferPlan._of(parts) for parts in out]
 
