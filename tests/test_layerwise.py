@@ -361,3 +361,23 @@ class TestLayerwisePolicy(BackendHarness):
         sender.layer_ready(1)
         self._succeeds(decode, sender)
         assert writes == [{0}, {1}]
+
+    def test_layers_all_announced_before_the_first_write_go_as_the_chunk_was_planned_without_a_split(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Bandwidth-bound, or a GPU host queueing every layer at once: nothing is left to overlap, so the
+        # chunk goes as a per-chunk send writes it, and nobody pays for splitting it by layer.
+        decode, sender, req = self._room(local_prefill, children)
+        writes = self._record_writes(sender.manager)
+        split = LayerIndex.split
+        splits: list[TransferPlan] = []
+        monkeypatch.setattr(LayerIndex, "split", lambda index, plan: splits.append(plan) or split(index, plan))
+        (peer,) = sender.manager.peers()
+        busy = threading.Event()
+        peer.worker.submit(lambda: busy.wait(30))  # the worker is busy while every layer is announced
+        sender.send(req.src_pages, last=True, layerwise=True)
+        sender.layer_ready(0)
+        sender.layer_ready(1)
+        busy.set()
+        self._succeeds(decode, sender)  # decode checks every byte
+        assert writes == [{0, 1}] and splits == []

@@ -43,7 +43,7 @@ class _Job:
     plan: TransferPlan
     meta_plan: TransferPlan | None
     totals: Totals
-    layered: LayeredPlan | None = None  # send(layerwise=True): ``plan`` grouped by layer
+    layered: LayeredPlan | None = None  # ``plan`` grouped by layer, once a write takes only some (_split)
     seconds: float = 0.0  # time spent writing so far (metrics)
     # Announced layer groups not yet taken by the worker: (groups, ready) per layer_ready(), in order.
     announced: list[tuple[list[int], Any]] = field(default_factory=list)
@@ -207,7 +207,7 @@ class Sender(Room):
                         raise PlanError(f"decode peer {peer_id!r} is gone")
                     totals: Totals = {}
                     plan, meta_plan = self._plan_chunk(peer.route, req, pages, state, last, totals)
-                    jobs.append(_Job(peer, plan, meta_plan, totals, m.layer_index.split(plan) if layerwise else None))
+                    jobs.append(_Job(peer, plan, meta_plan, totals))
                     if req.checksum:
                         self._written.setdefault(peer_id, []).extend((plan, meta_plan))
             except PlanError as exc:
@@ -445,11 +445,21 @@ class Sender(Room):
         groups, final = self._take_ready(job, [], first=True)
         if not final and self._worth_waiting(job, groups):
             groups, final = self._linger(job, groups)
-        assert job.layered is not None
+        try:
+            if not final:
+                body = self._split(job).groups(groups)
+            elif len(groups) == len(m.layer_index.keys):  # every layer came before this write could start
+                body = job.plan  # the chunk as planned, as a per-chunk send writes it
+            else:
+                body = self._split(job).groups([*groups, m.layer_index.tail])
+        except PlanError as exc:  # a descriptor outside this rank's layer regions (validated: not expected)
+            with m.lock:
+                job.queued = False
+            m.fail_sender(self, f"room {self.room} chunk {chunk}: {exc}", "bad_request")
+            return
         if final:
-            body = job.layered.groups([*groups, m.layer_index.tail])
             _write_chunks([_ChunkWrite(self, job, chunk, last, body, f" ({self._names(groups)})" if groups else "")])
-        elif len(body := job.layered.groups(groups)):  # none: this rank sends these layers no byte (MLA)
+        elif len(body):  # none: this rank sends these layers no byte (MLA)
             start = time.monotonic()
             if self._write(job, [body], f"chunk {chunk} ({self._names(groups)})"):
                 job.peer.note_write(body.total_bytes, time.monotonic() - start)
@@ -472,17 +482,25 @@ class Sender(Room):
             job.arrived.clear()  # under the lock: an announcement after this sets it again
             return groups, job.complete and not job.announced
 
+    def _split(self, job: _Job) -> LayeredPlan:
+        """The job's plan grouped by layer, split when a write first takes only some of its layers: a
+        chunk whose layers all come before its first write goes whole, unsplit, as a per-chunk send."""
+        if job.layered is None:
+            job.layered = self.manager.layer_index.split(job.plan)
+        return job.layered
+
     def _worth_waiting(self, job: _Job, groups: list[int]) -> bool:
         """Whether to wait for the next layer rather than write ``groups`` now: the peer's writes are
         measured, layers come faster than a write costs, and ``groups``' bytes take less than that cost
-        (a write of them is mostly its fixed cost; past that, writing now overlaps more)."""
+        (a write of them is mostly its fixed cost; past that, writing now overlaps more). Their bytes
+        are the chunk's share per layer: nothing is split for the estimate."""
         peer, gap = job.peer, self.manager.layer_gap
         cost, per_byte = peer.write_cost, peer.byte_time
         if cost is None or gap is None or gap >= cost:
             return False
-        assert job.layered is not None
+        share = job.plan.total_bytes * len(groups) / max(1, len(self.manager.layer_index.keys))
         # No larger write measured yet (per_byte None): every write so far was small, its bytes cheap.
-        return job.layered.nbytes(groups) * (per_byte or 0.0) < cost
+        return share * (per_byte or 0.0) < cost
 
     def _linger(self, job: _Job, groups: list[int]) -> tuple[list[int], bool]:
         """Wait up to the peer's write cost, take the layers announced meanwhile, again while that is
