@@ -9,11 +9,13 @@ errors a host gets for announcing layers wrongly.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import re
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -155,6 +157,20 @@ def test_writes_of_one_large_size_cannot_tell_a_writes_cost_from_its_bytes() -> 
     for _ in range(5):
         peer.note_write(2 << 20, 1e-3)
     assert peer.write_cost is None  # so layers are never held back waiting for the next one on its account
+
+
+def test_the_hosts_pace_is_its_fastest_recent_gap_whatever_a_stall_took() -> None:
+    # A stall (a garbage collection, a transfer thread holding the GIL) only lengthens a gap: it must not
+    # make the workers stop waiting for the next layer, which would slow the host and keep the pace slow.
+    from kvbridge.core.prefill import GAP_WINDOW
+
+    pace = SimpleNamespace(_gaps=collections.deque(maxlen=GAP_WINDOW), layer_gap=None)
+    for gap in (60e-6, 50e-6, 2e-3, 70e-6):
+        PrefillManager.note_layer_gap(pace, gap)  # type: ignore[arg-type]
+    assert pace.layer_gap == 50e-6
+    for _ in range(GAP_WINDOW):  # a host that now computes 2 ms per layer: the old pace is forgotten
+        PrefillManager.note_layer_gap(pace, 2e-3)  # type: ignore[arg-type]
+    assert pace.layer_gap == 2e-3
 
 
 class TestLayerwisePolicy(BackendHarness):

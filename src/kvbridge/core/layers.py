@@ -22,14 +22,9 @@ from .indices import IntArray
 from .layout import METADATA_SPACE, KVArgs
 from .plan import RegionTable, TransferPlan
 
-__all__ = ["LayerIndex", "LayeredPlan", "ewma", "layer_list"]
+__all__ = ["LayerIndex", "LayeredPlan", "layer_list"]
 
 LayerKey = tuple[int, bool]  # (layer id, draft)
-
-
-def ewma(average: float | None, sample: float, weight: float = 0.25) -> float:
-    """A moving average (``None``: no sample yet) updated with ``sample``: layer-wise sending's measured costs."""
-    return sample if average is None else average + weight * (sample - average)
 
 
 def layer_list(layers: int | Iterable[int]) -> list[int]:
