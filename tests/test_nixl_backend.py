@@ -430,3 +430,23 @@ def test_listing_the_plugin_does_not_import_the_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_regions_of_a_device_other_than_0_register_and_land_byte_exact(dest, mode):
+    # A rank on cuda:1 registers its memory as device 1; the page tables prepared for it must name
+    # device 1 too, or NIXL finds no registration and registering fails (NIXL_ERR_NOT_FOUND; found by
+    # the first run with decode on a second GPU). Host memory with a device id takes the same path here.
+    bufs, regions = pattern_buffers(standard_layout(SRC_PAGES, ROWS))
+    on_1 = [msgspec.structs.replace(r, device=1) for r in regions]
+    backend = NixlBackend(config(f"prefill-device-1-{mode}", xfer_mode=mode))
+    try:
+        backend.register(on_1)
+        backend.add_peer("decode", dest.metadata, dest.regions)
+        src_idx, dst_idx = FRAGMENTED["hand"]
+        backend.write("decode", pair.page_plan(on_1, dest.regions, src_idx, dst_idx, slice(0, 3)), time.monotonic() + 10)
+        got = dest.buffers()
+        for e, exp in enumerate(pair.expected(bufs, standard_layout(DST_PAGES, ROWS), range(3), src_idx, dst_idx)):
+            np.testing.assert_array_equal(got[e], exp, err_msg=f"region {e}")
+    finally:
+        backend.close()

@@ -264,7 +264,8 @@ class PageTable:
         stride = np.array([r.stride for r in ordered], np.int64)
         count = np.array([r.nbytes // r.stride for r in ordered], np.int64)
         offset = np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64)
-        rows = np.stack([base, stride, np.zeros_like(base), stride, count], axis=1).astype(np.uint64)
+        device = np.array([r.device for r in ordered], np.int64)  # as registered: GPU memory on cuda:1 is device 1
+        rows = np.stack([base, stride, device, stride, count], axis=1).astype(np.uint64)
         return rows, {"base": base, "stride": stride, "count": count, "offset": offset}
 
     def locate(self, addr: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]) -> tuple[
