@@ -224,7 +224,7 @@ def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():
         pytest.skip("this machine has CUDA")
     region = Region(name="k", addr=0x10000, nbytes=4096, stride=64, role="k", index_space="kv_page", mem="vram")
     assert gpu.local_metadata([region]) == b""
-    assert gpu.open_peer(b"anything") is None
+    assert gpu.open_peer(b"anything", 0) is None
 
 
 def test_the_fast_path_is_refused_when_switched_off():

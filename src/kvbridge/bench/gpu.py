@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             plan = peer.route.plan({space: src}, {space: dst})
             row["descriptors"] = len(plan)
             if args.transfer_backend == "nixl":
-                go = raw(plain, plan, mem="VRAM", device=0)
+                go = raw(plain, plan, mem="VRAM", device=0, peer_device=args.decode_gpu)
                 go()
                 raw_times = []
                 for _ in range(args.reps):

@@ -24,10 +24,12 @@ from kvbridge.core.session import PrefillManager
 __all__ = ["raw"]
 
 
-def raw(mgr: PrefillManager, plan: TransferPlan, mem: str = "DRAM", device: int = 0) -> Callable[[], None]:
+def raw(mgr: PrefillManager, plan: TransferPlan, mem: str = "DRAM", device: int = 0,
+        peer_device: int | None = None) -> Callable[[], None]:
     """A zero-argument function that writes ``plan`` to ``mgr``'s only peer through raw NIXL calls.
 
-    ``mem`` is NIXL's memory type of both sides ("DRAM" or "VRAM", then on ``device``)."""
+    ``mem`` is NIXL's memory type of both sides ("DRAM" or "VRAM"), on ``device`` here and on
+    ``peer_device`` (default: ``device``) at the peer, as each side registered it."""
     backend: Any = mgr.backend
     agent = backend._live_agent()
     peers = list(backend._peers.values())
@@ -37,7 +39,7 @@ def raw(mgr: PrefillManager, plan: TransferPlan, mem: str = "DRAM", device: int 
     local, remote = np.zeros((n, 3), np.uint64), np.zeros((n, 3), np.uint64)
     local[:, 0], remote[:, 0] = plan.src_addr, plan.dst_addr
     local[:, 1] = remote[:, 1] = plan.nbytes
-    local[:, 2] = remote[:, 2] = device
+    local[:, 2], remote[:, 2] = device, device if peer_device is None else peer_device
     handle = agent.initialize_xfer(
         "WRITE", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peers[0].agent
     )

@@ -217,7 +217,7 @@ class _IpcHandle(ctypes.Structure):
 
 _lib: Any = None
 _lock = threading.Lock()
-_opened: dict[bytes, int] = {}  # handle -> mapped base, process-wide (a handle opens once per process)
+_opened: dict[tuple[bytes, int], int] = {}  # (handle, device opened for) -> mapped base (once per device and process)
 
 
 def available() -> bool:
@@ -334,8 +334,14 @@ class GpuPeer:
         return got[2]  # type: ignore[no-any-return]
 
 
-def open_peer(metadata: bytes) -> GpuPeer | None:
-    """Map a peer's GPU allocations, or None (another host, no CUDA here, or nothing to map)."""
+def open_peer(metadata: bytes, device: int) -> GpuPeer | None:
+    """Map a peer's GPU allocations for copies launched on this process's ``device``, or None (another
+    host, no CUDA here, or nothing to map).
+
+    Each handle is opened in ``device``'s context, which CUDA then lets reach the allocation's GPU
+    (``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``): the peer's own device numbers are its process's, not
+    this one's. CUDA opens a handle once per device in a process: ranks of one process on two GPUs
+    (say prefill TP 2 -> 1) each get their own mapping of decode's memory, reached from their GPU."""
     if not metadata or not available():
         return None
     meta = msgspec.msgpack.decode(metadata, type=_Meta)
@@ -348,14 +354,14 @@ def open_peer(metadata: bytes) -> GpuPeer | None:
             local = a.base  # our own memory: IPC refuses to open it, and needs not
         else:
             with _lock:
-                local = _opened.get(a.handle, 0)
+                local = _opened.get((a.handle, device), 0)
                 if not local:
-                    _on_device(a.device)
+                    _on_device(device)
                     ptr = ctypes.c_uint64()
                     handle = _IpcHandle.from_buffer_copy(a.handle)
                     # 1 = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: also maps another GPU's memory of this host.
                     _check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, 1), "cuIpcOpenMemHandle")
-                    local = _opened[a.handle] = ptr.value
+                    local = _opened[a.handle, device] = ptr.value
         starts.append(a.base)
         ends.append(a.base + a.size)
         delta.append(local - a.base)

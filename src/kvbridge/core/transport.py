@@ -69,8 +69,8 @@ class Transport:
         self._batch_descriptors = min(self.capabilities.batch_descriptors or FENCE_BATCH_DESCRIPTORS, FENCE_BATCH_DESCRIPTORS)
         self._batch_bytes = min(self.capabilities.max_bytes_per_batch or FENCE_BATCH_BYTES, FENCE_BATCH_BYTES)
         self._regions: list[Region] = []
-        # peer -> (its mapped GPU allocations, the one local device when every descriptor qualifies)
-        self._gpu_peers: dict[str, tuple[gpu.GpuPeer, int | None]] = {}
+        # peer -> (its mapped GPU allocations, the local device copying into them, whether every descriptor does)
+        self._gpu_peers: dict[str, tuple[gpu.GpuPeer, int, bool]] = {}
         self._vram = RegionTable(())  # local GPU regions: which device a source address lives on
         self._staging: staging.Staging | None = None  # host staging of strided sources (core/staging.py)
         self._tcp: dict[str, tuple[tcpfence.Endpoint, ...]] = {}  # peer -> where its engine listens
@@ -121,21 +121,24 @@ class Transport:
         self._tcp[peer] = endpoints
         self._gpu_peers.pop(peer, None)
         if self.fast_path and local_metadata and len(self._vram):
+            # The copies run on one local GPU (a rank's usual one; with several, the lowest-numbered:
+            # the others' descriptors go through the backend).
+            device = int(self._vram.device.min())
             try:
-                mapped = gpu.open_peer(local_metadata)
+                mapped = gpu.open_peer(local_metadata, device)
             except Exception as exc:  # the backend path still works
                 log.warning("GPU fast path to peer %r unavailable: %s", peer, exc)
                 mapped = None
             if mapped is not None:
-                # Every local region on one GPU and every peer region mapped: no descriptor needs sorting.
-                devices = {r.device for r in self._regions}
-                whole = len(self._vram) == len(self._regions) and len(devices) == 1 and mapped.covers(regions)
-                self._gpu_peers[peer] = mapped, (devices.pop() if whole else None)
+                # Every local region on that GPU and every peer region mapped: no descriptor needs sorting.
+                whole = len(self._vram) == len(self._regions) and {r.device for r in self._regions} == {device} \
+                    and mapped.covers(regions)
+                self._gpu_peers[peer] = mapped, device, whole
                 log.info("GPU fast path on for peer %r", peer)
 
     def remove_peer(self, peer: str) -> None:
         # Mappings stay open until the process ends: a write in flight may still use them,
-        # and CUDA opens a handle once per process anyway.
+        # and CUDA opens a handle once per device in a process anyway.
         self._gpu_peers.pop(peer, None)
         self._tcp.pop(peer, None)
         # _was_reset and _failed_at stay: the engine still pools the connections reset to that endpoint
@@ -281,36 +284,29 @@ class Transport:
             raise TransferCancelled(f"{self.name}: write to peer {peer!r} stopped {where}: the room is no longer live")
 
     def _copy_on_gpu(
-        self, peer: str, mapped: gpu.GpuPeer, device: int | None, plan: TransferPlan, check: Callable[[], None]
+        self, peer: str, mapped: gpu.GpuPeer, device: int, whole: bool, plan: TransferPlan, check: Callable[[], None]
     ) -> TransferPlan:
-        """Copy the descriptors GPU -> mapped peer GPU with the kernel; return the rest for the backend.
+        """Copy the descriptors from ``device`` to the mapped peer GPU with the kernel; return the rest for
+        the backend. ``whole``: every descriptor qualifies (decided per region at add_peer).
 
-        ``check`` (deadline and liveness) runs before each slice is launched but the first (:meth:`write`
-        checked right before), as before each batch.
+        ``check`` (deadline and liveness) runs between slices (:meth:`write` checked right before the first).
         """
-        if device is not None:  # every descriptor qualifies (decided per region at add_peer)
-            groups = [(device, plan.factors(), plan.hints())]  # as the planner left it: rows x columns, unexpanded
+        if whole:
+            parts, hints = plan.factors(), plan.hints()  # as the planner left it: rows x columns, unexpanded
             rest = TransferPlan.empty()
         else:
             region, from_gpu = self._vram.locate(plan.src_addr, plan.nbytes)
-            fast = from_gpu & mapped.inside(plan.dst_addr, plan.nbytes)
+            fast = from_gpu & (self._vram.device[region] == device) & mapped.inside(plan.dst_addr, plan.nbytes)
             if not fast.any():
                 return plan
-            devices = self._vram.device[region]
-            groups = []
-            for dev in np.unique(devices[fast]).tolist():
-                on = fast & (devices == dev)
-                groups.append((int(dev), [gpu.arrays_part(plan.src_addr[on], plan.dst_addr[on], plan.nbytes[on])], [(0, 0)]))
+            parts, hints = [gpu.arrays_part(plan.src_addr[fast], plan.dst_addr[fast], plan.nbytes[fast])], [(0, 0)]
             rest = TransferPlan(plan.src_addr[~fast], plan.dst_addr[~fast], plan.nbytes[~fast])
-        for i, (dev, parts, hints) in enumerate(groups):
-            try:
-                if i:  # gpu.copy checks between its slices, not before the first
-                    check()
-                gpu.copy(dev, parts, mapped, check, hints)
-            except (TransferTimeout, TransferCancelled):
-                raise
-            except Exception as exc:
-                raise TransferError(f"{self.name}: GPU copy to peer {peer!r} failed: {exc}") from exc
+        try:
+            gpu.copy(device, parts, mapped, check, hints)
+        except (TransferTimeout, TransferCancelled):
+            raise
+        except Exception as exc:
+            raise TransferError(f"{self.name}: GPU copy to peer {peer!r} failed: {exc}") from exc
         return rest
 
     def describe(self) -> dict[str, Any]:
