@@ -387,7 +387,12 @@ class TestLayerwisePolicy(BackendHarness):
         writes = self._record_writes(sender.manager)
         split = LayerIndex.split
         splits: list[TransferPlan] = []
-        monkeypatch.setattr(LayerIndex, "split", lambda index, plan: splits.append(plan) or split(index, plan))
+
+        def counted(index: LayerIndex, plan: TransferPlan) -> Any:
+            splits.append(plan)
+            return split(index, plan)
+
+        monkeypatch.setattr(LayerIndex, "split", counted)
         (peer,) = sender.manager.peers()
         busy = threading.Event()
         peer.worker.submit(lambda: busy.wait(30))  # the worker is busy while every layer is announced
