@@ -27,8 +27,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Callable
 from typing import Any, Union
 
-import numpy as np
-
 from . import gpu, staging, tcpfence
 from .backend import _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout
 from .layout import Region
