@@ -530,14 +530,12 @@ def _launch(part: Part, sh: Shape, at: int, buf: _Buffers, table: tuple[int, int
     stream, the launch waiting for that copy); the next free (even) word."""
     sizes, r, end = _pack(part, sh, buf.words, at)
     lib = _driver()
-    if later:  # the copy engine moves this table while the kernels before it run
-        _check(lib.cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), buf.side_handle),
-               "cuMemcpyHtoDAsync of a descriptor table")
-        _check(lib.cuEventRecord(ctypes.c_void_p(buf.event), ctypes.c_void_p(buf.side_handle)), "cuEventRecord")
+    on = buf.side_handle if later else buf.handle  # later: the copy engine moves it while the kernels before run
+    _check(lib.cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), on),
+           "cuMemcpyHtoDAsync of a descriptor table")
+    if later:
+        _check(lib.cuEventRecord(ctypes.c_void_p(buf.event), ctypes.c_void_p(on)), "cuEventRecord")
         _check(lib.cuStreamWaitEvent(ctypes.c_void_p(buf.handle), ctypes.c_void_p(buf.event), 0), "cuStreamWaitEvent")
-    else:
-        _check(lib.cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), buf.handle),
-               "cuMemcpyHtoDAsync of a descriptor table")
     _run(sh, sizes, len(part[0]), len(part[2]), buf.dev_addr + 8 * r, buf.dev_addr + 8 * at, *table, buf.handle, buf.device)
     return end + (end & 1)
 

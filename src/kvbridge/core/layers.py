@@ -57,10 +57,6 @@ class LayeredPlan:
         """Group ``g``'s descriptors."""
         return self.parts[g]
 
-    def nbytes(self, gs: Sequence[int]) -> int:
-        """How many bytes groups ``gs`` move."""
-        return sum(self.parts[g].total_bytes for g in gs)
-
     def groups(self, gs: Sequence[int]) -> TransferPlan:
         """The descriptors of groups ``gs``, in group order (no copy: the groups' parts, joined)."""
         return TransferPlan.concat(self.parts[g] for g in sorted(gs))
