@@ -1,14 +1,14 @@
 """The fast path's kernel in one process: tuning, heterogeneous TP 2 -> 1 NHD vs equal TP, and where a
 write's host time goes (``--host``).
 
-Runs :func:`kvbridge.core.gpu.copy` with a peer mapped at its own address
+Runs :func:`kvbridge.core.kernel.copy` with a peer mapped at its own address
 (one process: no IPC; the kernel and its host-side work are what the
 cross-process fast path runs), next to torch's device-to-device copy of the
 same bytes in the same run, and the kernel alone (``kernel_only_GBps``: its
 table already on the GPU, timed with CUDA events). Every case is checked byte-exact with torch
 indexing. Needs a CUDA GPU.
 
-``--host`` times :func:`~kvbridge.core.gpu.copy` of 1 GiB of scattered 16 and 64 KiB pages,
+``--host`` times :func:`~kvbridge.core.kernel.copy` of 1 GiB of scattered 16 and 64 KiB pages,
 planned as ``kvbridge bench transfer --device cuda`` plans them, on the host next to torch's D2D copy
 (interleaved, as the transfer bench does), and then, in a traced pass, each step from the copy's start to
 its return: the buffers (and current context), the peer's table, each slice's shape, packing, table copy
@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from kvbridge.core import gpu
+from kvbridge.plugins.cuda_ipc import ipc, kernel, split
 from kvbridge.core.layout import IndexSpace, KVArgs, Region, Shard
 from kvbridge.core.pairing import pair_layouts
 
@@ -50,16 +50,16 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def kernel_only(part, peer: gpu.GpuPeer, reps: int) -> float:
+def kernel_only(part, peer: ipc.GpuPeer, reps: int) -> float:
     """Seconds of the copy kernel alone (CUDA events; its table already on the GPU, one launch)."""
     h = np.empty(6 * (len(part[0]) + len(part[2])), np.int64)
-    sh = gpu.shape(part)
-    sizes, r, end = gpu._pack(part, sh, h, 0)
+    sh = split.shape(part)
+    sizes, r, end = kernel._pack(part, sh, h, 0)
     table = torch.from_numpy(h[:end]).cuda()
     starts, deltas, steps, allocs = peer.on_device(0)
-    gpu.copy(0, [part], peer)  # compiles the kernel
+    kernel.copy(0, [part], peer)  # compiles the kernel
     stream = torch.cuda.current_stream().cuda_stream
-    run = lambda: gpu._run(sh, sizes, len(part[0]), len(part[2]), table.data_ptr() + 8 * r, table.data_ptr(),  # noqa: E731
+    run = lambda: kernel._run(sh, sizes, len(part[0]), len(part[2]), table.data_ptr() + 8 * r, table.data_ptr(),  # noqa: E731
                            starts, deltas, steps, allocs, stream, 0)
     run()
     times = []
@@ -73,12 +73,12 @@ def kernel_only(part, peer: gpu.GpuPeer, reps: int) -> float:
     return statistics.median(times)
 
 
-def identity_peer(t: torch.Tensor, allocations: int = 1) -> gpu.GpuPeer:
+def identity_peer(t: torch.Tensor, allocations: int = 1) -> ipc.GpuPeer:
     """``t`` as a peer's memory mapped at its own address, cut into ``allocations`` (the kernel searches them)."""
     size = t.numel() * t.element_size()
     starts = t.data_ptr() + np.arange(allocations, dtype=np.int64) * (size // allocations)
     ends = np.append(starts[1:], t.data_ptr() + size)
-    return gpu.GpuPeer(starts, ends, np.zeros(allocations, np.int64))
+    return ipc.GpuPeer(starts, ends, np.zeros(allocations, np.int64))
 
 
 def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
@@ -96,25 +96,25 @@ def pages(reps: int, tunings: list[tuple[int, int]]) -> list[dict]:
         s_addr = src.data_ptr() + s_idx.astype(np.int64) * page
         d_addr = dst.data_ptr() + d_idx.astype(np.int64) * page
         nb = np.full(n, page, np.int64)
-        parts = [gpu.arrays_part(s_addr, d_addr, nb)]
+        parts = [split.arrays_part(s_addr, d_addr, nb)]
         row = {"page_kib": kib, "descriptors": n, "d2d_GBps": d2d}
         for tile, warps in tunings:
-            gpu.TILE_BYTES, gpu.NUM_WARPS = tile, warps
+            split.TILE_BYTES, kernel.NUM_WARPS = tile, warps
             dst.zero_()
             torch.cuda.synchronize()
-            secs = timed(lambda: gpu.copy(0, parts, peer), reps)
+            secs = timed(lambda: kernel.copy(0, parts, peer), reps)
             w = page // 8
             got = dst.view(-1, w)[torch.as_tensor(d_idx, device="cuda")]
             want = src.view(-1, w)[torch.as_tensor(s_idx, device="cuda")]
             row[f"GBps_t{tile}_w{warps}"] = GiB / secs / 1e9
             row[f"ok_t{tile}_w{warps}"] = bool(torch.equal(got, want))
-        gpu.TILE_BYTES, gpu.NUM_WARPS = tunings[0]
+        split.TILE_BYTES, kernel.NUM_WARPS = tunings[0]
         row["kernel_only_GBps"] = GiB / kernel_only(parts[0], peer, reps) / 1e9
-        row["GBps_8_allocations"] = GiB / timed(lambda: gpu.copy(0, parts, identity_peer(dst, 8)), reps) / 1e9
+        row["GBps_8_allocations"] = GiB / timed(lambda: kernel.copy(0, parts, identity_peer(dst, 8)), reps) / 1e9
         # where the time goes: the host-side part alone (shape + packing)
         t0 = time.perf_counter()
         for _ in range(reps):
-            gpu.shape(parts[0])
+            split.shape(parts[0])
             np.concatenate([s_addr, d_addr, nb])
         row["host_ms"] = (time.perf_counter() - t0) / reps * 1e3
         idx_s, idx_d = torch.as_tensor(s_idx, device="cuda"), torch.as_tensor(d_idx, device="cuda")
@@ -162,7 +162,7 @@ def host(reps: int) -> list[dict]:
         n = GiB // page
         perm = np.random.default_rng(kib).permutation(n)
         plan = pair_layouts(pool(src), pool(dst)).plan({"p": np.arange(n)}, {"p": perm})
-        go = lambda: gpu.copy(0, plan.factors(), peer, lambda: None, plan.hints())  # noqa: E731
+        go = lambda: kernel.copy(0, plan.factors(), peer, lambda: None, plan.hints())  # noqa: E731
         go()
         ok = torch.equal(dst.view(-1, page // 8)[torch.as_tensor(perm, device="cuda")], src.view(-1, page // 8))
         copies, d2ds = [], []
@@ -173,14 +173,14 @@ def host(reps: int) -> list[dict]:
             copies.append(time.perf_counter() - t0)
             d2ds.append(d2d())
         go()  # the staging buffers exist: the traced pass patches the thread's instance
-        patched = {"shape": gpu.shape, "_pack": gpu._pack, "_run": gpu._run}
+        patched = {"shape": split.shape, "_pack": kernel._pack, "_run": kernel._run}
         names = {"shape": "shape", "_pack": "pack", "_run": "launch"}
-        h2d = gpu._lib.cuMemcpyHtoDAsync_v2
+        h2d = ipc._lib.cuMemcpyHtoDAsync_v2
         try:
             for attr, fn in patched.items():
-                setattr(gpu, attr, traced(names[attr], fn))
-            gpu._lib.cuMemcpyHtoDAsync_v2 = traced("table copy", h2d)
-            gpu._staging.get = traced("buffers", type(gpu._staging).get.__get__(gpu._staging))
+                setattr(kernel, attr, traced(names[attr], fn))
+            ipc._lib.cuMemcpyHtoDAsync_v2 = traced("table copy", h2d)
+            kernel._staging.get = traced("buffers", type(kernel._staging).get.__get__(kernel._staging))
             peer.on_device = traced("peer table", type(peer).on_device.__get__(peer))
             steps: dict[str, list[float]] = {}
             for _ in range(reps):
@@ -197,9 +197,9 @@ def host(reps: int) -> list[dict]:
                     prev = t
         finally:
             for attr, fn in patched.items():
-                setattr(gpu, attr, fn)
-            gpu._lib.cuMemcpyHtoDAsync_v2 = h2d
-            del gpu._staging.get, peer.on_device
+                setattr(kernel, attr, fn)
+            ipc._lib.cuMemcpyHtoDAsync_v2 = h2d
+            del kernel._staging.get, peer.on_device
         row = {"page_kib": kib, "columns": len(plan.factors()[0][2]), "copy_ms": statistics.median(copies) * 1e3,
                "d2d_ms": statistics.median(d2ds) * 1e3, "ok": bool(ok),
                "steps_us": {k: statistics.median(v) * 1e6 for k, v in steps.items()}}
@@ -249,7 +249,7 @@ def hetero(reps: int) -> list[dict]:
             plan_ms = (time.perf_counter() - t0) * 1e3
 
             def go():  # each rank on its own long-lived thread, as each prefill rank's worker is
-                for f in [workers.submit(gpu.copy, 0, p.factors(), peer) for p in plans]:
+                for f in [workers.submit(kernel.copy, 0, p.factors(), peer) for p in plans]:
                     f.result()
 
             dst.zero_()
@@ -279,7 +279,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--host", action="store_true", help="only where a write's host time goes (copy() vs D2D, by step)")
     a = p.parse_args()
-    tunings = [(gpu.TILE_BYTES, gpu.NUM_WARPS)] + ([(2048, 2), (4096, 4), (8192, 2), (8192, 4), (16384, 8)] if a.tune else [])
+    tunings = [(split.TILE_BYTES, kernel.NUM_WARPS)] + ([(2048, 2), (4096, 4), (8192, 2), (8192, 4), (16384, 8)] if a.tune else [])
     if a.host:
         out = {"host": host(max(a.reps, 20))}
     else:

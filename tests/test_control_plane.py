@@ -71,7 +71,7 @@ def _probes(kvargs: KVArgs, backend: str) -> st.SearchStrategy[Probe]:
     random_bytes = st.binary(max_size=300).map(lambda b: Probe(b, False, _reject(), "random bytes"))
     wrong_shape = MSGPACK_VALUES.map(lambda v: Probe(msgspec.msgpack.encode(v), False, _reject(), "msgpack of a wrong shape"))
     known_tag_wrong_fields = st.builds(
-        lambda tag, fields: Probe(msgspec.msgpack.encode({"type": tag, "v": 1, **fields}), False, _reject(), "wrong fields"),
+        lambda tag, fields: Probe(msgspec.msgpack.encode({"type": tag, "v": P.PROTOCOL_VERSION, **fields}), False, _reject(), "wrong fields"),
         st.sampled_from(KNOWN_TAGS),
         st.dictionaries(st.text(max_size=12).filter(lambda k: k not in ("type", "v")), MSGPACK_VALUES, min_size=1, max_size=4),
     )
@@ -82,7 +82,7 @@ def _probes(kvargs: KVArgs, backend: str) -> st.SearchStrategy[Probe]:
             P.Lookup(v=v),
             P.Abort(v=v, room=room, reason="x"),
             P.TransferRequest(v=v, room=room, indices={"kv_page": P.pack_indices([0, 1])}, metadata_row=0),
-            P.Hello(v=v, peer_id="x", backend=backend, backend_meta=HOSTILE_META, kvargs=kvargs),
+            P.Hello(v=v, peer_id="x", lanes={backend: HOSTILE_META}, kvargs=kvargs),
         ])
 
     wrong_version = st.tuples(st.integers(-(2**63), 2**63 - 1).filter(lambda v: v != P.PROTOCOL_VERSION), ROOMS, st.booleans()).flatmap(
@@ -95,7 +95,7 @@ def _probes(kvargs: KVArgs, backend: str) -> st.SearchStrategy[Probe]:
     )
     unknown_tag = st.builds(
         lambda tag, fields: Probe(
-            msgspec.msgpack.encode({"type": tag, "v": 1, **fields}), False,
+            msgspec.msgpack.encode({"type": tag, "v": P.PROTOCOL_VERSION, **fields}), False,
             lambda r, ident: isinstance(r, P.Reject) and r.reason.startswith(f"malformed {tag!r} message: "),
             f"unknown tag {tag!r}",
         ),

@@ -1,7 +1,7 @@
 """GPU memory: the fast path's work split (on CPU, always), and VRAM end to end (on a CUDA machine).
 
 The kernel of :mod:`kvbridge.core.gpu` copies ``TILE_BYTES`` pieces of
-descriptors, a slice of rows per launch; :func:`~kvbridge.core.gpu.execute_on_host` runs the same split
+descriptors, a slice of rows per launch; :func:`~kvbridge.core.split.execute_on_host` runs the same split
 with ``memmove`` on host memory, checked here against plain numpy slicing.
 The GPU tests run prefill and decode as separate processes with CUDA
 tensors (kvbridge.testing.hybrid, ``device="cuda"``) and skip, naming the
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvbridge.core import gpu
+from kvbridge.plugins.cuda_ipc import ipc, kernel, split
 from kvbridge.core.layout import Region
 from kvbridge.core.transport import Transport
 from kvbridge.testing.harness import BackendHarness, Child, all_succeeded
@@ -35,7 +35,7 @@ def descriptors(rng: np.random.Generator, src: np.ndarray, dst: np.ndarray, coun
 # (16 KiB, 64 KiB): whole pieces (TILE_BYTES) of unequal descriptors, the masked-by-piece case.
 @pytest.mark.parametrize("unit, longest", [(8, 64 << 10), (2, 256), (1, 33), (4, 20000), (8, 8), (16, 4096), (16 << 10, 64 << 10)])
 def test_the_kernels_work_split_and_translation_copy_every_byte_once_to_its_place(unit, longest, monkeypatch):
-    monkeypatch.setattr(gpu, "SLICE_BYTES", 16 * longest)  # several launches, each with its own shape
+    monkeypatch.setattr(split, "SLICE_BYTES", 16 * longest)  # several launches, each with its own shape
     # The destination buffer stands for a peer's memory mapped at another address: descriptors carry
     # the peer's addresses (dst_base), the reference translates them through the mapping as the kernel does.
     rng = np.random.default_rng(unit * longest)
@@ -44,9 +44,9 @@ def test_the_kernels_work_split_and_translation_copy_every_byte_once_to_its_plac
     src_off, dst_off, sizes = descriptors(rng, src, np.empty(0), count, unit, longest)
     dst = np.zeros(int(sizes.sum()) + 64, np.uint8)
     dst_base = 1 << 44  # the peer's address of dst[0]
-    peer = gpu.GpuPeer(np.array([dst_base], np.int64), np.array([dst_base + dst.nbytes], np.int64),
+    peer = ipc.GpuPeer(np.array([dst_base], np.int64), np.array([dst_base + dst.nbytes], np.int64),
                        np.array([dst.ctypes.data - dst_base], np.int64))
-    gpu.execute_on_host([gpu.arrays_part(src.ctypes.data + src_off, dst_base + dst_off, sizes)], peer)
+    split.execute_on_host([split.arrays_part(src.ctypes.data + src_off, dst_base + dst_off, sizes)], peer)
     want = np.zeros_like(dst)
     for s, d, n in zip(src_off, dst_off, sizes):
         want[d:d + n] = src[s:s + n]
@@ -61,8 +61,8 @@ def test_the_kernels_binary_search_finds_the_allocation_holding_each_address(all
     deltas = rng.integers(-(1 << 30), 1 << 30, allocations).astype(np.int64) * 8
     which = rng.integers(0, allocations, 5000)
     addr = starts[which] + rng.integers(0, 4096, 5000)
-    np.testing.assert_array_equal(gpu.kernel_translate(addr, starts, deltas), addr + deltas[which])
-    peer = gpu.GpuPeer(starts, ends, deltas)
+    np.testing.assert_array_equal(split.kernel_translate(addr, starts, deltas), addr + deltas[which])
+    peer = ipc.GpuPeer(starts, ends, deltas)
     assert peer.inside(addr, np.ones_like(addr)).all()
     assert not peer.inside(starts[which], np.full_like(addr, 4097)).any()  # runs past its allocation's end
 
@@ -70,31 +70,31 @@ def test_the_kernels_binary_search_finds_the_allocation_holding_each_address(all
 def test_the_launch_shape_takes_the_widest_element_that_divides_every_address_and_size():
     a = np.array([0x1000, 0x2000], np.int64)
     # 16 elements of 8 bytes per piece; a 64-byte size is only half a piece: pieces need a mask
-    tile = gpu.TILE_BYTES // 8  # 8-byte elements per program
-    assert gpu.shape(gpu.arrays_part(a, a + 64, np.array([64, 128]))) == gpu.Shape(8, 16, 1, tile // 16, True, False)
-    assert gpu.shape(gpu.arrays_part(a, a + 64, np.array([256, 256]))).even  # equal sizes: whole pieces
-    assert gpu.shape(gpu.arrays_part(a, a + 4, np.array([64, 128]))).width == 4
-    assert gpu.shape(gpu.arrays_part(a, a, np.array([6, 128]))).width == 2
-    assert gpu.shape(gpu.arrays_part(a + 1, a, np.array([64, 128]))).width == 1
+    tile = split.TILE_BYTES // 8  # 8-byte elements per program
+    assert split.shape(split.arrays_part(a, a + 64, np.array([64, 128]))) == split.Shape(8, 16, 1, tile // 16, True, False)
+    assert split.shape(split.arrays_part(a, a + 64, np.array([256, 256]))).even  # equal sizes: whole pieces
+    assert split.shape(split.arrays_part(a, a + 4, np.array([64, 128]))).width == 4
+    assert split.shape(split.arrays_part(a, a, np.array([6, 128]))).width == 2
+    assert split.shape(split.arrays_part(a + 1, a, np.array([64, 128]))).width == 1
     # 131072 elements: pieces of a whole program each
-    big = gpu.shape(gpu.arrays_part(a, a, np.array([1 << 20, 8])))
+    big = split.shape(split.arrays_part(a, a, np.array([1 << 20, 8])))
     assert (big.chunk, big.pieces, big.rows, big.even) == (tile, (1 << 17) // tile, 1, False)
 
 
 @pytest.mark.parametrize("cut", ["rows, sizes per row", "rows", "columns"])
 def test_slices_cover_every_descriptor_once_in_launches_of_about_slice_bytes(cut, monkeypatch):
-    monkeypatch.setattr(gpu, "SLICE_BYTES", 1 << 15)
+    monkeypatch.setattr(split, "SLICE_BYTES", 1 << 15)
     many = np.arange(1000, dtype=np.int64) * 4096
     two = np.array([0, 256], np.int64)
-    part = {"rows, sizes per row": gpu.arrays_part(many, many + 7, np.full(1000, 512, np.int64)),
+    part = {"rows, sizes per row": split.arrays_part(many, many + 7, np.full(1000, 512, np.int64)),
             "rows": (many, many + 7, two, two, np.array([256, 256], np.int64)),
             "columns": (two, two + 7, many, many, np.full(1000, 256, np.int64))}[cut]  # 2 rows of 256-byte columns
-    got = gpu.slices(part)
+    got = split.slices(part)
     assert [len(p[0 if cut != "columns" else 2]) for p in got] == [64] * 15 + [40]  # 32 KiB of 512-byte rows/columns
-    want = {(int(s + sc), int(d + dc), int(nb[i] if gpu.row_sizes(p) else nb[j]))
+    want = {(int(s + sc), int(d + dc), int(nb[i] if split.row_sizes(p) else nb[j]))
             for p in [part] for i, (s, d) in enumerate(zip(p[0], p[1])) for j, (sc, dc) in enumerate(zip(p[2], p[3]))
             for nb in [p[4]]}
-    have = [(int(s + sc), int(d + dc), int(nb[i] if gpu.row_sizes(p) else nb[j]))
+    have = [(int(s + sc), int(d + dc), int(nb[i] if split.row_sizes(p) else nb[j]))
             for p in got for i, (s, d) in enumerate(zip(p[0], p[1])) for j, (sc, dc) in enumerate(zip(p[2], p[3]))
             for nb in [p[4]]]
     assert len(have) == len(want) and set(have) == want  # every descriptor once
@@ -103,20 +103,20 @@ def test_slices_cover_every_descriptor_once_in_launches_of_about_slice_bytes(cut
 @pytest.mark.parametrize("cut", ["rows", "columns"])
 def test_a_large_part_goes_first_as_a_smaller_slice_then_the_rest(cut, monkeypatch):
     # The rest's table is packed and launched while the first slice copies: 2/5 first, then slices of SLICE_BYTES.
-    monkeypatch.setattr(gpu, "SLICE_BYTES", 1 << 18)
-    monkeypatch.setattr(gpu, "PIPELINE_BYTES", 1 << 19)
+    monkeypatch.setattr(split, "SLICE_BYTES", 1 << 18)
+    monkeypatch.setattr(split, "PIPELINE_BYTES", 1 << 19)
     many = np.arange(1000, dtype=np.int64) * 4096
     one = np.zeros(1, np.int64)
     part = ((many, many + 7, one, one, np.full(1000, 1024, np.int64)) if cut == "rows"  # 1000 rows of 1 KiB
             else (one, one + 7, many, many, np.full(1000, 1024, np.int64)))
-    got = gpu.slices(part)
+    got = split.slices(part)
     assert [len(p[0 if cut == "rows" else 2]) for p in got] == [256, 256, 256, 232]  # 400 > 256 a slice: capped
-    monkeypatch.setattr(gpu, "SLICE_BYTES", 1 << 30)
-    got = gpu.slices(part)
+    monkeypatch.setattr(split, "SLICE_BYTES", 1 << 30)
+    got = split.slices(part)
     assert [len(p[0 if cut == "rows" else 2]) for p in got] == [400, 600]
     assert np.array_equal(np.concatenate([p[0 if cut == "rows" else 2] for p in got]), many)  # each once, in order
-    monkeypatch.setattr(gpu, "PIPELINE_BYTES", 1 << 20)  # 1000 KiB: below it, one launch
-    assert [len(p[0 if cut == "rows" else 2]) for p in gpu.slices(part)] == [1000]
+    monkeypatch.setattr(split, "PIPELINE_BYTES", 1 << 20)  # 1000 KiB: below it, one launch
+    assert [len(p[0 if cut == "rows" else 2]) for p in split.slices(part)] == [1000]
 
 
 def outer_plans(src_base: int, dst_base: int):
@@ -145,9 +145,9 @@ def test_the_kernels_split_of_an_unexpanded_plan_moves_what_its_descriptors_say(
     plan = plans[which]
     assert len(plan.factors()[0][2]) > 1  # kept as an outer sum, not arrays
     dst = np.zeros(dst_size, np.uint8)
-    peer = gpu.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst_size], np.int64),
+    peer = ipc.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst_size], np.int64),
                        np.array([dst.ctypes.data - (1 << 44)], np.int64))
-    gpu.execute_on_host(plan.factors(), peer, plan.hints())
+    split.execute_on_host(plan.factors(), peer, plan.hints())
     want = np.zeros_like(dst)
     for s, d, n in zip(plan.src_addr - src.ctypes.data, plan.dst_addr - (1 << 44), plan.nbytes):
         want[d:d + n] = src[s:s + n]
@@ -160,9 +160,9 @@ def test_the_table_is_packed_columns_then_rows_with_sizes_where_they_differ(size
     rows = np.array([1 << 40, 1 << 41], np.int64)
     part = {"uniform": (rows, rows + 8, cols, cols + 16, np.full(3, 4096, np.int64)),
             "per column": (rows, rows + 8, cols, cols + 16, np.array([4096, 512, 4096], np.int64)),
-            "per row": gpu.arrays_part(rows, rows + 8, np.array([64, 128], np.int64))}[sizes]
+            "per row": split.arrays_part(rows, rows + 8, np.array([64, 128], np.int64))}[sizes]
     h = np.full(64, -1, np.int64)
-    kind, r, end = gpu._pack(part, gpu.shape(part), h, 4)
+    kind, r, end = kernel._pack(part, split.shape(part), h, 4)
     src_rows, dst_rows, src_cols, dst_cols, nbytes = part
     want_cols = [src_cols, dst_cols] + ([nbytes] if kind == 2 else [])
     want_rows = [src_rows, dst_rows] + ([nbytes] if kind == 1 else [])
@@ -200,42 +200,46 @@ def test_later_slices_tables_are_copied_beside_the_running_slices_and_the_fence_
             calls.append(("sync", self.cuda_stream))
 
     host = np.zeros(1 << 16, np.int64)
-    monkeypatch.setattr(gpu, "_lib", Driver())
-    monkeypatch.setattr(gpu, "_kernel", object())
-    monkeypatch.setattr(gpu, "_on_device", lambda device: calls.append(("set device", device)))
-    monkeypatch.setattr(gpu, "_run", lambda *args: calls.append(("launch", args[-2])))
-    monkeypatch.setattr(gpu, "PIPELINE_BYTES", 1 << 20)
-    staging = gpu._Staging()
-    staging.by_device[0] = gpu._Buffers(Stream(1), 1, Stream(2), 2, 7, host, host, host.ctypes.data, None, 1 << 40, 0)
-    monkeypatch.setattr(gpu, "_staging", staging)
-    peer = gpu.GpuPeer(np.zeros(1, np.int64), np.full(1, 1 << 50, np.int64), np.zeros(1, np.int64))
+    monkeypatch.setattr(ipc, "_lib", Driver())
+    monkeypatch.setattr(kernel, "_kernel", object())
+    monkeypatch.setattr(kernel, "on_device", lambda device: calls.append(("set device", device)))
+    monkeypatch.setattr(kernel, "_run", lambda *args: calls.append(("launch", args[-2])))
+    monkeypatch.setattr(split, "PIPELINE_BYTES", 1 << 20)
+    staging = kernel._Staging()
+    staging.by_device[0] = kernel._Buffers(Stream(1), 1, Stream(2), 2, 7, host, host, host.ctypes.data, None, 1 << 40, 0)
+    monkeypatch.setattr(kernel, "_staging", staging)
+    peer = ipc.GpuPeer(np.zeros(1, np.int64), np.full(1, 1 << 50, np.int64), np.zeros(1, np.int64))
     monkeypatch.setattr(peer, "on_device", lambda device: (0, 0, 0, 1))
     cols = np.arange(1000, dtype=np.int64) * 4096
     part = (np.zeros(1, np.int64), np.zeros(1, np.int64), cols, cols, np.full(1000, 4096, np.int64))
     checks: list[int] = []
-    gpu.copy(0, [part], peer, lambda: checks.append(len(calls)))
+    kernel.copy(0, [part], peer, lambda: checks.append(len(calls)))
     assert calls == [("set device", 0), ("table copy", 1), ("launch", 1), ("table copy", 2), ("event", 2), ("wait", 1),
                      ("launch", 1), ("sync", 1), ("sync", 2)]
     assert checks == [3]  # once, between the two slices
 
 
 def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():
-    if gpu.available():
+    if ipc.available():
         pytest.skip("this machine has CUDA")
     region = Region(name="k", addr=0x10000, nbytes=4096, stride=64, role="k", index_space="kv_page", mem="vram")
-    assert gpu.local_metadata([region]) == b""
-    assert gpu.open_peer(b"anything", 0) is None
+    assert ipc.local_metadata([region]) == b""
+    assert ipc.open_peer(b"anything", 0) is None
 
 
-def test_the_fast_path_is_refused_when_switched_off():
-    from kvbridge.testing.memory import MemoryBackend
+def test_the_copy_kernel_is_a_lane_put_before_one_named_backend_unless_switched_off(monkeypatch):
+    from kvbridge.core.plugins import Registry
+    from kvbridge.core.transport import lane_names
 
-    t = Transport(MemoryBackend.__new__(MemoryBackend), "memory", fast_path=False)
-    assert t.local_metadata() == b""
+    monkeypatch.setattr(Registry, "same_host_lanes", lambda self: ["cuda_ipc"])
+    assert lane_names("memory", fast_path=True) == ["cuda_ipc", "memory"]
+    assert lane_names("memory", fast_path=False) == ["memory"]
+    assert lane_names("memory,cuda_ipc") == ["memory", "cuda_ipc"]  # a list: as named
+    assert lane_names("cuda_ipc") == ["cuda_ipc"]
 
 
 # -- VRAM end to end, on a CUDA machine -----------------------------------------------------------------
-@pytest.mark.skipif(not gpu.available(), reason="needs a CUDA device visible to torch; this machine has none")
+@pytest.mark.skipif(not ipc.available(), reason="needs a CUDA device visible to torch; this machine has none")
 @pytest.mark.parametrize("unit, longest", [(16 << 10, 64 << 10), (8, 64 << 10), (2, 300), (1 << 20, 4 << 20)])
 def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocations(unit, longest, monkeypatch):
     # In one process: the "peer" is three tensors known by fake addresses 2**44 + ..., translated by the
@@ -243,7 +247,7 @@ def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocat
     # after the first of each shape through the compiled kernel's own launcher.
     import torch
 
-    monkeypatch.setattr(gpu, "SLICE_BYTES", 8 * longest)
+    monkeypatch.setattr(split, "SLICE_BYTES", 8 * longest)
 
     rng = np.random.default_rng(unit)
     src = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8, device="cuda")
@@ -251,14 +255,14 @@ def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocat
     sizes = rng.integers(1, longest // unit + 1, count) * unit
     parts = [torch.zeros(int(sizes.sum()) + 4096, dtype=torch.uint8, device="cuda") for _ in range(3)]
     fake = [(1 << 44) + i * (1 << 36) for i in range(3)]
-    peer = gpu.GpuPeer(np.array(fake, np.int64), np.array([f + p.numel() for f, p in zip(fake, parts)], np.int64),
+    peer = ipc.GpuPeer(np.array(fake, np.int64), np.array([f + p.numel() for f, p in zip(fake, parts)], np.int64),
                        np.array([p.data_ptr() - f for f, p in zip(fake, parts)], np.int64))
     which = rng.integers(0, 3, count)
     order = rng.permutation(count)  # scattered, and never overlapping: offsets and sizes permuted together
     dst_off, sizes = np.concatenate(([0], np.cumsum(sizes)[:-1]))[order], sizes[order]
     src_off = rng.integers(0, (src.numel() - longest) // unit, count) * unit
     torch.cuda.synchronize()  # the copy runs on its own stream: the sources must be final (Sender.send's contract)
-    gpu.copy(0, [gpu.arrays_part(src.data_ptr() + src_off, np.array(fake, np.int64)[which] + dst_off,
+    kernel.copy(0, [split.arrays_part(src.data_ptr() + src_off, np.array(fake, np.int64)[which] + dst_off,
                                  sizes.astype(np.int64))], peer)
     want = [torch.zeros_like(p) for p in parts]
     for w, s, d, n in zip(which, src_off, dst_off, sizes):
@@ -267,7 +271,7 @@ def test_the_kernel_copies_descriptors_of_unequal_length_through_several_allocat
         assert torch.equal(got, exp)
 
 
-@pytest.mark.skipif(not gpu.available(), reason="needs a CUDA device visible to torch; this machine has none")
+@pytest.mark.skipif(not ipc.available(), reason="needs a CUDA device visible to torch; this machine has none")
 @pytest.mark.parametrize("which", ["nhd", "pages"])
 def test_the_kernel_copies_an_unexpanded_plan_byte_exact(which):
     import torch
@@ -276,10 +280,10 @@ def test_the_kernel_copies_an_unexpanded_plan_byte_exact(which):
     plans, _, dst_size = outer_plans(src.data_ptr(), 1 << 44)
     plan = plans[which]
     dst = torch.zeros(dst_size, dtype=torch.uint8, device="cuda")
-    peer = gpu.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst_size], np.int64),
+    peer = ipc.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst_size], np.int64),
                        np.array([dst.data_ptr() - (1 << 44)], np.int64))
     torch.cuda.synchronize()  # the copy runs on its own stream: the sources must be final (Sender.send's contract)
-    gpu.copy(0, plan.factors(), peer, hints=plan.hints())
+    kernel.copy(0, plan.factors(), peer, hints=plan.hints())
     want = torch.zeros_like(dst)
     for s, d, n in zip((plan.src_addr - src.data_ptr()).tolist(), (plan.dst_addr - (1 << 44)).tolist(), plan.nbytes.tolist()):
         want[d:d + n] = src[s:s + n]
@@ -310,7 +314,7 @@ class TestGpuEndToEnd(BackendHarness):
         all_succeeded(*self.run_hybrid(children, spec)[:2])
 
 
-@pytest.mark.skipif(not gpu.available(), reason="needs a CUDA device visible to torch; this machine has none")
+@pytest.mark.skipif(not ipc.available(), reason="needs a CUDA device visible to torch; this machine has none")
 def test_layer_ready_with_a_cuda_event_waits_for_the_slow_kernel_before_moving_the_layer():
     # kvbridge bench layerwise --device cuda, small: the source is zeroed before each request, and each
     # layer is a 50 ms GPU sleep then a copy writing the layer's pages, on a side stream; layer_ready gets
@@ -344,4 +348,4 @@ def test_the_planners_hints_give_the_shape_the_columns_would(pattern):
     align, size = hint
     assert align and all(int(a) % align == 0 for a in (*part[2], *part[3], *part[4]))
     assert size == (item if len(set(part[4].tolist())) == 1 and pattern != "runs" else 0)
-    assert gpu.shape(part, hint) == gpu.shape(part)  # the same launch, without reducing the columns
+    assert split.shape(part, hint) == split.shape(part)  # the same launch, without reducing the columns

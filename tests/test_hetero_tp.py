@@ -228,7 +228,7 @@ def _staged_pair(tp_p, tp_d, *, sends=True, layout="nhd", capabilities=None):
     want_args = [describe(p, r, tp_d, STAGE_HEADS, layout) for r, p in enumerate(want)]
     src_t, dst_t = _transports(tp_p, True), _transports(tp_d, False)
     if capabilities is not None:  # what a backend declaring them would get from open_transport
-        src_t = [Transport(t.backend, t.name, capabilities) for t in src_t]
+        src_t = [Transport.of(t.backend, t.name, capabilities) for t in src_t]
     try:
         for t, a in zip(src_t, src_args):
             t.register(a.regions, sends=sends)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbridge.core import gpu
+from kvbridge.plugins.cuda_ipc import ipc, kernel, split
 from kvbridge.core.describe import describe
 from kvbridge.core.layers import LayerIndex, layer_list
 from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, KVArgs
@@ -94,7 +94,7 @@ def _region_bytes(r: Any) -> np.ndarray:
 
 def test_layer_slices_run_by_the_gpu_copy_work_split_land_layer_by_layer_byte_exact() -> None:
     # The GPU fast path copies whatever descriptors a write carries with one kernel; here its
-    # work split runs on the host (gpu.execute_on_host), one layer slice after another, from
+    # work split runs on the host (split.execute_on_host), one layer slice after another, from
     # both prefill TP ranks into decode TP rank 1 of 4: after each layer only that layer's
     # destination regions have changed, and in the end every buffer equals the numpy oracle.
     spec = hybrid.Spec(backend="memory", prefill_tp=2, decode_tp=4, layout="nhd", draft=True)
@@ -103,12 +103,12 @@ def test_layer_slices_run_by_the_gpu_copy_work_split_land_layer_by_layer_byte_ex
     sources = [_rank(spec, r, 2, "prefill") for r in range(2)]  # keep the source buffers alive
     splits = [(LayerIndex(src), LayerIndex(src).split(_plan(src, dst, req, spec))) for _, src in sources]
     keys = splits[0][0].keys
-    mapped = gpu.GpuPeer(np.zeros(1, np.int64), np.full(1, 1 << 62, np.int64), np.zeros(1, np.int64))  # same process
+    mapped = ipc.GpuPeer(np.zeros(1, np.int64), np.full(1, 1 << 62, np.int64), np.zeros(1, np.int64))  # same process
     done: set[tuple[int, bool]] = set()
     for g, key in enumerate(keys):
         for index, layered in splits:
             part = layered.group(index.keys.index(key))
-            gpu.execute_on_host(part.factors(), mapped)
+            split.execute_on_host(part.factors(), mapped)
         done.add(key)
         for r in dst.regions:
             if r.role != "metadata" and (r.layer, r.draft) not in done:

@@ -110,7 +110,7 @@ def test_plan_beyond_the_in_flight_limit_is_split_by_core_and_the_peer_stays_usa
     src_idx, dst_idx = np.arange(5000) * 2, np.arange(5000) * 2 + 1
     plan = page_plan(source, dest, src_idx, dst_idx, which=slice(3, 4))
     assert len(plan) == 5000 > 2 * CAPABILITIES.max_descriptors_in_flight
-    transport = Transport(source.backend, "mooncake")
+    transport = Transport.of(source.backend, "mooncake")
     assert [len(b) for b in transport.batches(plan)] == [1024, 1024, 1024, 1024, 904]
     transport.write("decode", plan, time.monotonic() + 15)
     # Then a small write to the same peer must still work (a wedged peer fails here).
@@ -124,7 +124,7 @@ def test_plan_beyond_the_in_flight_limit_is_split_by_core_and_the_peer_stays_usa
 def test_write_after_the_deadline_raises_timeout_and_moves_nothing(source, dest):
     plan = page_plan(source, dest, [1, 2], [1, 2])
     with pytest.raises(TransferTimeout, match="deadline"):
-        Transport(source.backend, "mooncake").write("decode", plan, time.monotonic() - 1)
+        Transport.of(source.backend, "mooncake").write("decode", plan, time.monotonic() - 1)
     assert all((b == SENTINEL).all() for b in dest.buffers())
 
 

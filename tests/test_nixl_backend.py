@@ -52,7 +52,7 @@ def config(name: str, **options: str) -> BackendConfig:
 
 def with_batch_bytes(backend: NixlBackend, max_bytes: int) -> Transport:
     """Core's policy around ``backend``, as if it declared ``max_bytes`` per batch."""
-    return Transport(backend, "nixl", msgspec.structs.replace(CAPABILITIES, max_bytes_per_batch=max_bytes))
+    return Transport.of(backend, "nixl", msgspec.structs.replace(CAPABILITIES, max_bytes_per_batch=max_bytes))
 
 
 BIG_LAYOUT: Layout = [("big", 1 << 20, 64, "kv_page")]  # 64 MiB: more than loopback TCP buffers hold
@@ -207,7 +207,7 @@ def test_writes_to_two_peers_from_two_threads_both_land(source, dest):
 def test_write_after_the_deadline_raises_timeout_and_moves_nothing(source, dest):
     plan = page_plan(source, dest, [1, 2], [1, 2])
     with pytest.raises(TransferTimeout, match="deadline"):
-        Transport(source.backends["descs"], "nixl").write("decode", plan, time.monotonic() - 1)
+        Transport.of(source.backends["descs"], "nixl").write("decode", plan, time.monotonic() - 1)
     assert all((b == SENTINEL).all() for b in dest.buffers())
 
 
@@ -348,7 +348,7 @@ def test_a_larger_descriptor_is_cut_into_requests_of_core_s_16_mib_fence_bound(s
     # nixl declares 64 MiB; core's fence bound (FENCE_BATCH_BYTES) is tighter.
     assert FENCE_BATCH_BYTES == 16 << 20
     one_gib = TransferPlan(np.array([0], np.int64), np.array([1 << 40], np.int64), np.array([1 << 30], np.int64))
-    batches = Transport(source.backends["descs"], "nixl").batches(one_gib)  # split only, never written
+    batches = Transport.of(source.backends["descs"], "nixl").batches(one_gib)  # split only, never written
     assert [b.total_bytes for b in batches] == [16 << 20] * 64
     assert [int(b.src_addr[0]) for b in batches] == [i * (16 << 20) for i in range(64)]
 

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvbridge.core.backend import host_id
 from kvbridge.core import auth as A
 from kvbridge.core import protocol as P
 from kvbridge.core.bootstrap import BootstrapServer
@@ -106,7 +107,7 @@ class TestSecurity(BackendHarness):
         thief = raw_clients(prefill.mgr.control_address, "thief")
         pools = self.decode_pools(sc)
         meta = thief.engine_metadata(pools, self.backend, self.backend_options)  # a working engine of its own
-        hello = P.Hello(peer_id=thief.identity, backend=self.backend, backend_meta=meta, kvargs=pools.kvargs)
+        hello = P.Hello(peer_id=thief.identity, lanes=meta, host=host_id(), kvargs=pools.kvargs)
         reply = thief.ask(hello, seal=False)
         assert isinstance(reply, P.Reject) and "requires the kvbridge secret" in reply.reason, reply
         for req in schedule(sc):  # the rooms the real decode will ask for
@@ -123,7 +124,7 @@ class TestSecurity(BackendHarness):
         pools = self.decode_pools(self.scenario())
         before = rejected("prefill", "unauthenticated")
         meta = spy.engine_metadata(pools, self.backend, self.backend_options)  # a victim's, or its own: both work without auth
-        hello = P.Hello(peer_id=spy.identity, backend=self.backend, backend_meta=meta, kvargs=pools.kvargs)
+        hello = P.Hello(peer_id=spy.identity, lanes=meta, host=host_id(), kvargs=pools.kvargs)
         reply = spy.ask(hello, seal=False)
         assert isinstance(reply, P.Reject) and "requires the kvbridge secret" in reply.reason, reply
         assert "0x" not in reply.reason and str(prefill.pools.kvargs.regions[0].addr) not in reply.reason
@@ -243,7 +244,7 @@ class TestSecurity(BackendHarness):
         for i in range(1000):
             client = RawClient(prefill.mgr.control_address, f"h{i}")
             try:
-                reply = client.ask(P.Hello(peer_id=client.identity, backend=self.backend, backend_meta=meta, kvargs=pools.kvargs))
+                reply = client.ask(P.Hello(peer_id=client.identity, lanes=meta, host=host_id(), kvargs=pools.kvargs))
             finally:
                 client.close()
             kind = type(reply).__name__ if isinstance(reply, P.HelloAck) else reply.reason.split(":")[0]  # type: ignore[union-attr]
@@ -260,7 +261,7 @@ class TestSecurity(BackendHarness):
         for name in ("a", "b"):
             raw_clients(prefill.mgr.control_address, name).handshake(pools, self.backend, self.backend_options)
         third = raw_clients(prefill.mgr.control_address, "c")
-        reply = third.ask(P.Hello(peer_id=third.identity, backend=self.backend, backend_meta=HOSTILE_META, kvargs=pools.kvargs))
+        reply = third.ask(P.Hello(peer_id=third.identity, lanes={self.backend: HOSTILE_META}, kvargs=pools.kvargs))
         assert isinstance(reply, P.Reject) and "already serves 2 decode ranks, its limit (SessionConfig.max_peers)" in reply.reason
 
     # -- finding 6 ----------------------------------------------------------------------------------
@@ -270,7 +271,7 @@ class TestSecurity(BackendHarness):
         client = raw_clients(prefill.mgr.control_address, "client")
         fields = msgspec.to_builtins(self.decode_pools(sc).kvargs)
         fields["regions"][0]["addr"] = 2**64 - 16
-        hello = {"type": "hello", "v": 1, "peer_id": client.identity, "backend": self.backend, "backend_meta": b"",
+        hello = {"type": "hello", "v": P.PROTOCOL_VERSION, "peer_id": client.identity, "lanes": {self.backend: b""},
                  "kvargs": fields}
         reply = client.ask_raw(msgspec.msgpack.encode(hello))
         assert isinstance(reply, P.Reject) and reply.reason.startswith("malformed 'hello' message: "), reply

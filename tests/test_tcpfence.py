@@ -207,7 +207,7 @@ def test_a_retry_stopped_by_a_failed_room_still_resets_the_peers_connections(mon
 
     monkeypatch.setattr(transport_mod.tcpfence, "abort", abort)
     backend = _FailsFirst()
-    t = Transport(backend, "fake", fast_path=False)
+    t = Transport.of(backend, "fake")
     t.add_peer("p", b"", [], tcp=[("127.0.0.1", 9)])
     t.reset("p", "a stuck write", stuck=True)  # one connection reset: the next write may retry once
     calls.clear()

@@ -152,7 +152,7 @@ def test_a_plan_of_twenty_thousand_descriptors_lands_in_batches_and_the_peer_sta
     src_idx, dst_idx = np.arange(20_000) * 2, np.arange(20_000) * 2 + 1
     plan = page_plan(source, dest, src_idx, dst_idx, which=slice(3, 4))
     assert len(plan) == 20_000
-    transport = Transport(source.backend, "ucx")
+    transport = Transport.of(source.backend, "ucx")
     assert [len(b) for b in transport.batches(plan)] == [FENCE_BATCH_DESCRIPTORS] * 19 + [20_000 - 19 * FENCE_BATCH_DESCRIPTORS]
     transport.write("decode", plan, time.monotonic() + 15)
     source.backend.write("decode", page_plan(source, dest, [3], [7]), time.monotonic() + 5)
@@ -164,7 +164,7 @@ def test_a_plan_of_twenty_thousand_descriptors_lands_in_batches_and_the_peer_sta
 def test_write_after_the_deadline_raises_timeout_and_moves_nothing(source, dest):
     plan = page_plan(source, dest, [1, 2], [1, 2])
     with pytest.raises(TransferTimeout, match="deadline"):
-        Transport(source.backend, "ucx").write("decode", plan, time.monotonic() - 1)
+        Transport.of(source.backend, "ucx").write("decode", plan, time.monotonic() - 1)
     assert all((b == SENTINEL).all() for b in dest.buffers())
 
 

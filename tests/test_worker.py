@@ -208,7 +208,7 @@ def test_a_room_aborted_during_a_grouped_write_gets_no_further_batch_and_the_oth
     pm = pair["pm"]
     rooms = _rooms(pair, 3, first=500)
     (peer,) = pm.peers()
-    pm.transport._batch_descriptors = 1  # one room's pages per batch (each room's pages are one run)
+    pm.transport.lanes[0].batch_descriptors = 1  # one room's pages per batch (each room's pages are one run)
     real = pm.transport.backend.write
     posted: list[np.ndarray] = []
 

@@ -128,7 +128,8 @@ def run_transfers(backend: str, rows: list[dict[str, Any]], reps: int, tracker: 
         all_regions += [msgspec_replace(r, name=f"{r.name}-tp{tp}-{layout}") for r in args.regions]
     engines = {}
     for mode in ("direct", "staged"):
-        t = open_transport(backend, host="127.0.0.1", name=f"bench-tp-{mode}", transfer_timeout=120.0, options={})
+        t = open_transport(backend, host="127.0.0.1", name=f"bench-tp-{mode}", transfer_timeout=120.0, options={},
+                           fast_path=False)  # host memory: the named backend alone
         t.register(all_regions, sends=mode == "staged")
         engines[mode] = t
     counted = {"n": 0}

@@ -11,7 +11,7 @@ from .layout import KV_PAGE_SPACE, METADATA_SPACE, ROLES, KVArgs, IndexSpace, Re
 from .plan import PlanError, TransferPlan, coalesce_runs, plan_pages
 from .records import BackendCapabilities, BackendSpec, HandlerCapabilities, OptionError, OptionSpec, StateHandlerSpec
 from .bootstrap import BootstrapServer
-from .backend import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
+from .backend import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, checkpoint, host_id, may_post
 from .session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 from .transport import Transport
 from .describe import DescribeContext, Description, buffer_region, describe, element_size, item_count
@@ -43,6 +43,8 @@ __all__ = [
     "coalesce_runs",
     "plan_pages",
     "BackendCapabilities",
+    "checkpoint",
+    "host_id",
     "BackendSpec",
     "HandlerCapabilities",
     "OptionError",

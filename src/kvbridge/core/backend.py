@@ -47,10 +47,14 @@ from .layout import Region
 from .plan import TransferPlan
 from .records import BackendCapabilities
 
-__all__ = ["Backend", "BackendConfig", "TransferCancelled", "TransferError", "TransferTimeout", "may_post"]
+__all__ = [
+    "Backend", "BackendConfig", "TransferCancelled", "TransferError", "TransferTimeout", "checkpoint", "host_id", "may_post",
+]
 
 #: The live check of the write running on this thread (set by core around ``Backend.write``).
 _live: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("kvbridge_live", default=None)
+#: The deadline-and-liveness check of the write running on this thread (set by core around ``Backend.write``).
+_checkpoint: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("kvbridge_checkpoint", default=None)
 
 
 def may_post() -> bool:
@@ -58,6 +62,29 @@ def may_post() -> bool:
     and decode's lease valid (core's fence). True outside a write core started."""
     live = _live.get()
     return live is None or live()
+
+
+def checkpoint(where: str = "between posts") -> None:
+    """Core's check between two engine posts of one write: raise :class:`TransferTimeout` once the
+    write's deadline has passed and :class:`TransferCancelled` once its room is no longer live.
+
+    For a backend that takes whole plans (``BackendCapabilities.whole_plans``) and posts them in
+    several pieces (kernel launches, engine requests): the fence core would otherwise check between
+    batches. A no-op outside a write core started.
+    """
+    check = _checkpoint.get()
+    if check is not None:
+        check(where)
+
+
+def host_id() -> str:
+    """This host's identity (its boot id): two processes see the same one only on the same host and
+    boot. A lane whose backend does not reach other hosts is used only with peers that send the same."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 class TransferError(RuntimeError):
@@ -102,6 +129,14 @@ class Backend(abc.ABC):
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
+
+    def select(self, regions: Sequence[Region]) -> Sequence[Region]:
+        """Of ``regions`` (this rank's, of the memory kinds the backend declares), those it moves.
+
+        Core registers only these with it and leaves the others to the lanes after it (a copy kernel
+        launched on one GPU takes that GPU's regions). Default: all of them.
+        """
+        return regions
 
     @abc.abstractmethod
     def register(self, regions: Sequence[Region]) -> None:

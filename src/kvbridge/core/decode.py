@@ -109,7 +109,6 @@ class DecodeManager(TransferManager[Receiver]):
         super().__init__(kvargs, backend, config)
         self.peer_id = f"decode-tp{kvargs.tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._meta = self.transport.metadata()
-        self._local_meta = self.transport.local_metadata()
         self._servers: dict[str, PrefillServer] = {}
         #: Servers given up on whose sockets stay open while their rooms wait for ``Fenced``.
         self._retired: list[PrefillServer] = []
@@ -220,18 +219,20 @@ class DecodeManager(TransferManager[Receiver]):
         wanted = {(r.tp_rank, r.pp_rank): r for r in msg.ranks}
         if len(wanted) < tp_size * pp_size:
             return  # not every rank registered yet
-        bad = [r for r in wanted.values() if r.backend != self.backend_name]
+        ours = set(self.backend_name.split(","))
+        bad = [r for r in wanted.values() if not ours & set(r.backend.split(","))]
         if bad:
             self._fail_server(
                 server,
-                f"prefill at {server.address} uses backend {bad[0].backend!r}, this decode rank {self.backend_name!r}",
+                f"prefill at {server.address} uses backend {bad[0].backend!r}, this decode rank {self.backend_name!r}: "
+                "they share none",
                 "layout",
             )
             return
         self.loop.remove_socket(server.lookup.sock)
         server.lookup = None
-        hello = P.encode(P.Hello(peer_id=self.peer_id, backend=self.backend_name, backend_meta=self._meta, kvargs=self.kvargs,
-                                 local_meta=self._local_meta, engine_endpoints=self.engine_endpoints[:P.MAX_ENDPOINTS]))
+        hello = P.encode(P.Hello(peer_id=self.peer_id, lanes=self._meta, kvargs=self.kvargs, host=self.transport.host,
+                                 engine_endpoints=self.engine_endpoints[:P.MAX_ENDPOINTS]))
         for key, info in sorted(wanted.items()):
             rank = server.ranks[key] = PrefillRank(info)
             rank.chan = self._channel(info.control_addr, identity=self.peer_id.encode())

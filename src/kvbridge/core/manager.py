@@ -40,8 +40,9 @@ class SessionConfig:
     #: Treat every index-length mismatch as an error (default: page-indexed
     #: state lists are trimmed to the shorter side with a warning).
     strict_index_lengths: bool = False
-    #: Copy GPU -> GPU within one host with CUDA IPC and one kernel per write
-    #: (kvbridge.core.gpu) instead of through the engine, where both sides allow it.
+    #: Put the same-host lanes (``cuda_ipc``: GPU -> GPU within one host with CUDA IPC and one
+    #: kernel per write) before the backend where they are installed, when the backend is the
+    #: default or one name; a comma-separated list of backends is taken as it is.
     gpu_fast_path: bool = True
     #: A file holding the shared secret that authenticates control messages (else
     #: ``$KVBRIDGE_SECRET_FILE``, else ``$KVBRIDGE_SECRET``; see docs/security.md).

@@ -32,6 +32,7 @@ from .state import StateResolver
 
 __all__ = [
     "BACKEND_PREFERENCE",
+    "SAME_HOST_LANES",
     "ENTRY_POINT_GROUP",
     "DISABLE_AUTOLOAD_ENV",
     "TRACE_HOOKS_ENV",
@@ -58,6 +59,9 @@ BUILTIN_DISTRIBUTION = "kvbridge"
 #: engine inference servers most often ship already, with RDMA and NVLink
 #: paths; then UCX (one-sided puts with peer-failure detection); then Mooncake.
 BACKEND_PREFERENCE: tuple[str, ...] = ("nixl", "ucx", "mooncake")
+#: Lanes put before the default backend where available: same-host copies that take over what they
+#: can reach (GPU -> GPU on one host) and leave the rest to it.
+SAME_HOST_LANES: tuple[str, ...] = ("cuda_ipc",)
 
 
 class PluginError(RuntimeError):
@@ -165,6 +169,35 @@ class Registry:
             if self.backend_spec(name).capabilities.cross_host:
                 return name
         return None
+
+    def same_host_lanes(self) -> list[str]:
+        """The available lanes of :data:`SAME_HOST_LANES`: put before a backend they take over from."""
+        return [n for n in SAME_HOST_LANES if n in self.backends and self.backend_available(n)]
+
+    def default_lanes(self, same_host: bool = True) -> list[str]:
+        """The lanes a manager gets when it names none: :meth:`same_host_lanes` (when ``same_host``),
+        then :meth:`default_backend`. Raises :class:`PluginError` when no backend reaching other
+        hosts is available."""
+        engine = self.default_backend()
+        if engine is None:
+            installed = ", ".join(sorted(self.backends)) or "none"
+            raise PluginError(
+                f"no transfer backend is available (installed: {installed}); install an engine, "
+                "e.g. `pip install kvbridge[nixl]`, or a backend plugin"
+            )
+        return [*(self.same_host_lanes() if same_host else []), engine]
+
+    def lane_names(self, text: str) -> list[str]:
+        """``"cuda_ipc,nixl"`` as registered backend names, in order; an unknown, repeated or empty
+        name raises naming it (and what is installed)."""
+        names = [n.strip() for n in text.split(",")]
+        if not all(names):
+            raise PluginError(f"backend list {text!r} has an empty name; separate names with single commas")
+        if len(set(names)) != len(names):
+            raise PluginError(f"backend list {text!r} names a backend more than once")
+        for n in names:
+            self.backend_spec(n)
+        return names
 
     # -- state handlers -----------------------------------------------------
     def load_state_handler(self, name: str) -> Any:

@@ -367,8 +367,8 @@ class PrefillManager(TransferManager[Sender]):
                        "(SessionConfig.max_peers)")
         elif msg.peer_id.encode() != ident:
             problem = f"Hello peer_id {msg.peer_id!r} does not match the connection identity"
-        elif msg.backend != self.backend_name:
-            problem = f"decode uses backend {msg.backend!r} but this prefill rank uses {self.backend_name!r}"
+        elif not set(msg.lanes) & set(self.backend_name.split(",")):
+            problem = f"decode uses backend {','.join(msg.lanes)!r} but this prefill rank uses {self.backend_name!r}"
         if problem is None:
             try:
                 route = pair_layouts(self.kvargs, msg.kvargs)
@@ -378,8 +378,7 @@ class PrefillManager(TransferManager[Sender]):
                         # A decode handshakes again only after it gave up on this rank: what
                         # it asked for before is dead on its side.
                         self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
-                self.transport.add_peer(msg.peer_id, msg.backend_meta, msg.kvargs.regions, msg.local_meta,
-                                        msg.engine_endpoints)
+                self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host, msg.engine_endpoints)
             except IncompatibleLayoutError as exc:
                 problem = str(exc)
             except Exception as exc:

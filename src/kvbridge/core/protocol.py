@@ -47,7 +47,8 @@ __all__ = [
     "unpack_indices",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Hello carries per-lane backend metadata
+MAX_LANES = 16  # backends a Hello may list
 MAX_ENDPOINTS = 64  # engine listeners a Hello may list
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
@@ -68,6 +69,7 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pp_rank: int
     pp_size: int
     control_addr: str
+    #: The rank's lanes as a host names them ("nixl", "cuda_ipc,nixl").
     backend: str
 
 
@@ -94,14 +96,15 @@ class LookupReply(_Msg, tag="lookup_reply", frozen=True):
 
 
 class Hello(_Msg, tag="hello", frozen=True):
-    """Decode -> prefill: who I am, my memory, and how to reach it."""
+    """Decode -> prefill: who I am, my memory, and how each of my backends reaches it."""
 
     peer_id: str
-    backend: str
-    backend_meta: bytes
+    #: Each of decode's lanes (backends, in order) and its connection metadata, opaque to core.
+    lanes: Annotated[dict[str, bytes], msgspec.Meta(max_length=MAX_LANES)]
     kvargs: KVArgs
-    #: CUDA IPC handles of decode's GPU regions, for a same-host prefill (b"": none).
-    local_meta: bytes = b""
+    #: Decode's host (``kvbridge.core.backend.host_id``): lanes that reach one host only are used
+    #: only between ranks that send the same.
+    host: str = ""
     #: The (ip, port) endpoints decode's engine listens on: prefill resets its own TCP connections
     #: to them when it gives up on a write, so nothing they queued lands later (core/tcpfence.py).
     engine_endpoints: Annotated[tuple[tuple[str, Port], ...], msgspec.Meta(max_length=MAX_ENDPOINTS)] = ()

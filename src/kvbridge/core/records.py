@@ -55,6 +55,11 @@ class BackendCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     #: contiguous runs (``kvbridge.core.staging``). ``False`` opts out: every
     #: descriptor is posted as planned, and only the rank's own regions are registered.
     host_staging: bool = True
+    #: ``Backend.write`` takes a whole plan (still within the declared limits, unexpanded where the
+    #: planner left it so: ``TransferPlan.factors``) and calls ``kvbridge.core.backend.checkpoint()``
+    #: between its own posts, instead of core cutting it into fence-sized batches and checking
+    #: between those. For a copy kernel that moves a plan in a few launches (``cuda_ipc``).
+    whole_plans: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_descriptors_per_batch", "max_descriptors_in_flight", "max_bytes_per_batch"):

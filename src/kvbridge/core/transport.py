@@ -1,21 +1,27 @@
-"""Core's half of the backend contract: one policy around every backend.
+"""Core's half of the backend contract: one policy around every backend, and lanes.
 
-A :class:`Transport` wraps a :class:`~kvbridge.core.backend.Backend` and does,
-from the backend's declared :class:`~kvbridge.core.records.BackendCapabilities`,
-what no adapter repeats: memory kinds checked at registration and at
-handshake, plans cut and split into batches within the declared limits, the
-deadline checked before every batch. The backend only moves one batch.
+A :class:`Transport` holds an ordered list of *lanes*, each a
+:class:`~kvbridge.core.backend.Backend` with its declared
+:class:`~kvbridge.core.records.BackendCapabilities`, and does what no adapter
+repeats: memory kinds checked at registration and at handshake, plans cut
+and split into batches within the declared limits, the deadline and the
+room's liveness checked before every batch. A backend only moves bytes.
 
-It also owns the same-host GPU fast path (:mod:`kvbridge.core.gpu`): when a
-peer on this host sent CUDA IPC handles of its GPU regions, descriptors from
-local GPU memory into them are copied by one kernel per write instead of
-going through the engine, whatever the backend; the rest still goes through
-the backend. ``fast_path=False`` turns it off.
+**Lanes.** Each lane registers the rank's regions of the memory kinds it
+moves and, at handshake, adds the peer if the peer runs the same lane and is
+within its reach (a backend with ``cross_host=False`` only for a peer on this
+host). For every pair of (local region, peer region) the first lane that
+holds both moves it: ``cuda_ipc,nixl`` sends GPU -> GPU on one host through
+CUDA IPC and everything else through NIXL. The table is made once per peer;
+a write to a peer one lane covers whole goes to it as planned, and otherwise
+its descriptors are located once and grouped by lane (the same order as the
+list, so a lane is never passed over for a later one).
 
-:func:`open_transport` is the one place core creates backends. It takes what a
-manager was given: a registered name, a resolved :class:`BackendSpec`, a
-ready :class:`Backend` instance (as an HTTP client takes a transport object),
-or ``None`` for the default backend.
+:func:`open_transport` is the one place core creates backends. It takes what
+a manager was given: a registered name or a comma-separated list of names
+(lanes, in order), a resolved :class:`BackendSpec`, a ready :class:`Backend`
+instance (as an HTTP client takes a transport object), or ``None`` for the
+default lanes.
 """
 
 from __future__ import annotations
@@ -23,22 +29,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Union
 
-from . import gpu, staging, tcpfence
-from .backend import _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout
+import numpy as np
+import numpy.typing as npt
+
+from . import staging, tcpfence
+from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, host_id
 from .layout import Region
 from .plan import RegionTable, TransferPlan
-from .plugins import PluginError, get_registry, import_object
+from .plugins import SAME_HOST_LANES, PluginError, get_registry, import_object
 from .records import BackendCapabilities, BackendSpec
 
-__all__ = ["BackendChoice", "Transport", "open_transport"]
+__all__ = ["BackendChoice", "Lane", "Transport", "lane_names", "open_transport"]
 
 log = logging.getLogger(__name__)
 
-#: What a manager accepts as its backend.
+#: What a manager accepts as its backend: a name, names separated by commas (lanes, in order), a
+#: spec, a ready backend, or None for the default lanes.
 BackendChoice = Union[str, BackendSpec, Backend, None]
 
 #: Every batch stays within these, whatever the backend allows: the fence is
@@ -54,97 +64,204 @@ FENCE_BATCH_BYTES = 16 << 20
 RESET_GRACE = 0.25
 
 
-class Transport:
-    """A backend plus the policy core applies to every backend alike."""
+@dataclass
+class Lane:
+    """One backend of a transport, with what core derives from its declaration."""
 
-    def __init__(
-        self, backend: Backend, name: str, capabilities: BackendCapabilities | None = None, *, fast_path: bool = True
-    ) -> None:
-        self.backend = backend
-        self.name = name
-        self.capabilities = capabilities or type(backend).capabilities
-        self.fast_path = fast_path
-        self._batch_descriptors = min(self.capabilities.batch_descriptors or FENCE_BATCH_DESCRIPTORS, FENCE_BATCH_DESCRIPTORS)
-        self._batch_bytes = min(self.capabilities.max_bytes_per_batch or FENCE_BATCH_BYTES, FENCE_BATCH_BYTES)
+    name: str
+    backend: Backend
+    capabilities: BackendCapabilities
+    #: The local regions it registered (those of the memory kinds it moves).
+    regions: list[Region] = field(default_factory=list)
+    #: Host staging of strided sources (core/staging.py), on the first lane that moves host memory.
+    staging: staging.Staging | None = None
+
+    def __post_init__(self) -> None:
+        caps = self.capabilities
+        if caps.whole_plans:  # the backend checks the fence between its own posts (backend.checkpoint)
+            self.batch_descriptors = caps.batch_descriptors or 1 << 62
+            self.batch_bytes = caps.max_bytes_per_batch or 1 << 62
+        else:
+            self.batch_descriptors = min(caps.batch_descriptors or FENCE_BATCH_DESCRIPTORS, FENCE_BATCH_DESCRIPTORS)
+            self.batch_bytes = min(caps.max_bytes_per_batch or FENCE_BATCH_BYTES, FENCE_BATCH_BYTES)
+
+    def batches(self, plan: TransferPlan) -> list[TransferPlan]:
+        """``plan`` as the backend will receive it: cut and split within the declared limits (views)."""
+        # A plan within every limit (the fence's caps included) is one batch as it is (most requests:
+        # one chunk, one metadata row); cutting and slicing it cost more than the engine's own write.
+        if len(plan) <= self.batch_descriptors and plan.total_bytes <= self.batch_bytes:
+            return [plan] if len(plan) else []
+        plan = plan.cut(self.batch_bytes)
+        return list(plan.batches(self.batch_descriptors, self.batch_bytes))
+
+
+@dataclass
+class _Route:
+    """How writes to one peer are shared among the lanes (made at :meth:`Transport.add_peer`)."""
+
+    #: The lane moving every descriptor to this peer, when one does (no descriptor is located then).
+    whole: int | None
+    #: Otherwise: the peer's regions, and the lane of each (local, peer) region pair in the order
+    #: ``RegionTable``\ s sort them (-1: none moves it; the handshake refused such a peer).
+    table: RegionTable
+    lanes: npt.NDArray[np.int64]
+
+    @property
+    def used(self) -> list[int]:
+        """The lanes moving something to the peer, in order."""
+        return [self.whole] if self.whole is not None else np.unique(self.lanes).tolist()
+
+
+class Transport:
+    """Lanes of backends plus the policy core applies to every backend alike."""
+
+    def __init__(self, lanes: Sequence[Lane]) -> None:
+        if not lanes:
+            raise ValueError("a transport needs at least one backend")
+        names = [lane.name for lane in lanes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a backend is named more than once in the lanes {names}")
+        self.lanes = list(lanes)
+        #: The lanes as a host names them: "nixl", or "cuda_ipc,nixl".
+        self.name = ",".join(names)
+        self.host = host_id()
         self._regions: list[Region] = []
-        # peer -> (its mapped GPU allocations, the local device copying into them, whether every descriptor does)
-        self._gpu_peers: dict[str, tuple[gpu.GpuPeer, int, bool]] = {}
-        self._vram = RegionTable(())  # local GPU regions: which device a source address lives on
-        self._staging: staging.Staging | None = None  # host staging of strided sources (core/staging.py)
+        self._local = RegionTable(())
+        self._routes: dict[str, _Route] = {}
+        #: One lane: every peer's route, known to it or not (the backend refuses a peer it does not know).
+        self._single = _Route(0, RegionTable(()), np.zeros((0, 0), np.int64)) if len(self.lanes) == 1 else None
         self._tcp: dict[str, tuple[tcpfence.Endpoint, ...]] = {}  # peer -> where its engine listens
         self._running: dict[str, float] = {}  # peer -> when its write in the backend is overdue (reset_overdue)
         self._was_reset: dict[str, int] = {}  # peer -> connections reset() reset since its last write
         self._failed_at: dict[str, float] = {}  # peer -> when a write to it last raised (fence_delay)
 
+    @classmethod
+    def of(cls, backend: Backend, name: str, capabilities: BackendCapabilities | None = None) -> Transport:
+        """A transport of one lane: ``backend`` under ``name`` (its class's capabilities by default)."""
+        return cls([Lane(name, backend, capabilities or type(backend).capabilities)])
+
+    @property
+    def backend(self) -> Backend:
+        """The last lane's backend: the one that reaches farthest (for ``describe()`` and tests)."""
+        return self.lanes[-1].backend
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        return self.lanes[-1].capabilities
+
     # -- memory -----------------------------------------------------------------------------
     def check_memory(self, regions: Sequence[Region], whose: str) -> None:
-        """Raise :class:`TransferError` naming the first region of a memory kind the backend does not move."""
-        kinds = self.capabilities.memory_kinds
+        """Raise :class:`TransferError` naming the first region of a memory kind no lane moves."""
+        kinds = {k for lane in self.lanes for k in lane.capabilities.memory_kinds}
         for r in regions:
             if r.mem not in kinds:
                 raise TransferError(
                     f"{whose} region {r.name!r} is {r.mem} memory, but backend {self.name!r} moves "
-                    f"{' and '.join(kinds)} only (its BackendCapabilities.memory_kinds); "
+                    f"{' and '.join(sorted(kinds))} only (its BackendCapabilities.memory_kinds); "
                     "use a backend that declares it (`kvbridge plugins` lists what each moves)"
                 )
 
     def register(self, regions: Sequence[Region], *, sends: bool = True) -> None:
-        """Register the rank's regions; a rank that ``sends`` strided host pieces also registers a
-        staging buffer with them (``core/staging.py``), unless the backend opts out."""
+        """Register with each lane the regions of the kinds it moves; a rank that ``sends`` strided host
+        pieces also registers a staging buffer with the first lane moving host memory
+        (``core/staging.py``), unless that backend opts out."""
         self.check_memory(regions, "local")
-        stage = None
-        if sends and self.capabilities.host_staging and "dram" in self.capabilities.memory_kinds and staging.wanted(regions):
-            stage = staging.Staging(regions)
-        self.backend.register([*regions, stage.region] if stage is not None else regions)
-        self._staging = stage
+        staged = False
+        for lane in self.lanes:
+            caps = lane.capabilities
+            mine = list(lane.backend.select([r for r in regions if r.mem in caps.memory_kinds]))
+            stage = None
+            if (sends and not staged and "dram" in caps.memory_kinds and caps.host_staging
+                    and staging.wanted(mine)):
+                stage = staging.Staging(mine)
+            staged = staged or "dram" in caps.memory_kinds
+            lane.backend.register([*mine, stage.region] if stage is not None else mine)
+            lane.regions, lane.staging = mine, stage
         self._regions = list(regions)
-        self._vram = RegionTable([r for r in regions if r.mem == "vram"])
+        self._local = RegionTable(regions)
 
-    def metadata(self) -> bytes:
-        return self.backend.metadata()
-
-    def local_metadata(self) -> bytes:
-        """What a same-host peer needs to copy into this rank's GPU regions directly (b"": nothing)."""
-        return gpu.local_metadata(self._regions) if self.fast_path else b""
+    def metadata(self) -> dict[str, bytes]:
+        """Each lane's connection metadata, by backend name (sent to peers in the handshake)."""
+        return {lane.name: lane.backend.metadata() for lane in self.lanes}
 
     def add_peer(
-        self, peer: str, metadata: bytes, regions: Sequence[Region], local_metadata: bytes = b"",
+        self, peer: str, metadata: Mapping[str, bytes] | bytes, regions: Sequence[Region], host: str | None = None,
         tcp: Sequence[tcpfence.Endpoint] = (),
     ) -> None:
-        """Prepare writes to ``peer``; ``tcp``: where its engine listens (this rank resets its
-        connections to them when a write fails: :meth:`reset`)."""
+        """Prepare writes to ``peer``: every lane it runs too and can reach (``host``: its
+        :func:`~kvbridge.core.backend.host_id`; None: this host) adds it; each pair of regions goes to
+        the first lane holding both. Raises :class:`TransferError` if some pair has none, naming what
+        each lane said. ``metadata``: the peer's :meth:`metadata` (plain bytes: the one lane's, for a
+        transport of one). ``tcp``: where its engine listens (this rank resets its connections to
+        them when a write fails: :meth:`reset`)."""
+        if isinstance(metadata, (bytes, bytearray)):
+            if len(self.lanes) != 1:
+                raise TypeError(f"peer {peer!r}: metadata for the lanes {self.name!r} must be a dict by backend name")
+            metadata = {self.lanes[0].name: bytes(metadata)}
+        host = self.host if host is None else host
         self.check_memory(regions, f"peer {peer!r}")
         endpoints = tcpfence.checked(tcp, f"peer {peer!r}")
-        self.backend.add_peer(peer, metadata, regions)
-        self._tcp[peer] = endpoints
-        self._gpu_peers.pop(peer, None)
-        if self.fast_path and local_metadata and len(self._vram):
-            # The copies run on one local GPU (a rank's usual one; with several, the lowest-numbered:
-            # the others' descriptors go through the backend).
-            device = int(self._vram.device.min())
+        self.remove_peer(peer)
+        if len(self.lanes) == 1:  # nothing to share out: the backend takes the peer or refuses it
+            self.lanes[0].backend.add_peer(peer, metadata.get(self.lanes[0].name, b""), regions)
+            self._routes[peer] = self._single  # type: ignore[assignment]
+            self._tcp[peer] = endpoints
+            return
+        local = sorted(self._regions, key=lambda r: r.addr)
+        theirs = sorted(regions, key=lambda r: r.addr)
+        table = np.full((len(local), len(theirs)), -1, np.int64)
+        why: list[str] = []
+        for i, lane in enumerate(self.lanes):
+            caps = lane.capabilities
+            if lane.name not in metadata:
+                why.append(f"{lane.name}: the peer does not run it")
+                continue
+            if not caps.cross_host and host != self.host:
+                why.append(f"{lane.name}: the peer is on another host")
+                continue
+            mine = np.array([r.mem in caps.memory_kinds and r in lane.regions for r in local], bool)
+            its = np.array([r.mem in caps.memory_kinds for r in theirs], bool)
+            if not mine.any() or not its.any():
+                why.append(f"{lane.name}: no memory of the kinds it moves on both sides")
+                continue
             try:
-                mapped = gpu.open_peer(local_metadata, device)
-            except Exception as exc:  # the backend path still works
-                log.warning("GPU fast path to peer %r unavailable: %s", peer, exc)
-                mapped = None
-            if mapped is not None:
-                # Every local region on that GPU and every peer region mapped: no descriptor needs sorting.
-                whole = len(self._vram) == len(self._regions) and {r.device for r in self._regions} == {device} \
-                    and mapped.covers(regions)
-                self._gpu_peers[peer] = mapped, device, whole
-                log.info("GPU fast path on for peer %r", peer)
+                lane.backend.add_peer(peer, metadata[lane.name], [r for r in theirs if r.mem in caps.memory_kinds])
+            except Exception as exc:
+                why.append(f"{lane.name}: {exc}")
+                log.info("%s: lane %r does not take peer %r: %s", self.name, lane.name, peer, exc)
+                continue
+            free = (table < 0) & mine[:, None] & its[None, :]
+            table[free] = i
+        missing = np.argwhere(table < 0)
+        if len(missing):
+            for i in np.unique(table[table >= 0]).tolist():
+                self.lanes[i].backend.remove_peer(peer)
+            a, b = local[missing[0][0]], theirs[missing[0][1]]
+            raise TransferError(
+                f"no backend of {self.name!r} moves peer {peer!r}'s memory: e.g. local region {a.name!r} ({a.mem}) "
+                f"-> its {b.name!r} ({b.mem}), {len(missing)} region pair(s) in all; " + "; ".join(why)
+            )
+        used = np.unique(table)
+        self._routes[peer] = _Route(int(used[0]) if len(used) == 1 else None, RegionTable(regions), table)
+        self._tcp[peer] = endpoints
+        if len(self.lanes) > 1:
+            log.info("%s: peer %r goes through %s", self.name, peer, ", ".join(self.lanes[i].name for i in used.tolist()))
+
+    def lanes_of(self, peer: str) -> list[str]:
+        """The lanes that move something to ``peer`` (empty for an unknown peer)."""
+        route = self._routes.get(peer)
+        return [] if route is None else [self.lanes[i].name for i in route.used]
 
     def remove_peer(self, peer: str) -> None:
-        # Mappings stay open until the process ends: a write in flight may still use them,
-        # and CUDA opens a handle once per device in a process anyway.
-        self._gpu_peers.pop(peer, None)
+        route = self._routes.pop(peer, None)
         self._tcp.pop(peer, None)
         # _was_reset and _failed_at stay: the engine still pools the connections reset to that endpoint
         # and may still drain a failed write into it. A peer dropped then handshaking again (the same
         # id: decode after a prefill resumed from a freeze) failed one write per reset connection when
         # they were not retried (measured: the resumed room failed), and a Fenced sent at the drop
         # must still wait out the drain.
-        self.backend.remove_peer(peer)
+        for lane in self.lanes if route is None else [self.lanes[i] for i in route.used]:
+            lane.backend.remove_peer(peer)
 
     def reset(self, peer: str, why: str, stuck: bool = False) -> None:
         """Reset this process's TCP connections to ``peer``'s engine if its host no longer answers,
@@ -178,42 +295,53 @@ class Transport:
                 self.reset(peer, "a write ran past its deadline", stuck=True)
 
     def close(self) -> None:
-        self.backend.close()
+        for lane in self.lanes:
+            lane.backend.close()
 
     # -- writes -----------------------------------------------------------------------------
     def batches(self, plan: TransferPlan) -> list[TransferPlan]:
-        """``plan`` as the backend will receive it: cut and split within the declared limits (views)."""
-        # A plan within every limit (the fence's caps included) is one batch as it is (most requests:
-        # one chunk, one metadata row); cutting and slicing it cost more than the engine's own write.
-        if len(plan) <= self._batch_descriptors and plan.total_bytes <= self._batch_bytes:
-            return [plan] if len(plan) else []
-        plan = plan.cut(self._batch_bytes)
-        return list(plan.batches(self._batch_descriptors, self._batch_bytes))
+        """``plan`` as the last lane receives it (views): cut and split within its declared limits."""
+        return self.lanes[-1].batches(plan)
 
     def write(self, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None = None) -> None:
-        """Write a validated ``plan`` into ``peer`` batch by batch; deadline and ``live()`` are checked before each.
+        """Write a validated ``plan`` into ``peer``, each part through its lane, batch by batch; the
+        deadline and ``live()`` are checked before each batch.
 
         Raises :class:`TransferTimeout` once the deadline has passed and
         :class:`TransferCancelled` once ``live()`` is false (no further batch
         is started either way: this is what fences a failed room), and passes
         on the backend's :class:`TransferError`, saying how much had landed before.
         """
-        route = self._gpu_peers.get(peer)
-        if route is not None:
-            self._check(peer, deadline, live, "before it started")
-            plan = self._copy_on_gpu(peer, *route, plan, lambda: self._check(peer, deadline, live, "between GPU copy slices"))
-            if not len(plan):  # the kernel copied it all (the usual case): nothing for the backend
+        route = self._routes.get(peer, self._single)
+        if route is None:
+            raise TransferError(f"{self.name}: write to unknown peer {peer!r} (no handshake, or removed)")
+        token = _live.set(live)  # the backend re-checks right before it posts (backend.may_post)
+        check = _checkpoint.set(lambda where: self._check(peer, deadline, live, where))
+        try:
+            if route.whole is not None:
+                self._write_lane(self.lanes[route.whole], peer, plan, deadline, live)
                 return
+            src = self._local.locate(plan.src_addr, plan.nbytes)[0]
+            dst = route.table.locate(plan.dst_addr, plan.nbytes)[0]
+            lane_of = route.lanes[src, dst]
+            for i in np.unique(lane_of).tolist():  # in lane order
+                pick = lane_of == i
+                part = plan if pick.all() else TransferPlan(plan.src_addr[pick], plan.dst_addr[pick], plan.nbytes[pick])
+                self._write_lane(self.lanes[i], peer, part, deadline, live)
+        finally:
+            _checkpoint.reset(check)
+            _live.reset(token)
+
+    def _write_lane(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None) -> None:
         landed = 0
         posted = 0
-        token = _live.set(live)  # the backend re-checks right before it posts (backend.may_post)
 
         def post(batch: TransferPlan, of: str = "") -> None:
             nonlocal landed, posted
             self._check(peer, deadline, live, f"after {posted}{of} batches ({landed} of {plan.total_bytes} B landed)")
             self._running[peer] = deadline + RESET_GRACE
             try:
-                self._post(peer, batch, deadline, lambda: self._check(peer, deadline, live, "before a retry"))
+                self._post(lane, peer, batch, deadline, lambda: self._check(peer, deadline, live, "before a retry"))
             except TransferError as exc:
                 if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing
                     self._failed_at[peer] = time.monotonic()
@@ -226,24 +354,21 @@ class Transport:
             landed += batch.total_bytes
             posted += 1
 
-        try:
-            for window in self._windows(plan):
-                staged = self._staging.stage(window, self._batch_bytes) if self._staging is not None else None
-                if staged is None:
-                    batches = self.batches(window)
-                    of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
-                    for batch in batches:
-                        post(batch, of)
-                    continue
-                try:
-                    for batch in staged.batches(self._batch_descriptors):
-                        post(batch)
-                finally:
-                    staged.release()  # write() returned or raised: the engine reads the slice no more
-        finally:
-            _live.reset(token)
+        for window in self._windows(lane, plan):
+            staged = lane.staging.stage(window, lane.batch_bytes) if lane.staging is not None else None
+            if staged is None:
+                batches = lane.batches(window)
+                of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
+                for batch in batches:
+                    post(batch, of)
+                continue
+            try:
+                for batch in staged.batches(lane.batch_descriptors):
+                    post(batch)
+            finally:
+                staged.release()  # write() returned or raised: the engine reads the slice no more
 
-    def _post(self, peer: str, batch: TransferPlan, deadline: float, check: Callable[[], None]) -> None:
+    def _post(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float, check: Callable[[], None]) -> None:
         """``backend.write``, again if it failed (not timed out) as the first write since :meth:`reset`
         reset ``n`` of the peer's connections, up to ``n`` times: an engine that pools connections
         (Mooncake) fails one call per reset connection it picks, dropping it, then reconnects. A retry
@@ -251,14 +376,16 @@ class Transport:
         retries = self._was_reset.pop(peer, 0)
         while True:
             try:
-                self.backend.write(peer, batch, deadline)
+                lane.backend.write(peer, batch, deadline)
                 return
             except TransferError as exc:
                 if retries == 0 or isinstance(exc, (TransferCancelled, TransferTimeout)):
                     raise
                 retries -= 1
                 failed = type(exc).__name__
-                log.info("%s: write to peer %r failed after its connections were reset; retrying: %s", self.name, peer, exc)
+                log.info("%s: write to peer %r failed after its connections were reset; retrying: %s", lane.name, peer, exc)
+            except Exception as exc:  # an engine's own exception type: the contract's, naming the lane
+                raise TransferError(f"{lane.name}: write to peer {peer!r} failed: {type(exc).__name__}: {exc}") from exc
             try:
                 check()
             except TransferCancelled:
@@ -267,12 +394,13 @@ class Transport:
                 self.reset(peer, f"a write failed: {failed}")
                 raise
 
-    def _windows(self, plan: TransferPlan) -> Iterator[TransferPlan]:
+    @staticmethod
+    def _windows(lane: Lane, plan: TransferPlan) -> Iterator[TransferPlan]:
         """The plan in windows that staging may gather (one slice each), or whole when it cannot help."""
-        if self._staging is None or len(plan) < 2 or plan.total_bytes > len(plan) * staging.MAX_PIECE:
+        if lane.staging is None or len(plan) < 2 or plan.total_bytes > len(plan) * staging.MAX_PIECE:
             yield plan  # pieces too large on average to be worth copying: the batches of today
             return
-        yield from plan.batches(staging.WINDOW_DESCRIPTORS, min(self._staging.slice_bytes, self._batch_bytes))
+        yield from plan.batches(staging.WINDOW_DESCRIPTORS, min(lane.staging.slice_bytes, lane.batch_bytes))
 
     def _check(self, peer: str, deadline: float, live: Callable[[], bool] | None, where: str) -> None:
         """The one check before every batch: the deadline, then whether the room is still live."""
@@ -281,35 +409,13 @@ class Transport:
         if live is not None and not live():
             raise TransferCancelled(f"{self.name}: write to peer {peer!r} stopped {where}: the room is no longer live")
 
-    def _copy_on_gpu(
-        self, peer: str, mapped: gpu.GpuPeer, device: int, whole: bool, plan: TransferPlan, check: Callable[[], None]
-    ) -> TransferPlan:
-        """Copy the descriptors from ``device`` to the mapped peer GPU with the kernel; return the rest for
-        the backend. ``whole``: every descriptor qualifies (decided per region at add_peer).
-
-        ``check`` (deadline and liveness) runs between slices (:meth:`write` checked right before the first).
-        """
-        if whole:
-            parts, hints = plan.factors(), plan.hints()  # as the planner left it: rows x columns, unexpanded
-            rest = TransferPlan.empty()
-        else:
-            region, from_gpu = self._vram.locate(plan.src_addr, plan.nbytes)
-            fast = from_gpu & (self._vram.device[region] == device) & mapped.inside(plan.dst_addr, plan.nbytes)
-            if not fast.any():
-                return plan
-            parts, hints = [gpu.arrays_part(plan.src_addr[fast], plan.dst_addr[fast], plan.nbytes[fast])], [(0, 0)]
-            rest = TransferPlan(plan.src_addr[~fast], plan.dst_addr[~fast], plan.nbytes[~fast])
-        try:
-            gpu.copy(device, parts, mapped, check, hints)
-        except (TransferTimeout, TransferCancelled):
-            raise
-        except Exception as exc:
-            raise TransferError(f"{self.name}: GPU copy to peer {peer!r} failed: {exc}") from exc
-        return rest
-
     def describe(self) -> dict[str, Any]:
-        staged = {"staging": self._staging.stats()} if self._staging is not None else {}
-        return {"backend": self.name, "gpu_fast_path_peers": sorted(self._gpu_peers), **staged, **self.backend.describe()}
+        out: dict[str, Any] = {"backend": self.name, "lanes": {p: self.lanes_of(p) for p in sorted(self._routes)}}
+        for lane in self.lanes:
+            if lane.staging is not None:
+                out["staging"] = lane.staging.stats()
+            out.update(lane.backend.describe())
+        return out
 
 
 def backend_name(backend: Backend) -> str:
@@ -322,6 +428,20 @@ def backend_name(backend: Backend) -> str:
     return cls.__name__
 
 
+def lane_names(backend: str | None, fast_path: bool = True) -> list[str]:
+    """The lanes a manager gets for ``backend`` (``--transfer-backend``): a comma-separated list as
+    named; one name after the available same-host lanes; None the default lanes. ``fast_path=False``
+    (``SessionConfig.gpu_fast_path``) leaves the same-host lanes out of the last two."""
+    registry = get_registry()
+    if backend is None:
+        return registry.default_lanes(fast_path)
+    if "," in backend:
+        return registry.lane_names(backend)
+    registry.backend_spec(backend)  # an unknown name: the registry's error
+    near = registry.same_host_lanes() if fast_path and backend not in SAME_HOST_LANES else []
+    return [*near, backend]
+
+
 def open_transport(
     backend: BackendChoice,
     *,
@@ -331,12 +451,14 @@ def open_transport(
     options: Mapping[str, str],
     fast_path: bool = True,
 ) -> Transport:
-    """Create (or wrap) the backend a manager was given; options are checked before any engine exists.
+    """Create (or wrap) the backends a manager was given; options are checked before any engine exists.
 
-    ``backend`` is a registered name, a :class:`BackendSpec` (its factory is
-    imported; it need not be registered), a :class:`Backend` instance (used
-    as it is: ``options`` must then be empty) or ``None`` (the default: see
-    :meth:`~kvbridge.core.plugins.Registry.default_backend`).
+    ``backend`` is a registered name or names separated by commas (the lanes, in order), a
+    :class:`BackendSpec` (its factory is imported; it need not be registered), a :class:`Backend`
+    instance (used as it is: ``options`` must then be empty) or ``None`` (the default lanes:
+    :meth:`~kvbridge.core.plugins.Registry.default_lanes`). Each option goes to the lane that
+    declares it. ``fast_path=False`` drops lanes that only reach this host (``cross_host=False``)
+    from the default lanes (``SessionConfig.gpu_fast_path``).
     """
     if isinstance(backend, Backend):
         if options:
@@ -344,27 +466,35 @@ def open_transport(
                 f"backend options {sorted(options)} were given with a ready {type(backend).__name__} instance; "
                 "pass them to the backend's own BackendConfig instead"
             )
-        return Transport(backend, backend_name(backend), fast_path=fast_path)
+        return Transport.of(backend, backend_name(backend))
     registry = get_registry()
-    if backend is None:
-        default = registry.default_backend()
-        if default is None:
-            installed = ", ".join(sorted(registry.backends)) or "none"
-            raise PluginError(
-                f"no transfer backend is available (installed: {installed}); install an engine, "
-                "e.g. `pip install kvbridge[nixl]`, or a backend plugin"
-            )
-        backend = default
-    if isinstance(backend, str):
-        spec = registry.backend_spec(backend)
-        factory = registry.load_backend(backend)
-    elif isinstance(backend, BackendSpec):
-        spec = backend
-        factory = import_object(spec.factory, f"backend {spec.name!r}")
+    if isinstance(backend, BackendSpec):
+        specs = [backend]
+    elif isinstance(backend, str) or backend is None:
+        specs = [registry.backend_spec(n) for n in lane_names(backend, fast_path)]
     else:
         raise TypeError(f"backend must be a name, a BackendSpec or a Backend instance, got {type(backend).__name__}")
-    parsed = spec.parse_options(options)
-    instance = factory(BackendConfig(host=host, name=name, transfer_timeout=transfer_timeout, options=parsed))
-    if not isinstance(instance, Backend):
-        raise PluginError(f"backend {spec.name!r}: factory {spec.factory!r} made a {type(instance).__name__}, not a Backend")
-    return Transport(instance, spec.name, spec.capabilities, fast_path=fast_path)
+    given = dict(options)
+    parsed: list[dict[str, Any]] = []
+    for spec in specs:
+        mine = {k: v for k, v in given.items() if spec.option(k) is not None}
+        parsed.append(dict(spec.parse_options(mine)))
+        for k in mine:
+            given.pop(k)
+    if given:
+        specs[-1].parse_options(given)  # raises, naming the unknown key and what is declared
+    lanes: list[Lane] = []
+    try:
+        for spec, opts in zip(specs, parsed):
+            factory = (import_object(spec.factory, f"backend {spec.name!r}") if isinstance(backend, BackendSpec)
+                       else registry.load_backend(spec.name))
+            instance = factory(BackendConfig(host=host, name=name, transfer_timeout=transfer_timeout, options=opts))
+            if not isinstance(instance, Backend):
+                raise PluginError(
+                    f"backend {spec.name!r}: factory {spec.factory!r} made a {type(instance).__name__}, not a Backend")
+            lanes.append(Lane(spec.name, instance, spec.capabilities))
+    except BaseException:
+        for lane in lanes:
+            lane.backend.close()
+        raise
+    return Transport(lanes)

@@ -261,7 +261,7 @@ class BackendConformance(BackendHarness):
         # Where its engine listens (a decode sends it in Hello): core resets those connections when a
         # write overruns its deadline, which ends an engine call still waiting (docs/failures.md).
         tcp = tcpfence.engine_endpoints((), "127.0.0.1", peer.pid)
-        engines.source.add_peer("frozen", bytes.fromhex(hex_meta), regions, tcp=tcp)
+        engines.source.add_peer("frozen", msgspec.msgpack.decode(bytes.fromhex(hex_meta)), regions, tcp=tcp)
         try:
             plan = plan_pages([engines.src[0].ctypes.data], [regions[0].addr], [PAGE], np.arange(PAGES), np.arange(PAGES))
             plan.validate(engines.src_regions, regions)

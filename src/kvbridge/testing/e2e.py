@@ -364,7 +364,7 @@ def run_engine(sc: Scenario) -> int:
     backend = open_transport(sc.backend, host="127.0.0.1", name=f"engine-{os.getpid()}",
                              transfer_timeout=sc.transfer_timeout, options=dict(sc.backend_options))
     backend.register(pools.kvargs.regions)
-    print(f"ENGINE {backend.metadata().hex()} {msgspec.json.encode(pools.kvargs).decode()}", flush=True)
+    print(f"ENGINE {msgspec.msgpack.encode(backend.metadata()).hex()} {msgspec.json.encode(pools.kvargs).decode()}", flush=True)
     try:
         time.sleep(sc.deadline)  # until the test kills it
     finally:

@@ -256,7 +256,7 @@ def _valid_messages(kvargs: Any, backend: str) -> list[bytes]:
     msgs: list[P.Message] = [
         P.Register(rank=P.RankInfo(0, 1, 0, 1, "127.0.0.1:9", backend)), P.RegisterAck(), P.Lookup(),
         P.LookupReply(ranks=(P.RankInfo(0, 1, 0, 1, "127.0.0.1:9", backend),)),
-        P.Hello(peer_id="x", backend=backend, backend_meta=b"127.0.0.1:1", kvargs=kvargs), P.HelloAck(kvargs=kvargs),
+        P.Hello(peer_id="x", lanes={backend: b"127.0.0.1:1"}, kvargs=kvargs), P.HelloAck(kvargs=kvargs),
         P.TransferRequest(room=2**40, indices={"kv_page": idx}, metadata_row=0),
         P.ChunkDone(room=2**40, chunk=0, last=True), P.Done(room=2**40), P.Failed(room=2**40, reason="x"),
         P.Abort(room=2**40, reason="x"), P.Heartbeat(), P.Reject(reason="x", room=2**40),
@@ -276,7 +276,7 @@ def run(messages: int, backend: str = "memory", seed: int = 0, verbose: bool = T
     decode = DecodeManager(dpools.kvargs, backend, config=cfg)
     fake = FakePrefill(decode.backend_name)
     mut = Mutator(rng, _valid_messages(dpools.kvargs, backend))
-    hello = P.Hello(peer_id="", backend=backend, backend_meta=b"127.0.0.1:1", kvargs=dpools.kvargs)
+    hello = P.Hello(peer_id="", lanes={backend: b"127.0.0.1:1"}, kvargs=dpools.kvargs)
     targets = [Target("prefill", prefill.control_address, hello), Target("bootstrap", server.address, None)]
     room = iter(range(1 << 50, 1 << 51))
     receiver = Receiver(decode, next(room), bootstrap=fake.address)

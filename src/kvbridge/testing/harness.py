@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvbridge.core.backend import host_id
 from kvbridge.core import protocol as P
 from kvbridge.core.auth import MAGIC, Auth, auth_for
 from kvbridge.core.bootstrap import BootstrapServer
@@ -260,20 +261,20 @@ class RawClient:
     def send(self, msg: P.Message, seal: bool = True) -> None:
         self.send_raw(P.encode(msg), seal)
 
-    def engine_metadata(self, pools: Pools, backend: str, options: Mapping[str, str] | None = None) -> bytes:
+    def engine_metadata(self, pools: Pools, backend: str, options: Mapping[str, str] | None = None) -> dict[str, bytes]:
         """Real engine metadata for the memory ``pools`` describe (kept alive with the client); nothing is ever written to it."""
         self.pools = pools
         self.engine = open_transport(backend, host="127.0.0.1", name=self.identity,
                                      transfer_timeout=BASE.transfer_timeout, options=dict(options or {}))
         self.engine.register(pools.kvargs.regions)
-        meta: bytes = self.engine.metadata()
+        meta: dict[str, bytes] = self.engine.metadata()
         return meta
 
     def handshake(self, pools: Pools, backend: str, options: Mapping[str, str] | None = None) -> None:
         # Real engine metadata, so the prefill's backend accepts the peer: the
         # hostility is in what this client sends afterwards.
         meta = self.engine_metadata(pools, backend, options)
-        reply = self.ask(P.Hello(peer_id=self.identity, backend=backend, backend_meta=meta, kvargs=pools.kvargs))
+        reply = self.ask(P.Hello(peer_id=self.identity, lanes=meta, host=host_id(), kvargs=pools.kvargs))
         assert isinstance(reply, P.HelloAck), reply
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.core.backend import Backend, BackendConfig, TransferError
-from kvbridge.core.gpu import boot_id
+from kvbridge.core.backend import host_id
 from kvbridge.core.hookspecs import hookimpl
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
@@ -101,14 +101,14 @@ class MemoryBackend(Backend):
 
     def metadata(self) -> bytes:
         pid = os.getpid()
-        return _encode(_Meta(boot_id(), pid, start_time(pid) or 0, self._regions))
+        return _encode(_Meta(host_id(), pid, start_time(pid) or 0, self._regions))
 
     def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
         try:
             meta = _decode(metadata)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise TransferError(f"memory: peer {peer!r} sent metadata ({len(metadata)} B) that is not a memory backend's: {exc}") from None
-        if meta.boot_id != boot_id():
+        if meta.boot_id != host_id():
             raise TransferError(f"memory: peer {peer!r} runs on another host; this backend moves bytes within one host only")
         if start_time(meta.pid) != meta.start_time:
             raise TransferError(f"memory: peer {peer!r} (pid {meta.pid}) is no longer running")

@@ -37,11 +37,12 @@ def region(name: str, buf: np.ndarray, item: int, space: str, layer: int) -> Reg
 
 def _serve(conn: Any, backend: str, layout: Layout, transfer_timeout: float) -> None:
     """Child process: register sentinel-filled buffers, then serve fill/dump/quit requests."""
-    engine = open_transport(backend, host="127.0.0.1", name="decode", transfer_timeout=transfer_timeout, options={})
+    engine = open_transport(backend, host="127.0.0.1", name="decode", transfer_timeout=transfer_timeout, options={},
+                            fast_path=False)
     bufs = [np.full(item * count, SENTINEL, np.uint8) for _, item, count, _ in layout]
     regions = [region(n, b, item, space, i) for i, (b, (n, item, _, space)) in enumerate(zip(bufs, layout))]
     engine.register(regions)
-    conn.send((engine.metadata(), regions))
+    conn.send((engine.metadata()[backend], regions))  # the named backend's own metadata
     while conn.poll(60):  # exit on its own if the parent goes away
         cmd = conn.recv()
         if cmd == "fill":

@@ -1,0 +1,167 @@
+"""Lanes: a transport's ordered backends, each pair of regions moved by the first lane holding both.
+
+Two in-process backends copy with ``ctypes.memmove`` (source and destination
+live in this process), so which lane moved which descriptor is observable:
+``near`` moves GPU memory within one host (as ``cuda_ipc`` does) and takes
+whole plans, checking core's fence itself; ``far`` moves both kinds anywhere.
+The "GPU" regions are host arrays declared ``mem="vram"``: the kinds steer the
+routing, and these backends never dereference anything but host memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from kvbridge.core import BackendCapabilities, Region, TransferPlan, checkpoint
+from kvbridge.core.backend import Backend, BackendConfig, TransferCancelled, TransferError
+from kvbridge.core.transport import FENCE_BATCH_DESCRIPTORS, Lane, Transport
+
+PAGE = 256
+PAGES = 64
+
+
+class _Copy(Backend):
+    """Copies in this process; records every write it got."""
+
+    refuse = ""
+
+    def __init__(self) -> None:
+        super().__init__(BackendConfig())
+        self.writes: list[TransferPlan] = []
+        self.registered: list[Region] = []
+
+    def register(self, regions: Sequence[Region]) -> None:
+        self.registered = list(regions)
+
+    def metadata(self) -> bytes:
+        return b"in-process"
+
+    def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
+        if self.refuse:
+            raise TransferError(self.refuse)
+
+    def remove_peer(self, peer: str) -> None:
+        pass
+
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        self.writes.append(batch)
+        for src, dst, n in zip(batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist()):
+            checkpoint("between descriptors")
+            ctypes.memmove(dst, src, n)
+
+    def close(self) -> None:
+        pass
+
+
+NEAR = BackendCapabilities(memory_kinds=("vram",), cross_host=False, host_staging=False, whole_plans=True)
+FAR = BackendCapabilities(memory_kinds=("dram", "vram"), host_staging=False)
+
+
+def _pools(rng: np.random.Generator | None) -> tuple[list[np.ndarray], list[Region]]:
+    """A host pool and a "GPU" pool of PAGES pages each (random when ``rng``, zeros otherwise)."""
+    arrays = [rng.integers(1, 256, (PAGES, PAGE), dtype=np.uint8) if rng is not None else np.zeros((PAGES, PAGE), np.uint8)
+              for _ in range(2)]
+    regions = [Region(name=name, addr=a.ctypes.data, nbytes=a.nbytes, stride=PAGE, role="k", index_space="kv_page",
+                      layer=i, mem=mem) for i, (name, a, mem) in enumerate(zip(("host", "gpu"), arrays, ("dram", "vram")))]
+    return arrays, regions
+
+
+def _plan(src: list[np.ndarray], dst: list[np.ndarray], s: list[int], d: list[int]) -> TransferPlan:
+    """Pages ``s`` -> ``d`` in both pools, one descriptor per page (written independently of the planner)."""
+    rows = [(a.ctypes.data + PAGE * i, b.ctypes.data + PAGE * j) for a, b in zip(src, dst) for i, j in zip(s, d)]
+    arr = np.array(rows, np.int64)
+    return TransferPlan(arr[:, 0], arr[:, 1], np.full(len(rows), PAGE, np.int64))
+
+
+@pytest.fixture
+def setup() -> dict:
+    rng = np.random.default_rng(3)
+    src, src_regions = _pools(rng)
+    dst, dst_regions = _pools(None)
+    near, far = _Copy(), _Copy()
+    t = Transport([Lane("near", near, NEAR), Lane("far", far, FAR)])
+    t.register(src_regions)
+    return {"t": t, "near": near, "far": far, "src": src, "dst": dst, "dst_regions": dst_regions}
+
+
+def _landed(s: dict, pages_src: list[int], pages_dst: list[int]) -> None:
+    for a, b in zip(s["src"], s["dst"]):
+        np.testing.assert_array_equal(b[pages_dst], a[pages_src])
+        untouched = np.setdiff1d(np.arange(PAGES), pages_dst)
+        assert not b[untouched].any(), "a page outside the plan was written"
+
+
+def test_each_lane_registers_only_the_memory_kinds_it_moves(setup: dict) -> None:
+    assert [r.name for r in setup["near"].registered] == ["gpu"]
+    assert [r.name for r in setup["far"].registered] == ["host", "gpu"]
+
+
+def test_gpu_pages_go_through_the_near_lane_and_host_pages_through_the_far_one_byte_exact(setup: dict) -> None:
+    t = setup["t"]
+    t.add_peer("decode", {"near": b"x", "far": b"y"}, setup["dst_regions"])
+    assert t.lanes_of("decode") == ["near", "far"]
+    s, d = [3, 4, 5, 9, 63], [0, 1, 2, 30, 31]
+    t.write("decode", _plan(setup["src"], setup["dst"], s, d), deadline=float("inf"))
+    _landed(setup, s, d)
+    gpu, host = setup["dst"][1].ctypes.data, setup["dst"][0].ctypes.data
+    (near_batch,) = setup["near"].writes
+    assert ((near_batch.dst_addr >= gpu) & (near_batch.dst_addr < gpu + PAGES * PAGE)).all() and len(near_batch) == 5
+    far_dst = np.concatenate([b.dst_addr for b in setup["far"].writes])
+    assert ((far_dst >= host) & (far_dst < host + PAGES * PAGE)).all() and len(far_dst) == 5
+
+
+@pytest.mark.parametrize("why, meta, host", [("on another host", {"near": b"x", "far": b"y"}, "another-host"),
+                                             ("not running the near lane", {"far": b"y"}, None)])
+def test_a_peer_the_near_lane_cannot_reach_gets_everything_through_the_far_lane(setup: dict, why, meta, host) -> None:
+    t = setup["t"]
+    t.add_peer("decode", meta, setup["dst_regions"], host=host)
+    assert t.lanes_of("decode") == ["far"], why
+    t.write("decode", _plan(setup["src"], setup["dst"], [1, 2], [7, 8]), deadline=float("inf"))
+    _landed(setup, [1, 2], [7, 8])
+    assert not setup["near"].writes
+
+
+def test_a_near_lane_that_refuses_the_peer_leaves_it_to_the_next(setup: dict) -> None:
+    setup["near"].refuse = "cannot map the peer's GPU memory"
+    t = setup["t"]
+    t.add_peer("decode", {"near": b"x", "far": b"y"}, setup["dst_regions"])
+    assert t.lanes_of("decode") == ["far"]
+    t.write("decode", _plan(setup["src"], setup["dst"], [0], [0]), deadline=float("inf"))
+    _landed(setup, [0], [0])
+
+
+def test_a_peer_whose_memory_no_lane_moves_is_refused_naming_the_pair_and_each_lanes_reason() -> None:
+    near = _Copy()
+    t = Transport([Lane("near", near, NEAR), Lane("far", _Copy(), BackendCapabilities(memory_kinds=("dram",)))])
+    _, src_regions = _pools(np.random.default_rng(1))
+    t.register(src_regions)
+    _, dst_regions = _pools(None)
+    with pytest.raises(TransferError, match=r"local region '\w+' \((dram|vram)\) -> its '\w+' \((dram|vram)\), 3 region pair.*near: the peer is on another host"):
+        t.add_peer("decode", {"near": b"x", "far": b"y"}, dst_regions, host="another-host")
+
+
+def test_a_whole_plans_lane_gets_the_plan_in_one_write_and_core_fences_it_between_posts(setup: dict) -> None:
+    t = setup["t"]
+    t.add_peer("decode", {"near": b"x", "far": b"y"}, setup["dst_regions"])
+    gpu_src, gpu_dst = setup["src"][1], setup["dst"][1]
+    n = PAGES * PAGE // 8  # 8-byte pieces, more than core's fence batch holds
+    assert n > FENCE_BATCH_DESCRIPTORS
+    pieces = np.arange(n, dtype=np.int64) * 8
+    plan = TransferPlan(gpu_src.ctypes.data + pieces, gpu_dst.ctypes.data + pieces[::-1], np.full(n, 8, np.int64))
+    t.write("decode", plan, deadline=float("inf"))
+    assert [len(w) for w in setup["near"].writes] == [n]
+    np.testing.assert_array_equal(gpu_dst.view(np.uint64).ravel(), gpu_src.view(np.uint64).ravel()[::-1])
+    stopped = iter([True, True, False])  # live for core's check and the first descriptor, then not
+    with pytest.raises(TransferCancelled, match="between descriptors"):
+        t.write("decode", plan, deadline=float("inf"), live=lambda: next(stopped, False))
+    assert len(setup["near"].writes) == 2  # posted once, stopped inside by checkpoint()
+
+
+def test_a_transport_names_its_lanes_in_order_and_refuses_a_name_twice() -> None:
+    assert Transport([Lane("near", _Copy(), NEAR), Lane("far", _Copy(), FAR)]).name == "near,far"
+    with pytest.raises(ValueError, match="more than once"):
+        Transport([Lane("far", _Copy(), FAR), Lane("far", _Copy(), FAR)])
