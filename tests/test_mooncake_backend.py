@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("mooncake.engine")
 
+from kvbridge.plugins.tcpfence import seal, unseal
 from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
 from kvbridge.core.layout import Region  # noqa: E402
 from kvbridge.core.plugins import get_registry  # noqa: E402
@@ -135,7 +136,7 @@ def test_write_to_an_unknown_peer_raises_naming_it(source):
 
 
 def test_removed_peer_is_unknown(source):
-    source.backend.add_peer("gone", b"127.0.0.1:1", [])
+    source.backend.add_peer("gone", seal(b"127.0.0.1:1"), [])
     source.backend.remove_peer("gone")
     source.backend.remove_peer("never-added")  # ignored
     with pytest.raises(TransferError, match="unknown peer 'gone'"):
@@ -144,7 +145,7 @@ def test_removed_peer_is_unknown(source):
 
 def test_malformed_peer_metadata_is_rejected(source):
     with pytest.raises(TransferError, match="expected '<host>:<rpc_port>'"):
-        source.backend.add_peer("bad", b"not-a-session", [])
+        source.backend.add_peer("bad", seal(b"not-a-session"), [])
 
 
 def test_write_to_a_killed_destination_fails_within_seconds(source):
@@ -166,7 +167,7 @@ def test_write_to_a_killed_destination_fails_within_seconds(source):
 
 def test_close_is_idempotent_and_later_writes_fail():
     backend = MooncakeBackend(config("short-lived"))
-    assert backend.metadata().startswith(b"127.0.0.1:")
+    assert unseal(backend.metadata())[0].startswith(b"127.0.0.1:")
     backend.close()
     backend.close()
     with pytest.raises(TransferError, match="closed"):

@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("nixl_cu12")
 
+from kvbridge.plugins.tcpfence import seal
 from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
 from kvbridge.core.layout import Region  # noqa: E402
 from kvbridge.core.plugins import get_registry  # noqa: E402
@@ -238,7 +239,7 @@ def test_a_second_handshake_from_one_agent_replaces_the_peer_and_removing_an_ali
 
 def test_metadata_that_is_not_nixl_agent_metadata_is_rejected(source):
     with pytest.raises(TransferError, match="peer 'bad' sent 11 bytes of metadata that NIXL could not load"):
-        source.backends["descs"].add_peer("bad", b"127.0.0.1:1", [])
+        source.backends["descs"].add_peer("bad", seal(b"127.0.0.1:1"), [])
 
 
 def test_regions_the_peer_agent_did_not_register_are_rejected(source, dest_proc):

@@ -1,4 +1,4 @@
-"""core/tcpfence.py on real sockets: abort exactly one peer's connections, dropping what they queued.
+"""kvbridge.plugins.tcpfence on real sockets: abort exactly one peer's connections, dropping what they queued.
 
 On loopback: a receiver that does not read, a sender whose send queue is
 full. Its host still answers (a stopped process, not a cut link), so the
@@ -21,8 +21,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from kvbridge.core import tcpfence
-from kvbridge.core import transport as transport_mod
+from kvbridge.plugins import tcpfence
 from kvbridge.core.backend import Backend, BackendConfig, TransferCancelled, TransferError
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
@@ -169,13 +168,19 @@ def test_a_host_that_does_not_answer_has_every_connection_reset_idle_ones_too() 
 
 # -- the reset after a failed write (Transport) and its per-address rule ----------------------------
 class _FailsFirst(Backend):
-    """Fails its first write (as Mooncake fails a call on a pooled connection that was reset)."""
+    """Fails its first write (as Mooncake fails a call on a pooled connection that was reset); its
+    ``abort_peer`` records each call and says it reset one connection."""
 
     capabilities = BackendCapabilities()
 
     def __init__(self) -> None:
         super().__init__(BackendConfig(host="127.0.0.1", name="fake", transfer_timeout=5.0))
         self.writes = 0
+        self.aborts: list[bool] = []
+
+    def abort_peer(self, peer: str, stuck: bool = False) -> int:
+        self.aborts.append(stuck)
+        return 1
 
     def register(self, regions: Sequence[Region]) -> None:
         pass
@@ -198,19 +203,13 @@ class _FailsFirst(Backend):
         pass
 
 
-def test_a_retry_stopped_by_a_failed_room_still_resets_the_peers_connections(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[bool] = []
-
-    def abort(remote: object, only_unreachable: bool = True) -> int:
-        calls.append(only_unreachable)
-        return 1
-
-    monkeypatch.setattr(transport_mod.tcpfence, "abort", abort)
+def test_a_retry_stopped_by_a_failed_room_still_resets_the_peers_connections() -> None:
     backend = _FailsFirst()
     t = Transport.of(backend, "fake")
-    t.add_peer("p", b"", [], tcp=[("127.0.0.1", 9)])
+    t.add_peer("p", b"", [])
     t.reset("p", "a stuck write", stuck=True)  # one connection reset: the next write may retry once
-    calls.clear()
+    assert backend.aborts == [True]
+    backend.aborts.clear()
     plan = TransferPlan(np.array([4096], np.uint64), np.array([8192], np.uint64), np.array([64], np.uint64))
 
     def live() -> bool:  # the room fails while the first attempt is in the backend
@@ -219,7 +218,7 @@ def test_a_retry_stopped_by_a_failed_room_still_resets_the_peers_connections(mon
     with pytest.raises(TransferCancelled):
         t.write("p", plan, time.monotonic() + 5.0, live)
     assert backend.writes == 1  # no retry once the room is not live (the fence)
-    assert calls == [True], "the failed attempt was posted: its connections must be reset as after any failed write"
+    assert backend.aborts == [False], "the failed attempt was posted: its connections must be reset as after any failed write"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="tcpfence reads /proc")

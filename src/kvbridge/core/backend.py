@@ -171,6 +171,14 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Deregister memory and release the engine. Idempotent."""
 
+    def abort_peer(self, peer: str, stuck: bool = False) -> int:
+        """Drop what the engine still holds for ``peer`` after a write to it failed or timed out, so
+        none of it lands later (TCP engines: reset the connections to a peer whose host no longer
+        answers; all of them when ``stuck``, a write still inside the engine past its deadline,
+        which also ends that wait). Returns how many connections were reset; core then retries a
+        write that fails on one of them (``Transport._post``). Default: nothing to drop, 0."""
+        return 0
+
     def describe(self) -> dict[str, Any]:
         """Free-form facts for logs and ``explain`` output."""
         return {}

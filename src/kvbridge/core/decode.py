@@ -231,8 +231,7 @@ class DecodeManager(TransferManager[Receiver]):
             return
         self.loop.remove_socket(server.lookup.sock)
         server.lookup = None
-        hello = P.encode(P.Hello(peer_id=self.peer_id, lanes=self._meta, kvargs=self.kvargs, host=self.transport.host,
-                                 engine_endpoints=self.engine_endpoints[:P.MAX_ENDPOINTS]))
+        hello = P.encode(P.Hello(peer_id=self.peer_id, lanes=self._meta, kvargs=self.kvargs, host=self.transport.host))
         for key, info in sorted(wanted.items()):
             rank = server.ranks[key] = PrefillRank(info)
             rank.chan = self._channel(info.control_addr, identity=self.peer_id.encode())

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 from . import protocol as P
-from . import tcpfence
 from .auth import auth_for, check_host
 from .channel import IOLoop, SocketGetter
 from .checksum import vram_problem
@@ -136,7 +135,6 @@ class TransferManager(Generic[R]):
             if problem is not None:
                 raise ValueError(f"checksum=True: {problem}")
         check_host(self.config.host, self.auth, f"kvbridge {self.role} manager")
-        listening = tcpfence.listening()
         self.transport = open_transport(
             backend,
             host=self.config.host,
@@ -151,9 +149,6 @@ class TransferManager(Generic[R]):
         except BaseException:
             self.transport.close()
             raise
-        #: Where the engine listens (what it opened while it started): a peer that gives up on a
-        #: write to this rank resets its connections to these (core/tcpfence.py).
-        self.engine_endpoints = tcpfence.engine_endpoints(listening, self.config.host)
         #: Guards every room and peer table; rooms and workers take it too.
         self.lock = threading.RLock()
         #: Notified whenever one of this manager's rooms changes state (``Room.wait``, ``wait_any``).

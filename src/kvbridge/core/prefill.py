@@ -378,7 +378,7 @@ class PrefillManager(TransferManager[Sender]):
                         # A decode handshakes again only after it gave up on this rank: what
                         # it asked for before is dead on its side.
                         self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
-                self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host, msg.engine_endpoints)
+                self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host)
             except IncompatibleLayoutError as exc:
                 problem = str(exc)
             except Exception as exc:

@@ -49,8 +49,6 @@ __all__ = [
 
 PROTOCOL_VERSION = 2  # 2: Hello carries per-lane backend metadata
 MAX_LANES = 16  # backends a Hello may list
-MAX_ENDPOINTS = 64  # engine listeners a Hello may list
-Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 class ProtocolError(ValueError):
@@ -105,9 +103,6 @@ class Hello(_Msg, tag="hello", frozen=True):
     #: Decode's host (``kvbridge.core.backend.host_id``): lanes that reach one host only are used
     #: only between ranks that send the same.
     host: str = ""
-    #: The (ip, port) endpoints decode's engine listens on: prefill resets its own TCP connections
-    #: to them when it gives up on a write, so nothing they queued lands later (core/tcpfence.py).
-    engine_endpoints: Annotated[tuple[tuple[str, Port], ...], msgspec.Meta(max_length=MAX_ENDPOINTS)] = ()
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):

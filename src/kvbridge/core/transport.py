@@ -36,7 +36,7 @@ from typing import Any, Union
 import numpy as np
 import numpy.typing as npt
 
-from . import staging, tcpfence
+from . import staging
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, host_id
 from .layout import Region
 from .plan import RegionTable, TransferPlan
@@ -130,7 +130,6 @@ class Transport:
         self._routes: dict[str, _Route] = {}
         #: One lane: every peer's route, known to it or not (the backend refuses a peer it does not know).
         self._single = _Route(0, RegionTable(()), np.zeros((0, 0), np.int64)) if len(self.lanes) == 1 else None
-        self._tcp: dict[str, tuple[tcpfence.Endpoint, ...]] = {}  # peer -> where its engine listens
         self._running: dict[str, float] = {}  # peer -> when its write in the backend is overdue (reset_overdue)
         self._was_reset: dict[str, int] = {}  # peer -> connections reset() reset since its last write
         self._failed_at: dict[str, float] = {}  # peer -> when a write to it last raised (fence_delay)
@@ -186,26 +185,22 @@ class Transport:
 
     def add_peer(
         self, peer: str, metadata: Mapping[str, bytes] | bytes, regions: Sequence[Region], host: str | None = None,
-        tcp: Sequence[tcpfence.Endpoint] = (),
     ) -> None:
         """Prepare writes to ``peer``: every lane it runs too and can reach (``host``: its
         :func:`~kvbridge.core.backend.host_id`; None: this host) adds it; each pair of regions goes to
         the first lane holding both. Raises :class:`TransferError` if some pair has none, naming what
         each lane said. ``metadata``: the peer's :meth:`metadata` (plain bytes: the one lane's, for a
-        transport of one). ``tcp``: where its engine listens (this rank resets its connections to
-        them when a write fails: :meth:`reset`)."""
+        transport of one)."""
         if isinstance(metadata, (bytes, bytearray)):
             if len(self.lanes) != 1:
                 raise TypeError(f"peer {peer!r}: metadata for the lanes {self.name!r} must be a dict by backend name")
             metadata = {self.lanes[0].name: bytes(metadata)}
         host = self.host if host is None else host
         self.check_memory(regions, f"peer {peer!r}")
-        endpoints = tcpfence.checked(tcp, f"peer {peer!r}")
         self.remove_peer(peer)
         if len(self.lanes) == 1:  # nothing to share out: the backend takes the peer or refuses it
             self.lanes[0].backend.add_peer(peer, metadata.get(self.lanes[0].name, b""), regions)
             self._routes[peer] = self._single  # type: ignore[assignment]
-            self._tcp[peer] = endpoints
             return
         local = sorted(self._regions, key=lambda r: r.addr)
         theirs = sorted(regions, key=lambda r: r.addr)
@@ -243,7 +238,6 @@ class Transport:
             )
         used = np.unique(table)
         self._routes[peer] = _Route(int(used[0]) if len(used) == 1 else None, RegionTable(regions), table)
-        self._tcp[peer] = endpoints
         if len(self.lanes) > 1:
             log.info("%s: peer %r goes through %s", self.name, peer, ", ".join(self.lanes[i].name for i in used.tolist()))
 
@@ -254,7 +248,6 @@ class Transport:
 
     def remove_peer(self, peer: str) -> None:
         route = self._routes.pop(peer, None)
-        self._tcp.pop(peer, None)
         # _was_reset and _failed_at stay: the engine still pools the connections reset to that endpoint
         # and may still drain a failed write into it. A peer dropped then handshaking again (the same
         # id: decode after a prefill resumed from a freeze) failed one write per reset connection when
@@ -264,18 +257,18 @@ class Transport:
             lane.backend.remove_peer(peer)
 
     def reset(self, peer: str, why: str, stuck: bool = False) -> None:
-        """Reset this process's TCP connections to ``peer``'s engine if its host no longer answers,
-        dropping what they still queue: a write to it failed or timed out, and nothing of it may land
-        later (core/tcpfence.py). ``stuck``: a write is still inside the engine past its deadline;
-        they are reset whether it answers or not, which ends the engine's wait. The engine
-        reconnects for the next write (:meth:`_post` retries it where the engine fails one first)."""
-        endpoints = self._tcp.get(peer)
-        if not endpoints:
-            return
-        n = tcpfence.abort(endpoints, only_unreachable=not stuck)
+        """Have every lane drop what its engine still holds for ``peer`` (``Backend.abort_peer``: TCP
+        engines reset their connections to it if its host no longer answers), so that nothing of a
+        write that failed or timed out lands later. ``stuck``: a write is still inside the engine past
+        its deadline; connections are reset whether it answers or not, which ends the engine's wait.
+        The engine reconnects for the next write (:meth:`_post` retries it where the engine fails one
+        first)."""
+        route = self._routes.get(peer, self._single)
+        lanes = self.lanes if route is None else [self.lanes[i] for i in route.used]
+        n = sum(lane.backend.abort_peer(peer, stuck) for lane in lanes)
         if n:
             self._was_reset[peer] = self._was_reset.get(peer, 0) + n
-            log.warning("%s: reset %d TCP connection(s) to peer %r (%s) so nothing queued in them lands later",
+            log.warning("%s: reset %d connection(s) to peer %r (%s) so nothing queued in them lands later",
                         self.name, n, peer, why)
 
     def fence_delay(self, peer: str) -> float:

@@ -46,7 +46,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.core import tcpfence
 from kvbridge.core.backend import Backend, TransferError, TransferTimeout
 from kvbridge.core.layout import KVArgs, Region
 from kvbridge.core.plan import TransferPlan, plan_pages
@@ -86,10 +85,9 @@ class Engines:
     dst: list[np.ndarray]  # the same shapes, zeroed before each test
     src_regions: list[Region]
     dst_regions: list[Region]
-    dst_tcp: tuple[tcpfence.Endpoint, ...]  # where dest's engine listens, as a decode's Hello says
 
     def add_dest(self) -> None:
-        self.source.add_peer("dest", self.dest.metadata(), self.dst_regions, tcp=self.dst_tcp)
+        self.source.add_peer("dest", self.dest.metadata(), self.dst_regions)
 
     def plan(self, src_pages: list[int], dst_pages: list[int]) -> TransferPlan:
         plan = plan_pages([self.src[0].ctypes.data], [self.dst[0].ctypes.data], [PAGE], src_pages, dst_pages)
@@ -148,15 +146,13 @@ class BackendConformance(BackendHarness):
         src = [rng.integers(1, 256, (PAGES, PAGE), dtype=np.uint8), rng.integers(1, 256, BYTES, dtype=np.uint8)]
         dst = [np.zeros((PAGES, PAGE), np.uint8), np.zeros(BYTES, np.uint8)]
         source = _engine(cls, "source")
-        before = tcpfence.listening()
         try:
             dest = _engine(cls, "dest")
         except BaseException:
             source.close()
             raise
         try:
-            engines = Engines(source, dest, src, dst, _regions(src), _regions(dst),
-                              tcpfence.engine_endpoints(before, "127.0.0.1"))
+            engines = Engines(source, dest, src, dst, _regions(src), _regions(dst))
             source.register(engines.src_regions)
             dest.register(engines.dst_regions)
             engines.add_dest()
@@ -236,9 +232,10 @@ class BackendConformance(BackendHarness):
         assert not engines.dst[0].any()
 
     def test_the_write_after_core_reset_the_peers_connections_arrives(self, engines: Engines) -> None:
-        # Core resets the TCP connections to a peer whose write overran its deadline, idle ones
-        # too (core/tcpfence.py). The next write must land: the engine reconnects, or fails a call
-        # per reset connection it picks, which core retries (Mooncake does).
+        # Core has the backend reset its connections to a peer whose write overran its deadline, idle
+        # ones too (Backend.abort_peer; kvbridge.plugins.tcpfence for TCP engines). The next write must
+        # land: the engine reconnects, or fails a call per reset connection it picks, which core
+        # retries (Mooncake does).
         plan = engines.plan([1, 2, 30], [3, 4, 60])
         _write(engines.source, "dest", plan, time.monotonic() + self.scaled(5.0), self.slack)  # connected
         engines.source.reset("dest", "the conformance suite", stuck=True)
@@ -258,10 +255,9 @@ class BackendConformance(BackendHarness):
         peer = children("engine", sc)
         hex_meta, kvargs_json = peer.first_line("ENGINE")
         regions = list(msgspec.json.decode(kvargs_json, type=KVArgs).regions)
-        # Where its engine listens (a decode sends it in Hello): core resets those connections when a
-        # write overruns its deadline, which ends an engine call still waiting (docs/failures.md).
-        tcp = tcpfence.engine_endpoints((), "127.0.0.1", peer.pid)
-        engines.source.add_peer("frozen", msgspec.msgpack.decode(bytes.fromhex(hex_meta)), regions, tcp=tcp)
+        # Its metadata says where its engine listens, for engines that reset connections to a peer
+        # whose write overran its deadline (Backend.abort_peer), ending an engine call still waiting.
+        engines.source.add_peer("frozen", msgspec.msgpack.decode(bytes.fromhex(hex_meta)), regions)
         try:
             plan = plan_pages([engines.src[0].ctypes.data], [regions[0].addr], [PAGE], np.arange(PAGES), np.arange(PAGES))
             plan.validate(engines.src_regions, regions)

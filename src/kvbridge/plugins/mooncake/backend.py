@@ -44,11 +44,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
-from kvbridge.core.enginelog import engine_level, routed_stderr
+from .enginelog import engine_level, routed_stderr
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
 from kvbridge.core.records import BackendCapabilities
 
+from ..tcpfence import TcpFence
 from . import CAPABILITIES
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class MooncakeBackend(Backend):
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
+        self._tcp = TcpFence(config.host, "mooncake")  # before the engine listens
         self.protocol: str = config.options["protocol"]
         self.device_name: str = config.options["device_name"]
         _engine_env(config.transfer_timeout)
@@ -140,12 +142,12 @@ class MooncakeBackend(Backend):
             self._registered.append(r)
 
     def metadata(self) -> bytes:
-        """The session string peers target: ``b"<host>:<rpc_port>"``."""
-        return self._session.encode()
+        """The session string peers target, ``b"<host>:<rpc_port>"``, with where the engine listens."""
+        return self._tcp.seal(self._session.encode())
 
     def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
         """Record ``peer``'s session string; the engine connects on the first write."""
-        session = bytes(metadata).decode("ascii", errors="replace")
+        session = self._tcp.open(peer, metadata).decode("ascii", errors="replace")
         host, _, port = session.rpartition(":")
         if not host or not port.isdigit():
             raise TransferError(
@@ -157,6 +159,10 @@ class MooncakeBackend(Backend):
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``. The engine keeps its connection; there is no API to drop it."""
         self._peers.pop(peer, None)
+        self._tcp.forget(peer)
+
+    def abort_peer(self, peer: str, stuck: bool = False) -> int:
+        return self._tcp.abort_peer(peer, stuck)
 
     def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
         """Write ``batch`` into ``peer`` with one ``batch_transfer_sync_write`` call."""

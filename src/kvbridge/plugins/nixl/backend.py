@@ -149,6 +149,7 @@ from kvbridge.core.layout import Region
 from kvbridge.core.plan import RegionTable, TransferPlan
 from kvbridge.core.records import BackendCapabilities
 
+from ..tcpfence import TcpFence
 from . import CAPABILITIES
 
 if TYPE_CHECKING:
@@ -332,6 +333,7 @@ class NixlBackend(Backend):
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
+        self._tcp = TcpFence(config.host, "nixl")  # before the agent listens
         options = config.options
         self.progress_delay_us: int = options["progress_delay_us"]
         self.error_mode: str = options["ucx_error_handling_mode"]
@@ -399,11 +401,12 @@ class NixlBackend(Backend):
         self._registered = list(regions)
 
     def metadata(self) -> bytes:
-        """This agent's NIXL metadata (connection info and registered memory keys)."""
-        return bytes(self._live_agent().get_agent_metadata())
+        """This agent's NIXL metadata (connection info and registered memory keys), with where UCX listens."""
+        return self._tcp.seal(bytes(self._live_agent().get_agent_metadata()))
 
     def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
         """Load ``peer``'s agent metadata and prepare the page table of its regions."""
+        metadata = self._tcp.open(peer, metadata)
         with self._agents:
             self._add_peer(peer, metadata, regions)
 
@@ -439,10 +442,14 @@ class NixlBackend(Backend):
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer`` and disconnect from its agent. Unknown peers are ignored."""
+        self._tcp.forget(peer)
         with self._lock:
             old = self._peers.pop(peer, None)
         if old is not None:
             self._retire(old, forget_agent=True)
+
+    def abort_peer(self, peer: str, stuck: bool = False) -> int:
+        return self._tcp.abort_peer(peer, stuck)
 
     def _retire(self, peer: _Peer, forget_agent: bool) -> None:
         """Release what ``peer`` holds now, or after the writes to it in progress."""

@@ -99,6 +99,7 @@ from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
 from kvbridge.core.records import BackendCapabilities
 
+from ..tcpfence import TcpFence
 from . import CAPABILITIES
 
 __all__ = ["UcxBackend"]
@@ -139,6 +140,7 @@ class UcxBackend(Backend):
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
+        self._tcp = TcpFence(config.host, "ucx")  # before the worker listens
         self.error_handling = config.options["error_handling"] == "on"
         ucx_config = {key[4:]: value for key, value in config.options.items() if key.startswith("UCX_")}
         if "CMA_MEMORY_INVALIDATE" not in ucx_config and "UCX_CMA_MEMORY_INVALIDATE" not in os.environ:
@@ -194,7 +196,7 @@ class UcxBackend(Backend):
 
     def metadata(self) -> bytes:
         """Worker address plus every registered region's address, size and packed remote key."""
-        return _encode(_Meta(self._address, [(r.addr, r.nbytes, rkey) for r, _, rkey in self._memh]))
+        return self._tcp.seal(_encode(_Meta(self._address, [(r.addr, r.nbytes, rkey) for r, _, rkey in self._memh])))
 
     # -- peers ----------------------------------------------------------------------------
     def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
@@ -205,6 +207,7 @@ class UcxBackend(Backend):
         unaffected).
         """
         self._check_open()
+        metadata = self._tcp.open(peer, metadata)
         try:
             meta = _decode(metadata)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -251,10 +254,14 @@ class UcxBackend(Backend):
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer`` and close its endpoint (after the write in progress, if any)."""
+        self._tcp.forget(peer)
         with self._lock:
             p = self._peers.pop(peer, None)
         if p is not None:
             self._retire(p)
+
+    def abort_peer(self, peer: str, stuck: bool = False) -> int:
+        return self._tcp.abort_peer(peer, stuck)
 
     def _retire(self, p: _Peer) -> None:
         # Core calls remove_peer from its I/O thread while the peer's worker may be

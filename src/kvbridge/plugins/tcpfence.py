@@ -1,5 +1,11 @@
 """Abort this process's TCP connections to a peer's engine, so nothing queued in them lands later.
 
+For backends whose engine talks TCP (Mooncake's TCP transport, UCX's tcp
+transport under NIXL and UCXX): :class:`TcpFence` is what such a backend
+keeps, and how it implements ``Backend.abort_peer``, which core calls when a
+write to a peer failed or ran past its deadline (core's fence policy is the
+same for every backend; this is the engine-specific half).
+
 When prefill gives up on a write to a decode peer (it failed, timed out, or
 ran past its deadline), bytes the engine already handed to the kernel sit in
 the connection's send queue; over a cut link they are retransmitted once it
@@ -13,7 +19,7 @@ whichever engine opened it.
 The peer's engine connections are told apart by their remote end: each side
 lists the TCP ports its engine listens on (:func:`listening`, taken before
 and after the engine starts: kvbridge's own control sockets and the host's
-are not among them) and decode sends them in its handshake. :func:`abort`
+are not among them) and sends them with its backend metadata (:meth:`TcpFence.seal`). :func:`abort`
 then resets exactly this process's connections to those ``(ip, port)``
 endpoints, not another decode rank's on the same host, nor a zmq socket.
 
@@ -46,7 +52,11 @@ import socket
 import struct
 from collections.abc import Collection, Iterator
 
-__all__ = ["Endpoint", "abort", "answers", "checked", "engine_endpoints", "listening"]
+import msgspec
+
+from kvbridge.core import TransferError
+
+__all__ = ["Endpoint", "TcpFence", "abort", "answers", "checked", "engine_endpoints", "listening", "seal", "unseal"]
 
 log = logging.getLogger(__name__)
 
@@ -210,3 +220,65 @@ def abort(remote: Collection[Endpoint], only_unreachable: bool = True) -> int:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.connect.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+
+
+class _Sealed(msgspec.Struct, array_like=True, tag="kvbridge-tcp/1"):
+    engine: bytes
+    endpoints: list[tuple[str, int]]
+
+
+def seal(engine: bytes, endpoints: Collection[Endpoint] = ()) -> bytes:
+    """An engine's metadata with the endpoints it listens on, as :meth:`TcpFence.seal` sends them."""
+    return msgspec.msgpack.encode(_Sealed(bytes(engine), [tuple(e) for e in endpoints]))
+
+
+def unseal(metadata: bytes) -> tuple[bytes, list[tuple[str, int]]]:
+    """The engine metadata and endpoints inside what :func:`seal` made (``msgspec.DecodeError`` otherwise)."""
+    sealed = msgspec.msgpack.decode(metadata, type=_Sealed)
+    return sealed.engine, sealed.endpoints
+
+
+class TcpFence:
+    """A TCP engine's half of core's fence, kept by its backend.
+
+    Create it before the engine starts listening (first thing in the backend's
+    ``__init__``); :meth:`seal` the engine's metadata in ``metadata()`` (it adds
+    where the engine listens) and :meth:`open` a peer's in ``add_peer``;
+    :meth:`forget` in ``remove_peer``; ``abort_peer`` is :meth:`abort_peer`.
+    """
+
+    def __init__(self, host: str, name: str) -> None:
+        self._host = host
+        self._name = name
+        self._before = listening()
+        self._mine: tuple[Endpoint, ...] | None = None
+        self._peers: dict[str, tuple[Endpoint, ...]] = {}
+
+    def seal(self, engine: bytes) -> bytes:
+        """``engine``'s metadata with the endpoints the engine opened since this fence was made."""
+        if self._mine is None:  # after register(): an engine may open its listeners only then
+            self._mine = engine_endpoints(self._before, self._host)
+        return seal(engine, self._mine)
+
+    def open(self, peer: str, metadata: bytes) -> bytes:
+        """The engine metadata inside what a peer's :meth:`seal` made; remembers its endpoints.
+        :class:`TransferError` naming the peer for anything else."""
+        try:
+            engine, listed = unseal(metadata)
+            endpoints = checked(listed, f"peer {peer!r}")
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise TransferError(
+                f"{self._name}: peer {peer!r} sent metadata that is not a {self._name} backend's ({exc}); "
+                "run the same backend and kvbridge version on both sides"
+            ) from None
+        self._peers[peer] = endpoints
+        return engine
+
+    def forget(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
+    def abort_peer(self, peer: str, stuck: bool = False) -> int:
+        """Reset this process's connections to ``peer``'s engine if its host no longer answers (all of
+        them when ``stuck``: a write is still inside the engine past its deadline); how many."""
+        endpoints = self._peers.get(peer)
+        return abort(endpoints, only_unreachable=not stuck) if endpoints else 0
