@@ -46,11 +46,21 @@ def run_server(*args, env=None):
 
 
 # -- argparse -----------------------------------------------------------------------------------
-def test_backend_choices_are_the_available_backends():
+def test_backend_flag_lists_the_available_backends_and_takes_a_list_of_lanes():
     action = next(a for a in parser()._actions if a.dest == "transfer_backend")
     # Every available built-in is offered, and nothing that is not installed (third-party
     # backends such as the zmq example may be installed too).
-    assert set(AVAILABLE) <= set(action.choices) <= set(get_registry().backends)
+    offered = set(action.metavar.strip("{}").split(","))
+    assert set(AVAILABLE) <= offered <= set(get_registry().backends)
+    assert parser().parse_args(["--transfer-backend", "memory,nixl"]).transfer_backend == "memory,nixl"
+
+
+@pytest.mark.parametrize("value, why", [("memory,nope", "unknown transfer backend 'nope'"),
+                                        ("memory,,nixl", "empty name"), ("nixl,nixl", "more than once")])
+def test_a_bad_list_of_lanes_is_a_usage_error_naming_the_problem(value, why, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args(["--transfer-backend", value])
+    assert exc.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_default_backend_is_the_first_available_in_the_preference_order():

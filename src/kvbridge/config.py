@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvbridge import ui
-from kvbridge.core.plugins import BACKEND_PREFERENCE, BackendUnavailableError, PluginError, Registry, get_registry
-from kvbridge.core.records import OptionError
+from kvbridge.core.plugins import BACKEND_PREFERENCE, SAME_HOST_LANES, BackendUnavailableError, PluginError, Registry, get_registry
+from kvbridge.core.records import OptionError, assign_options
 from kvbridge.core.session import SessionConfig
 
 __all__ = [
@@ -85,14 +85,6 @@ def default_backend(registry: Registry | None = None) -> str | None:
     return (registry or get_registry()).default_backend()
 
 
-def _no_backend_message(registry: Registry) -> str:
-    installed = ", ".join(sorted(registry.backends)) or "none"
-    return (
-        f"no transfer backend is available (installed: {installed}); install an engine, "
-        "e.g. `pip install kvbridge[nixl]`, or a backend plugin"
-    )
-
-
 def _check_address(value: str) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -140,17 +132,15 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         registry = get_registry()
-        backend = self.backend or default_backend(registry)
-        if not backend:
-            raise ConfigError(_no_backend_message(registry), "backend")
         try:
-            spec = registry.backend_spec(backend)
-            if not registry.backend_available(backend):
-                registry.load_backend(backend)  # raises, naming the pip extra
+            backend = self.backend or registry.default_lanes(same_host=False)[-1]
+            specs = registry.lanes(backend)
         except (PluginError, BackendUnavailableError) as exc:
             raise ConfigError(str(exc), "backend") from None
         try:
-            options = spec.check_options(self.backend_options)
+            options: dict[str, str] = {}
+            for spec, mine in zip(specs, assign_options(specs, self.backend_options)):
+                options.update(spec.check_options(mine))
         except OptionError as exc:
             raise ConfigError(str(exc), "backend_options") from None
         object.__setattr__(self, "backend", backend)
@@ -300,12 +290,9 @@ def _options_from(value: Any) -> dict[str, str]:
 
 # -- argparse --------------------------------------------------------------------------
 def _backend_type(name: str) -> str:
-    """Check a ``--transfer-backend`` value against the installed plugins."""
-    registry = get_registry()
+    """Check a ``--transfer-backend`` value (a name, or names separated by commas) against the installed plugins."""
     try:
-        registry.backend_spec(name)
-        if not registry.backend_available(name):
-            registry.load_backend(name)  # raises, naming the pip extra
+        get_registry().lanes(name)
     except PluginError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return name
@@ -347,9 +334,12 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     group = parser.add_argument_group("kvbridge transfer")
     order = " > ".join(BACKEND_PREFERENCE) + " > others that reach other hosts"
     group.add_argument(
-        "--transfer-backend", dest="transfer_backend", type=_backend_type, choices=names or None, default=best,
+        "--transfer-backend", dest="transfer_backend", type=_backend_type, default=best,
         metavar="{" + ",".join(names) + "}" if names else "NAME",
-        help=f"transfer backend (default: {best or 'none available'}, the first available of {order})",
+        help=f"transfer backend, or backends in order separated by commas (lanes: each pair of memory regions goes "
+             f"to the first that moves it, e.g. cuda_ipc,nixl); one name gets the installed same-host lanes "
+             f"({', '.join(SAME_HOST_LANES)}) before it (default: {best or 'none available'}, the first available "
+             f"of {order})",
     )
     declared = "; ".join(
         f"{name}: {', '.join(o.name for o in registry.backend_spec(name).options) or '-'}" for name in names

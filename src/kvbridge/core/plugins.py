@@ -187,6 +187,15 @@ class Registry:
             )
         return [*(self.same_host_lanes() if same_host else []), engine]
 
+    def lanes(self, text: str) -> list[BackendSpec]:
+        """The registrations of ``text``'s backends (one name, or names separated by commas), each
+        checked to be installed and usable: :class:`BackendUnavailableError` names the pip extra."""
+        specs = [self.backend_spec(n) for n in self.lane_names(text)]
+        for spec in specs:
+            if not self.backend_available(spec.name):
+                self.load_backend(spec.name)  # raises, naming what to install
+        return specs
+
     def lane_names(self, text: str) -> list[str]:
         """``"cuda_ipc,nixl"`` as registered backend names, in order; an unknown, repeated or empty
         name raises naming it (and what is installed)."""

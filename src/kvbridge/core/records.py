@@ -7,14 +7,17 @@ handler is selected, so listing plugins never imports an engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from .layout import check_role
 
-__all__ = ["BackendCapabilities", "BackendSpec", "HandlerCapabilities", "OptionError", "OptionSpec", "StateHandlerSpec"]
+__all__ = [
+    "BackendCapabilities", "BackendSpec", "HandlerCapabilities", "OptionError", "OptionSpec", "StateHandlerSpec",
+    "assign_options",
+]
 
 #: Type names an :class:`OptionSpec` may use instead of a parse function.
 OPTION_TYPES = ("str", "int", "float", "bool")
@@ -243,6 +246,27 @@ class BackendSpec:
             except OptionError as exc:
                 raise OptionError(f"backend {self.name!r}: {exc}") from None
         return out
+
+
+def assign_options(specs: Sequence[BackendSpec], options: Mapping[str, object]) -> list[dict[str, object]]:
+    """``options`` shared out among lanes: each key to the first of ``specs`` that declares it.
+
+    Returns one mapping per spec (keys as given, values unparsed). A key no spec declares raises
+    :class:`OptionError` listing what each declares.
+    """
+    if len(specs) == 1:  # its own check names the key and what it declares
+        return [dict(options)]
+    out: list[dict[str, object]] = [{} for _ in specs]
+    for key, value in options.items():
+        for i, spec in enumerate(specs):
+            if spec.option(str(key)) is not None:
+                out[i][str(key)] = value
+                break
+        else:
+            declared = "; ".join(f"{s.name}: {', '.join(o.name for o in s.options) or 'none'}" for s in specs)
+            raise OptionError(f"no backend of {','.join(s.name for s in specs)!r} has an option {key!r} "
+                              f"(declared: {declared}); `kvbridge plugins` lists them")
+    return out
 
 
 class HandlerCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

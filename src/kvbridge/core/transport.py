@@ -41,7 +41,7 @@ from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancell
 from .layout import Region
 from .plan import RegionTable, TransferPlan
 from .plugins import SAME_HOST_LANES, PluginError, get_registry, import_object
-from .records import BackendCapabilities, BackendSpec
+from .records import BackendCapabilities, BackendSpec, assign_options
 
 __all__ = ["BackendChoice", "Lane", "Transport", "lane_names", "open_transport"]
 
@@ -467,15 +467,7 @@ def open_transport(
         specs = [registry.backend_spec(n) for n in lane_names(backend, fast_path)]
     else:
         raise TypeError(f"backend must be a name, a BackendSpec or a Backend instance, got {type(backend).__name__}")
-    given = dict(options)
-    parsed: list[dict[str, Any]] = []
-    for spec in specs:
-        mine = {k: v for k, v in given.items() if spec.option(k) is not None}
-        parsed.append(dict(spec.parse_options(mine)))
-        for k in mine:
-            given.pop(k)
-    if given:
-        specs[-1].parse_options(given)  # raises, naming the unknown key and what is declared
+    parsed = [spec.parse_options(mine) for spec, mine in zip(specs, assign_options(specs, options))]
     lanes: list[Lane] = []
     try:
         for spec, opts in zip(specs, parsed):

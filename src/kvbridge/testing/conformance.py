@@ -50,6 +50,7 @@ from kvbridge.core.backend import Backend, TransferError, TransferTimeout
 from kvbridge.core.layout import KVArgs, Region
 from kvbridge.core.plan import TransferPlan, plan_pages
 from kvbridge.core.plugins import get_registry
+from kvbridge.core.records import BackendCapabilities
 from kvbridge.core.session import Poll, Receiver, Sender
 from kvbridge.core.transport import Transport, open_transport
 from kvbridge.testing.e2e import SENTINEL, meta_row_for, pattern, schedule
@@ -64,7 +65,7 @@ from kvbridge.testing.harness import (
     finished,
     wait_until,
 )
-from kvbridge.testing.requirements import requires
+from kvbridge.testing.requirements import REQUIREMENTS, requires
 
 __all__ = ["BackendConformance", "requires"]
 
@@ -75,32 +76,77 @@ PAGE, PAGES, BYTES = 256, 64, 4096  # in-process engine pair: a page region and 
 ENGINE_TIMEOUT = 5.0  # BackendConfig.transfer_timeout of in-process engines, as in the e2e scenarios
 
 
+class _Buffer:
+    """One buffer of the in-process engine pair, in host memory (numpy) or, for a backend that moves
+    GPU memory only, on the GPU (torch); tests read it back as numpy."""
+
+    def __init__(self, host: np.ndarray, mem: str) -> None:
+        self.mem = mem
+        if mem == "vram":
+            import torch
+
+            self._data: Any = torch.from_numpy(host.copy()).to("cuda")
+            self.addr = int(self._data.data_ptr())
+        else:
+            self._data = host.copy()
+            self.addr = int(self._data.ctypes.data)
+        self.nbytes = host.nbytes
+
+    def now(self) -> np.ndarray:
+        """What the buffer holds (a copy, for GPU memory)."""
+        if self.mem == "vram":
+            import torch
+
+            torch.cuda.synchronize()
+            return np.asarray(self._data.cpu().numpy())
+        return np.asarray(self._data)
+
+    def clear(self) -> None:
+        if self.mem == "vram":
+            self._data.zero_()
+        else:
+            self._data.fill(0)
+
+
 @dataclass
 class Engines:
-    """Two engines of the backend in this process: ``source`` writes into ``dest`` (peer ``"dest"``)."""
+    """Two engines of the backend in this process: ``source`` writes into ``dest`` (peer ``"dest"``).
+
+    Buffers are host memory, or GPU memory for a backend that declares no other kind.
+    """
 
     source: Transport
     dest: Transport
-    src: list[np.ndarray]  # [pages (PAGES, PAGE), bytes (BYTES,)], a pattern
-    dst: list[np.ndarray]  # the same shapes, zeroed before each test
+    src: list[np.ndarray]  # [pages (PAGES, PAGE), bytes (BYTES,)], a pattern (host copies of what the buffers hold)
+    src_bufs: list[_Buffer]
+    dst_bufs: list[_Buffer]  # the same shapes, zeroed before each test
     src_regions: list[Region]
     dst_regions: list[Region]
+
+    def dst(self, i: int) -> np.ndarray:
+        """Destination buffer ``i`` as it is now (0: pages, 1: bytes)."""
+        return self.dst_bufs[i].now()
 
     def add_dest(self) -> None:
         self.source.add_peer("dest", self.dest.metadata(), self.dst_regions)
 
     def plan(self, src_pages: list[int], dst_pages: list[int]) -> TransferPlan:
-        plan = plan_pages([self.src[0].ctypes.data], [self.dst[0].ctypes.data], [PAGE], src_pages, dst_pages)
+        plan = plan_pages([self.src_bufs[0].addr], [self.dst_bufs[0].addr], [PAGE], src_pages, dst_pages)
         plan.validate(self.src_regions, self.dst_regions)
         return plan
 
 
-def _regions(arrays: list[np.ndarray]) -> list[Region]:
-    pages, raw = arrays
-    return [Region(name="pages", addr=pages.ctypes.data, nbytes=pages.nbytes, stride=PAGE, role="k",
-                   index_space="kv_page", layer=0),
-            Region(name="bytes", addr=raw.ctypes.data, nbytes=raw.nbytes, stride=64, role="metadata",
-                   index_space="metadata_row")]
+def _regions(bufs: list[_Buffer]) -> list[Region]:
+    pages, raw = bufs
+    device = 0
+    if pages.mem == "vram":
+        import torch
+
+        device = torch.cuda.current_device()
+    return [Region(name="pages", addr=pages.addr, nbytes=pages.nbytes, stride=PAGE, role="k",
+                   index_space="kv_page", layer=0, mem=pages.mem, device=device),
+            Region(name="bytes", addr=raw.addr, nbytes=raw.nbytes, stride=64, role="metadata",
+                   index_space="metadata_row", mem=raw.mem, device=device)]
 
 
 def _engine(cls: type[BackendConformance], role: str) -> Transport:
@@ -144,7 +190,12 @@ class BackendConformance(BackendHarness):
         check_contract(cls)
         rng = np.random.default_rng(7)
         src = [rng.integers(1, 256, (PAGES, PAGE), dtype=np.uint8), rng.integers(1, 256, BYTES, dtype=np.uint8)]
-        dst = [np.zeros((PAGES, PAGE), np.uint8), np.zeros(BYTES, np.uint8)]
+        kinds = get_registry().backend_spec(cls.backend).capabilities.memory_kinds
+        mem = "dram" if "dram" in kinds else "vram"  # a GPU-only backend's pair lives on the GPU
+        if mem == "vram" and not REQUIREMENTS["cuda_device"].met(BackendCapabilities()):
+            pytest.skip(f"backend {cls.backend!r} moves GPU memory only and this machine has no CUDA device")
+        src_bufs = [_Buffer(a, mem) for a in src]
+        dst_bufs = [_Buffer(np.zeros_like(a), mem) for a in src]
         source = _engine(cls, "source")
         try:
             dest = _engine(cls, "dest")
@@ -152,7 +203,7 @@ class BackendConformance(BackendHarness):
             source.close()
             raise
         try:
-            engines = Engines(source, dest, src, dst, _regions(src), _regions(dst))
+            engines = Engines(source, dest, src, src_bufs, dst_bufs, _regions(src_bufs), _regions(dst_bufs))
             source.register(engines.src_regions)
             dest.register(engines.dst_regions)
             engines.add_dest()
@@ -163,8 +214,8 @@ class BackendConformance(BackendHarness):
 
     @pytest.fixture
     def engines(self, _engines: Engines) -> Engines:
-        for a in _engines.dst:
-            a.fill(0)
+        for b in _engines.dst_bufs:
+            b.clear()
         return _engines
 
     def test_registration_names_a_backend_class_declaring_the_same_capabilities(self) -> None:
@@ -181,27 +232,27 @@ class BackendConformance(BackendHarness):
         # (heterogeneous TP moves parts of items).
         src_pages, dst_pages = [3, 4, 5, 9, 20, 21, 63, 0], [0, 1, 2, 10, 40, 41, 7, 63]
         offsets = np.array([[1, 7, 3], [100, 50, 17], [333, 1000, 251], [2048, 4000, 96]])
-        odd = TransferPlan(engines.src[1].ctypes.data + offsets[:, 0], engines.dst[1].ctypes.data + offsets[:, 1],
+        odd = TransferPlan(engines.src_bufs[1].addr + offsets[:, 0], engines.dst_bufs[1].addr + offsets[:, 1],
                            offsets[:, 2].copy())
         plan = TransferPlan.concat([engines.plan(src_pages, dst_pages), odd])
         plan.validate(engines.src_regions, engines.dst_regions)
         _write(engines.source, "dest", plan, time.monotonic() + self.scaled(5.0), self.slack)
 
-        want_pages = np.zeros_like(engines.dst[0])
+        want_pages = np.zeros_like(engines.src[0])
         want_pages[dst_pages] = engines.src[0][src_pages]
-        want_bytes = np.zeros_like(engines.dst[1])
+        want_bytes = np.zeros_like(engines.src[1])
         for s, d, n in offsets:
             want_bytes[d:d + n] = engines.src[1][s:s + n]
         broken = ("right after write() returned, the destination differs from the plan's source bytes: a write "
                   "must move exactly the planned bytes, every batch of them, and return only once they have landed")
-        np.testing.assert_array_equal(engines.dst[0], want_pages, err_msg=broken)
-        np.testing.assert_array_equal(engines.dst[1], want_bytes, err_msg=broken)
+        np.testing.assert_array_equal(engines.dst(0), want_pages, err_msg=broken)
+        np.testing.assert_array_equal(engines.dst(1), want_bytes, err_msg=broken)
 
     def test_a_write_whose_deadline_has_passed_raises_transfer_timeout_and_moves_nothing(self, engines: Engines) -> None:
         with pytest.raises(TransferTimeout):
             _write(engines.source, "dest", engines.plan(list(range(8)), list(range(8))), time.monotonic() - 0.001, self.slack)
         time.sleep(0.2)  # an engine that posted anyway would have landed by now
-        assert not engines.dst[0].any(), "a write past its deadline moved bytes"
+        assert not engines.dst(0).any(), "a write past its deadline moved bytes"
 
     def test_a_write_to_a_removed_peer_raises_transfer_error_naming_it(self, engines: Engines) -> None:
         engines.source.remove_peer("dest")
@@ -211,13 +262,13 @@ class BackendConformance(BackendHarness):
             engines.source.remove_peer("dest")  # unknown peers are ignored
         finally:
             engines.add_dest()
-        assert not engines.dst[0].any()
+        assert not engines.dst(0).any()
 
     def test_adding_a_known_peer_again_replaces_it_and_writes_still_land(self, engines: Engines) -> None:
         # Core re-adds a peer whose decode handshakes again, without removing it first.
         engines.add_dest()
         _write(engines.source, "dest", engines.plan([5, 6], [8, 9]), time.monotonic() + self.scaled(5.0), self.slack)
-        np.testing.assert_array_equal(engines.dst[0][[8, 9]], engines.src[0][[5, 6]])
+        np.testing.assert_array_equal(engines.dst(0)[[8, 9]], engines.src[0][[5, 6]])
 
     def test_close_is_idempotent_and_a_later_write_raises(self, engines: Engines) -> None:
         closing = _engine(type(self), "closing")
@@ -229,7 +280,7 @@ class BackendConformance(BackendHarness):
         closing.close()
         with pytest.raises(TransferError):
             _write(closing, "dest", engines.plan([1], [1]), time.monotonic() + self.scaled(5.0), self.slack)
-        assert not engines.dst[0].any()
+        assert not engines.dst(0).any()
 
     def test_the_write_after_core_reset_the_peers_connections_arrives(self, engines: Engines) -> None:
         # Core has the backend reset its connections to a peer whose write overran its deadline, idle
@@ -239,12 +290,13 @@ class BackendConformance(BackendHarness):
         plan = engines.plan([1, 2, 30], [3, 4, 60])
         _write(engines.source, "dest", plan, time.monotonic() + self.scaled(5.0), self.slack)  # connected
         engines.source.reset("dest", "the conformance suite", stuck=True)
-        engines.dst[0].fill(0)
+        engines.dst_bufs[0].clear()
         _write(engines.source, "dest", plan, time.monotonic() + self.scaled(5.0), self.slack)
-        want = np.zeros_like(engines.dst[0])
+        want = np.zeros_like(engines.src[0])
         want[[3, 4, 60]] = engines.src[0][[1, 2, 30]]
-        np.testing.assert_array_equal(engines.dst[0], want)
+        np.testing.assert_array_equal(engines.dst(0), want)
 
+    @requires("dram")  # the stopped peer is a child process with host pools
     def test_a_write_to_a_frozen_peer_returns_by_its_deadline_and_the_peer_recovers(
         self, engines: Engines, children: Callable[..., Child]
     ) -> None:
@@ -259,7 +311,7 @@ class BackendConformance(BackendHarness):
         # whose write overran its deadline (Backend.abort_peer), ending an engine call still waiting.
         engines.source.add_peer("frozen", msgspec.msgpack.decode(bytes.fromhex(hex_meta)), regions)
         try:
-            plan = plan_pages([engines.src[0].ctypes.data], [regions[0].addr], [PAGE], np.arange(PAGES), np.arange(PAGES))
+            plan = plan_pages([engines.src_bufs[0].addr], [regions[0].addr], [PAGE], np.arange(PAGES), np.arange(PAGES))
             plan.validate(engines.src_regions, regions)
             _write(engines.source, "frozen", plan, time.monotonic() + self.scaled(5.0), self.slack)  # connected
             peer.freeze()
@@ -301,6 +353,7 @@ class BackendConformance(BackendHarness):
             dest.close()
 
     # -- 2. pages end to end: many requests, chunks, the commit point --------------------------------
+    @requires("dram")  # pools in host memory
     def test_fragmented_and_contiguous_requests_in_chunks_arrive_byte_exact_with_64_in_flight(
         self, children: Callable[..., Child]
     ) -> None:
@@ -318,6 +371,7 @@ class BackendConformance(BackendHarness):
         assert d["active_rooms"] == 0
         assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
 
+    @requires("dram")  # pools in host memory
     def test_thousands_of_one_page_requests_leave_no_rooms_behind(self, children: Callable[..., Child]) -> None:
         sc = self.scenario(requests=4096, max_pages=1, max_chunks=1, concurrency=64, deadline=60.0)
         prefill = children("prefill", sc)
@@ -329,6 +383,7 @@ class BackendConformance(BackendHarness):
         assert d["active_rooms"] == 0
         assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
 
+    @requires("dram")  # pools in host memory
     def test_success_follows_every_page_and_the_metadata_row_lands_last(
         self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
     ) -> None:
@@ -409,12 +464,14 @@ class BackendConformance(BackendHarness):
         assert rc == 0 and d is not None and d["requests"] == 1 and d["mismatched_regions"] == 0, decode.stderr()[-3000:]
         return writes
 
+    @requires("dram")  # pools in host memory
     def test_a_small_metadata_row_in_host_memory_travels_in_done_and_arrives_byte_exact(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
     ) -> None:
         writes = self._one_room(local_prefill, children)
         assert writes and not any(writes), f"the metadata row was written by the engine ({writes}), not carried in Done"
 
+    @requires("dram")  # pools in host memory
     def test_a_metadata_row_over_inline_row_bytes_is_written_by_the_engine_after_the_pages(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
     ) -> None:
@@ -428,7 +485,9 @@ class BackendConformance(BackendHarness):
         # every buffer checked against the global tensors sliced with plain numpy. Token-major
         # pages split by heads: partial descriptors of odd sizes at odd offsets.
         spec = self.hybrid_spec(prefill_tp=2, decode_tp=4, layout="nhd", draft=True)
-        all_succeeded(*self.run_hybrid(children, spec)[:2])
+        p, d, _ = self.run_hybrid(children, spec)
+        all_succeeded(p, d)
+        assert self.backend in p["lanes"], f"backend {self.backend!r} moved nothing; lanes used: {p['lanes']}"
 
     @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (1, 4), (4, 1)])
     def test_every_state_handler_arrives_byte_exact_across_tp(
@@ -453,6 +512,7 @@ class BackendConformance(BackendHarness):
         spec = self.hybrid_spec(prefill_tp=2, decode_tp=4, layout="nhd", draft=True, layerwise=True)
         all_succeeded(*self.run_hybrid(children, spec)[:2])
 
+    @requires("dram")  # pools in host memory
     def test_layerwise_requests_in_chunks_arrive_byte_exact_with_8_in_flight(self, children: Callable[..., Child]) -> None:
         sc = self.scenario(requests=24, max_pages=256, concurrency=8, max_chunks=4, decode_pages=8 * 256, layerwise=True)
         prefill = children("prefill", sc)
@@ -473,6 +533,7 @@ class BackendConformance(BackendHarness):
         sender.send(req.src_pages, last=True, layerwise=True)
         return prefill, decode, sender, req
 
+    @requires("dram")  # pools in host memory
     def test_layerwise_room_succeeds_only_once_every_layer_was_announced(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
     ) -> None:
@@ -487,6 +548,7 @@ class BackendConformance(BackendHarness):
         assert rc == 0 and d is not None and d["requests"] == 1 and d["failed"] == [], decode.stderr()[-3000:]
         assert d["mismatched_regions"] == 0
 
+    @requires("dram")  # pools in host memory
     def test_layerwise_fault_mid_way_fails_the_room_on_both_sides_with_a_reason(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
     ) -> None:
@@ -515,6 +577,7 @@ class BackendConformance(BackendHarness):
         return next(s for s in (msgspec.structs.replace(big, seed=i) for i in range(100))
                     if len(schedule(s)[0].src_pages) >= 10_000)
 
+    @requires("dram")  # pools in host memory
     def test_decode_killed_mid_transfer_fails_the_sender_in_time_and_the_prefill_serves_the_next_decode(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
     ) -> None:
@@ -537,6 +600,7 @@ class BackendConformance(BackendHarness):
         assert re.match(DEAD_PEER_REASON, sender.failure() or ""), sender.failure()
         self.serve_a_fresh_decode(prefill, children, self.scenario(prefill_pages=big.prefill_pages, seed=1))
 
+    @requires("dram")  # pools in host memory
     def test_decode_frozen_mid_transfer_fails_the_sender_in_time_and_the_prefill_serves_another_decode(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
     ) -> None:
@@ -576,6 +640,7 @@ class BackendConformance(BackendHarness):
         assert result["active_rooms"] == 0
         return result
 
+    @requires("dram")  # pools in host memory
     def test_prefill_manager_closed_with_rooms_in_flight_fails_every_room_on_both_sides_and_exits_cleanly(
         self, local_decode: Callable[..., LocalDecode], children: Callable[..., Child]
     ) -> None:
@@ -597,6 +662,7 @@ class BackendConformance(BackendHarness):
                                 recv.failure() or ""), recv.failure()
         assert decode.mgr.active_rooms() == 0
 
+    @requires("dram")  # pools in host memory
     def test_decode_manager_closed_with_rooms_in_flight_fails_every_room_on_both_sides_and_exits_cleanly(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
     ) -> None:

@@ -283,6 +283,10 @@ class RawClient:
             self.engine.close()
 
 
+#: The lane a GPU-only backend's hybrid runs put after it, for host memory (same host, no engine).
+HOST_LANE = "memory"
+
+
 # -- helpers -------------------------------------------------------------------------------------
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
     """Poll ``condition`` until true; return the seconds it took, fail after ``timeout``."""
@@ -371,8 +375,13 @@ class BackendHarness:
         return prefill, decode, sender, req
 
     def hybrid_spec(self, **changes: Any) -> Spec:
-        return Spec(backend=self.backend, backend_options=dict(self.backend_options), timeout=60.0 * self.timeout_scale,
-                    **changes)
+        """The hybrid model's run over this backend. A backend that moves GPU memory only gets the model's
+        caches on the GPU and the ``memory`` lane after it for what stays in host memory (metadata rows,
+        decode's host C4 rows): the run then shows the GPU pools went through it."""
+        if "dram" not in self.capabilities.memory_kinds:
+            changes = {"device": "cuda", "backend": f"{self.backend},{HOST_LANE}", **changes}
+        return Spec(**{"backend": self.backend, "backend_options": dict(self.backend_options),
+                       "timeout": 60.0 * self.timeout_scale, **changes})
 
     @pytest.fixture
     def children(self, tmp_path: Path) -> Iterator[Callable[..., Child]]:

@@ -281,10 +281,12 @@ def run_prefill(spec: Spec) -> int:
         time.sleep(0.3)
         # Windows written through host staging (kvbridge.core.staging), summed over the ranks.
         staged = sum(m.transport.describe().get("staging", {}).get("windows", 0) for _, m in ranks)
+        # The lanes (backends) that moved something to a decode peer, over the ranks.
+        lanes = sorted({name for _, m in ranks for names in m.transport.describe()["lanes"].values() for name in names})
     finally:
         _close_all([m for _, m in ranks])
         server.close()
-    print(json.dumps({"role": "prefill", "rooms": states, "staged_windows": staged}), flush=True)
+    print(json.dumps({"role": "prefill", "rooms": states, "staged_windows": staged, "lanes": lanes}), flush=True)
     return 0
 
 

@@ -45,6 +45,7 @@ REQUIREMENTS: dict[str, Requirement] = {
     r.name: r
     for r in (
         Requirement("vram", "memory_kinds containing 'vram'", lambda c: "vram" in c.memory_kinds, field="memory_kinds"),
+        Requirement("dram", "memory_kinds containing 'dram'", lambda c: "dram" in c.memory_kinds, field="memory_kinds"),
         Requirement("one_sided", "one_sided=True", lambda c: c.one_sided, field="one_sided"),
         Requirement("native_notifications", "native_notifications=True", lambda c: c.native_notifications,
                     field="native_notifications"),
