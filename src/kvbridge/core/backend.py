@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import contextvars
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -48,7 +49,8 @@ from .plan import TransferPlan
 from .records import BackendCapabilities
 
 __all__ = [
-    "Backend", "BackendConfig", "TransferCancelled", "TransferError", "TransferTimeout", "checkpoint", "host_id", "may_post",
+    "Backend", "BackendConfig", "TransferCancelled", "TransferError", "TransferTimeout", "checkpoint", "expired", "host_id",
+    "may_post", "wait_until",
 ]
 
 #: The live check of the write running on this thread (set by core around ``Backend.write``).
@@ -75,6 +77,38 @@ def checkpoint(where: str = "between posts") -> None:
     check = _checkpoint.get()
     if check is not None:
         check(where)
+
+
+def expired(deadline: float) -> bool:
+    """Whether ``deadline`` (``time.monotonic()`` seconds, as ``Backend.write`` gets it) has passed."""
+    return time.monotonic() >= deadline
+
+
+#: How long :func:`wait_until` polls without a pause (small writes finish within tens of microseconds),
+#: and the longest pause it grows to after that.
+POLL_SPIN = 200e-6
+POLL_MAX_SLEEP = 1e-3
+
+
+def wait_until(done: Callable[[], bool], deadline: float, progress: Callable[[], bool] | None = None) -> bool:
+    """Poll an engine until ``done()`` or ``deadline``; True if done, False if the deadline came first.
+
+    ``progress()`` (optional) drives the engine once and says whether it moved; while nothing moves for
+    :data:`POLL_SPIN` seconds the loop sleeps between polls, doubling the pause up to
+    :data:`POLL_MAX_SLEEP` (and never past the deadline), so a slow peer does not cost a core.
+    """
+    quiet_since = time.monotonic()
+    pause = 10e-6
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if progress is not None and progress():
+            quiet_since, pause = now, 10e-6
+        elif now - quiet_since > POLL_SPIN:
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, POLL_MAX_SLEEP)
+    return True
 
 
 def host_id() -> str:

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
+from kvbridge.core.backend import expired
 from .enginelog import engine_level, routed_stderr
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
@@ -177,7 +178,7 @@ class MooncakeBackend(Backend):
             raise TransferCancelled(f"mooncake: write to peer {peer!r} not posted: its room is no longer live")
         rc = engine.batch_transfer_sync_write(session, src, dst, nbytes)
         if rc != 0:
-            error = TransferTimeout if time.monotonic() > deadline else TransferError
+            error = TransferTimeout if expired(deadline) else TransferError
             raise error(
                 f"mooncake: write to peer {peer!r} ({session}) of {len(batch)} descriptors, {batch.total_bytes} B "
                 f"returned rc {rc}; it may have partly landed. The engine's log above says why "

@@ -144,6 +144,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
+from kvbridge.core.backend import wait_until
 from kvbridge.core.auth import is_loopback
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import RegionTable, TransferPlan
@@ -159,10 +160,6 @@ __all__ = ["NixlBackend", "PageTable"]
 
 log = logging.getLogger(__name__)
 
-# Polling a request: spin this long first (small writes finish within tens of
-# microseconds), then sleep between checks, growing to POLL_MAX_SLEEP.
-POLL_SPIN = 200e-6
-POLL_MAX_SLEEP = 1e-3
 
 _agent_lock = threading.Lock()
 
@@ -614,17 +611,15 @@ class NixlBackend(Backend):
     @staticmethod
     def _wait(agent: nixl_agent, handle: nixl_xfer_handle, state: str, deadline: float) -> str:
         """Poll until the request leaves PROC or the deadline passes; return the last state."""
-        start = time.monotonic()
-        sleep = 20e-6
-        while state == "PROC":
-            now = time.monotonic()
-            if now >= deadline:
-                return state
-            if now - start > POLL_SPIN:
-                time.sleep(min(sleep, deadline - now))
-                sleep = min(sleep * 2, POLL_MAX_SLEEP)
-            state = agent.check_xfer_state(handle)
-        return state
+        last = [state]
+
+        def done() -> bool:
+            if last[0] == "PROC":
+                last[0] = agent.check_xfer_state(handle)
+            return last[0] != "PROC"
+
+        wait_until(done, deadline)
+        return last[0]
 
     def _release(self, handle: nixl_xfer_handle) -> bool:
         """Release a request (puts UCX already queued still go out); keep it for close if NIXL refuses."""

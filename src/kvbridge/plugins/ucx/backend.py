@@ -95,6 +95,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
+from kvbridge.core.backend import wait_until
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
 from kvbridge.core.records import BackendCapabilities
@@ -106,8 +107,6 @@ __all__ = ["UcxBackend"]
 
 log = logging.getLogger(__name__)
 
-_IDLE_SPINS = 64  # empty progress calls before the wait loop starts sleeping
-_MAX_SLEEP = 0.001
 
 
 class _Meta(msgspec.Struct, frozen=True, array_like=True, tag="kvbridge-ucx-rma/1"):
@@ -360,25 +359,25 @@ class UcxBackend(Backend):
         req = ucp.lib.ucp_ep_flush_nbx(p.endpoint.handle, byref(self._flush_param))
         status = ucp.ptr_status(req)
         if status == ucp.UCS_INPROGRESS:
-            check, progress, worker = ucp.lib.ucp_request_check_status, ucp.lib.ucp_worker_progress, self._worker.handle
-            idle, sleep = 0, 0.0
+            check, advance, worker = ucp.lib.ucp_request_check_status, ucp.lib.ucp_worker_progress, self._worker.handle
+
+            def done() -> bool:
+                nonlocal status
+                status = check(req)
+                return status != ucp.UCS_INPROGRESS
+
+            def progress() -> bool:
+                if self._closed:
+                    raise TransferError(f"ucx: backend closed during a write to peer {p.name!r}")
+                return bool(advance(worker))
+
             try:
-                while (status := check(req)) == ucp.UCS_INPROGRESS:
-                    if time.monotonic() > deadline:
-                        raise TransferTimeout(
-                            f"ucx: write to peer {p.name!r} ({n} descriptors, {nbytes} B) did not complete by "
-                            "its deadline; UCX reports no error (a stopped or overloaded peer), and the "
-                            "queued puts may still land"
-                        )
-                    if progress(worker):
-                        idle, sleep = 0, 0.0
-                    elif self._closed:
-                        raise TransferError(f"ucx: backend closed during a write to peer {p.name!r}")
-                    else:
-                        idle += 1
-                        if idle > _IDLE_SPINS:  # nothing moves: stop burning a core
-                            sleep = min(_MAX_SLEEP, sleep * 2 or 1e-5)
-                            time.sleep(sleep)
+                if not wait_until(done, deadline, progress):
+                    raise TransferTimeout(
+                        f"ucx: write to peer {p.name!r} ({n} descriptors, {nbytes} B) did not complete by "
+                        "its deadline; UCX reports no error (a stopped or overloaded peer), and the "
+                        "queued puts may still land"
+                    )
             finally:
                 ucp.lib.ucp_request_free(req)
         if status != ucp.UCS_OK:
