@@ -6,7 +6,7 @@
 # Writes gpu-tests.log, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, layerwise.txt and demo.txt
 # to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
-# (default "tests kernel bench demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
+# (default "tests conformance kernel bench demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
 # STEPS="layerwise demo" to fit a shorter session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,11 +23,21 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import sys, torch, triton, kvbridge; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'kvbridge', kvbridge.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
 python3 -m kvbridge.cli plugins | tee -a "$OUT/machine.txt"
 rc=0
-STEPS=" ${STEPS:-tests kernel bench demo layerwise} "
+STEPS=" ${STEPS:-tests conformance kernel bench demo layerwise} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
-want tests && python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
-  "tests/test_conformance.py::TestNixl" -k "gpu or layerwise" \
+want tests && python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_lanes.py \
+  "tests/test_conformance.py::TestNixl" -k "gpu or layerwise or lane" \
   2>&1 | tee "$OUT/gpu-tests.log" || rc=1
+# The same-host GPU copy is a backend like any other: the conformance suite, on GPU buffers.
+want conformance && python3 -m kvbridge.cli conformance cuda_ipc -q -p no:cacheprovider -rs \
+  2>&1 | tee "$OUT/conformance.log" | tail -15 || rc=1
+# BASELINE=DIR: the same bench first with the kvbridge wheel in DIR (an older version), one call, one machine.
+if want bench && [ -n "${BASELINE:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvb-old "$BASELINE"/*.whl .whl/[!k]*.whl \
+    && PYTHONPATH=/tmp/kvb-old python3 -m kvbridge.cli bench transfer --device cuda --json "$@" \
+      > "$OUT/bench-before.json" 2> "$OUT/bench-before.txt" || rc=1
+  tail -30 "$OUT/bench-before.txt"
+fi
 want kernel && { python3 benchmarks/gpu_kernel_bench.py --json ${KERNEL_TUNE:+--tune} > "$OUT/kernel.json" 2> "$OUT/kernel.txt" || rc=1
 tail -20 "$OUT/kernel.txt"; }
 # Where one write's host time goes (copy() vs D2D in one process, step by step); also part of "kernel".
