@@ -165,3 +165,45 @@ def test_a_transport_names_its_lanes_in_order_and_refuses_a_name_twice() -> None
     assert Transport([Lane("near", _Copy(), NEAR), Lane("far", _Copy(), FAR)]).name == "near,far"
     with pytest.raises(ValueError, match="more than once"):
         Transport([Lane("far", _Copy(), FAR), Lane("far", _Copy(), FAR)])
+
+
+# -- lanes through a session: bootstrap, handshake, the lanes both sides run ------------------------
+def _kvargs(k: np.ndarray, meta: np.ndarray) -> "KVArgs":
+    from kvbridge import IndexSpace, KVArgs
+
+    return KVArgs(regions=(Region(name="k", addr=k.ctypes.data, nbytes=k.nbytes, stride=k.strides[0], role="k",
+                                  index_space="kv_page", layer=0),
+                           Region(name="meta", addr=meta.ctypes.data, nbytes=meta.nbytes, stride=64, role="metadata",
+                                  index_space="metadata_row")),
+                  dtype="bfloat16", page_size=16,
+                  index_spaces=(IndexSpace("kv_page", PAGES, tokens=16), IndexSpace("metadata_row", 4)))
+
+
+@pytest.mark.parametrize("prefill_lanes, decode_lanes, used", [
+    ("memory,nixl", "memory,nixl", ["memory"]),  # both run memory: the first lane holding both takes every pair
+    ("memory,nixl", "nixl", ["nixl"]),           # decode does not run memory: nixl takes it all
+])
+def test_a_session_over_lanes_moves_every_page_through_the_first_lane_both_sides_run(prefill_lanes, decode_lanes, used):
+    from kvbridge import BootstrapServer, DecodeManager, Poll, PrefillManager, Receiver, Sender
+
+    rng = np.random.default_rng(5)
+    p_k, p_meta = rng.integers(1, 256, (PAGES, PAGE), dtype=np.uint8), rng.integers(1, 256, (4, 64), dtype=np.uint8)
+    d_k, d_meta = np.zeros_like(p_k), np.zeros_like(p_meta)
+    server = BootstrapServer("127.0.0.1")
+    prefill = PrefillManager(_kvargs(p_k, p_meta), prefill_lanes, bootstrap=server.address)
+    decode = DecodeManager(_kvargs(d_k, d_meta), decode_lanes)
+    try:
+        assert prefill.transport.name == prefill_lanes and decode.transport.name == decode_lanes
+        recv = Receiver(decode, 7, bootstrap=server.address)
+        recv.init(page_indices=[10, 11, 40], metadata_row=2)
+        send = Sender(prefill, 7, metadata_row=1)
+        assert send.wait(Poll.WAITING_FOR_INPUT, 30) == Poll.WAITING_FOR_INPUT, send.failure()
+        send.send([0, 1, 5], last=True)
+        assert recv.wait(Poll.SUCCESS, 30) == Poll.SUCCESS, recv.failure()
+        np.testing.assert_array_equal(d_k[[10, 11, 40]], p_k[[0, 1, 5]])
+        np.testing.assert_array_equal(d_meta[2], p_meta[1])
+        assert not np.delete(d_k, [10, 11, 40], axis=0).any()
+        assert [prefill.transport.lanes_of(p) for p in prefill.transport.describe()["lanes"]] == [used]
+    finally:
+        for obj in (decode, prefill, server):
+            obj.close()

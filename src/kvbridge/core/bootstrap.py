@@ -45,7 +45,7 @@ MAX_REQUEST_BYTES = 64 << 10
 HELD = "rank held:"
 
 _ADDRESS = re.compile(r"[^\s/]{1,253}:\d{1,5}")
-_BACKEND = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_BACKEND = re.compile(r"[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}")  # a backend, or lanes: names separated by commas
 
 
 def check_rank(rank: P.RankInfo, known_backends: frozenset[str] | None = None) -> str | None:
@@ -62,8 +62,10 @@ def check_rank(rank: P.RankInfo, known_backends: frozenset[str] | None = None) -
         return f"control address {rank.control_addr[:80]!r} is not HOST:PORT"
     if not _BACKEND.fullmatch(rank.backend):
         return f"backend name {rank.backend[:80]!r} is not a backend name"
-    if known_backends is not None and rank.backend not in known_backends:
-        return f"backend {rank.backend!r} is not installed here (installed: {', '.join(sorted(known_backends))})"
+    unknown = [n for n in rank.backend.split(",") if known_backends is not None and n not in known_backends]
+    if unknown:
+        assert known_backends is not None
+        return f"backend {unknown[0]!r} is not installed here (installed: {', '.join(sorted(known_backends))})"
     return None
 
 
