@@ -6,6 +6,8 @@ decode processes on a named backend. The class sets::
     backend = "mytransport"        # required: the name its BackendSpec registers
     backend_options = {}           # optional: SessionConfig.backend_options of every manager
     timeout_scale = 1.0            # optional: multiplies every deadline and wait (not heartbeats)
+    companion = "nixl"             # optional: for a backend moving GPU memory only, the lane after it
+                                   # in hybrid-model runs, for host memory and GPU -> host
 
 A class that sets no backend, or names one that is not installed or whose
 engine is missing, fails every test with a message saying what to set or
@@ -283,10 +285,6 @@ class RawClient:
             self.engine.close()
 
 
-#: The lane a GPU-only backend's hybrid runs put after it, for host memory (same host, no engine).
-HOST_LANE = "memory"
-
-
 # -- helpers -------------------------------------------------------------------------------------
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
     """Poll ``condition`` until true; return the seconds it took, fail after ``timeout``."""
@@ -335,6 +333,7 @@ class BackendHarness:
     backend: ClassVar[str] = ""
     backend_options: ClassVar[dict[str, str]] = {}
     timeout_scale: ClassVar[float] = 1.0
+    companion: ClassVar[str] = "nixl"
 
     @pytest.fixture(autouse=True)
     def _kvbridge_backend_contract(self, request: pytest.FixtureRequest) -> None:
@@ -376,10 +375,10 @@ class BackendHarness:
 
     def hybrid_spec(self, **changes: Any) -> Spec:
         """The hybrid model's run over this backend. A backend that moves GPU memory only gets the model's
-        caches on the GPU and the ``memory`` lane after it for what stays in host memory (metadata rows,
-        decode's host C4 rows): the run then shows the GPU pools went through it."""
+        caches on the GPU and :attr:`companion` after it as a second lane for what it cannot move (host
+        metadata rows; GPU -> host for decode's C4 rows): the run shows which lanes moved something."""
         if "dram" not in self.capabilities.memory_kinds:
-            changes = {"device": "cuda", "backend": f"{self.backend},{HOST_LANE}", **changes}
+            changes = {"device": "cuda", "backend": f"{self.backend},{self.companion}", **changes}
         return Spec(**{"backend": self.backend, "backend_options": dict(self.backend_options),
                        "timeout": 60.0 * self.timeout_scale, **changes})
 
