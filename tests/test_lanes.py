@@ -184,14 +184,15 @@ def _kvargs(k: np.ndarray, meta: np.ndarray) -> "KVArgs":
     ("memory,nixl", "nixl", ["nixl"]),           # decode does not run memory: nixl takes it all
 ])
 def test_a_session_over_lanes_moves_every_page_through_the_first_lane_both_sides_run(prefill_lanes, decode_lanes, used):
-    from kvbridge import BootstrapServer, DecodeManager, Poll, PrefillManager, Receiver, Sender
+    from kvbridge import BootstrapServer, DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 
     rng = np.random.default_rng(5)
     p_k, p_meta = rng.integers(1, 256, (PAGES, PAGE), dtype=np.uint8), rng.integers(1, 256, (4, 64), dtype=np.uint8)
     d_k, d_meta = np.zeros_like(p_k), np.zeros_like(p_meta)
     server = BootstrapServer("127.0.0.1")
-    prefill = PrefillManager(_kvargs(p_k, p_meta), prefill_lanes, bootstrap=server.address)
-    decode = DecodeManager(_kvargs(d_k, d_meta), decode_lanes)
+    config = SessionConfig(gpu_fast_path=False)  # one name is taken as it is (no same-host lanes before it)
+    prefill = PrefillManager(_kvargs(p_k, p_meta), prefill_lanes, bootstrap=server.address, config=config)
+    decode = DecodeManager(_kvargs(d_k, d_meta), decode_lanes, config=config)
     try:
         assert prefill.transport.name == prefill_lanes and decode.transport.name == decode_lanes
         recv = Receiver(decode, 7, bootstrap=server.address)

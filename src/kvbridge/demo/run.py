@@ -329,11 +329,11 @@ def summarize(args: argparse.Namespace, cfg: TransferConfig, results: list[Resul
         problems.append(f"{len({m['request'] for m in mismatches})} request(s) differ from the colocated run")
     backend_bytes: dict[str, int] = {}
     job_s = 0.0
-    for snap in stats.get("prefill", []):  # prefill writes; its ranks count what moved
-        b = snap["backends"].get(cfg.backend, {})
-        for state, n in b.get("bytes", {}).items():
-            backend_bytes[state] = backend_bytes.get(state, 0) + n
-        job_s += b.get("transfer_seconds", {}).get("sum", 0.0)
+    for snap in stats.get("prefill", []):  # prefill writes; its ranks count what moved (under their lanes' name)
+        for b in snap["backends"].values():
+            for state, n in b.get("bytes", {}).items():
+                backend_bytes[state] = backend_bytes.get(state, 0) + n
+            job_s += b.get("transfer_seconds", {}).get("sum", 0.0)
     total = sum(backend_bytes.values())
     ttft = [1e3 * (r.first_at - r.submitted) for r in ok if r.first_at is not None]
     lat = [r.done["prefill"]["transfer_ms"] for r in ok if r.done["prefill"].get("transfer_ms") is not None]
