@@ -44,7 +44,10 @@ def test_overlapping_regions_are_rejected_naming_both():
 
 
 def test_same_addresses_on_different_devices_do_not_overlap():
-    kvargs(region(mem="vram", device=0), region("k0b", mem="vram", device=1, layer=1))
+    args = kvargs(region(mem="vram", device=0), region("k0b", mem="vram", device=1, layer=1))
+    assert [(r.name, r.device) for r in args.regions] == [("k0", 0), ("k0b", 1)]
+    with pytest.raises(ValueError, match="region 'k0b' .* overlaps region 'k0'"):  # the same device: they do
+        kvargs(region(mem="vram", device=0), region("k0b", mem="vram", device=0, layer=1))
 
 
 def test_index_space_larger_than_region_is_rejected():

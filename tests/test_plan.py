@@ -135,9 +135,12 @@ def _region(name, addr, nbytes):
     return Region(name=name, addr=addr, nbytes=nbytes, stride=8, role="kv", index_space="p", layer=0)
 
 
-def test_validate_accepts_descriptors_inside_regions():
-    plan = TransferPlan(np.array([0x1000, 0x1ff8]), np.array([0x8000, 0x9000]), np.array([8, 8]))
+def test_validate_accepts_descriptors_inside_regions_up_to_their_last_byte():
+    plan = TransferPlan(np.array([0x1000, 0x1ff8]), np.array([0x8000, 0x9ff8]), np.array([8, 8]))
     plan.validate([_region("s", 0x1000, 0x1000)], [_region("d", 0x8000, 0x2000)])
+    one_past = TransferPlan(np.array([0x1000, 0x1ff9]), np.array([0x8000, 0x9ff8]), np.array([8, 8]))
+    with pytest.raises(PlanError):  # the same, one byte further: outside
+        one_past.validate([_region("s", 0x1000, 0x1000)], [_region("d", 0x8000, 0x2000)])
 
 
 @pytest.mark.parametrize(

@@ -593,10 +593,9 @@ class BackendConformance(BackendHarness):
 
         doomed.kill()
         cfg = prefill.mgr.config
-        bound = cfg.transfer_timeout + cfg.heartbeat_timeout + self.slack
-        elapsed = wait_until(finished(sender), bound, "sender after the decode was killed")
+        bound = cfg.transfer_timeout + cfg.heartbeat_timeout + self.slack  # wait_until fails the test past it
+        wait_until(finished(sender), bound, "sender after the decode was killed")
         assert sender.poll() == Poll.FAILED
-        assert elapsed < bound
         assert re.match(DEAD_PEER_REASON, sender.failure() or ""), sender.failure()
         self.serve_a_fresh_decode(prefill, children, self.scenario(prefill_pages=big.prefill_pages, seed=1))
 
@@ -618,10 +617,9 @@ class BackendConformance(BackendHarness):
         frozen.freeze()
         try:
             cfg = prefill.mgr.config
-            bound = cfg.transfer_timeout + cfg.heartbeat_timeout + self.slack
-            elapsed = wait_until(finished(sender), bound, "sender after the decode froze")
+            bound = cfg.transfer_timeout + cfg.heartbeat_timeout + self.slack  # wait_until fails the test past it
+            wait_until(finished(sender), bound, "sender after the decode froze")
             assert sender.poll() == Poll.FAILED
-            assert elapsed < bound
             assert re.match(DEAD_PEER_REASON, sender.failure() or ""), sender.failure()
             # A stopped peer must not hold up the engine for the others.
             self.serve_a_fresh_decode(prefill, children, self.scenario(prefill_pages=big.prefill_pages, seed=1))
