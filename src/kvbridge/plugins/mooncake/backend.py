@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 

@@ -80,7 +80,6 @@ context uses ``lo`` only.
 from __future__ import annotations
 
 import atexit
-import ipaddress
 import logging
 import os
 import threading
@@ -95,6 +94,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
+from kvbridge.core.auth import is_loopback
 from kvbridge.core.backend import wait_until
 from kvbridge.core.layout import Region
 from kvbridge.core.plan import TransferPlan
@@ -144,7 +144,7 @@ class UcxBackend(Backend):
         ucx_config = {key[4:]: value for key, value in config.options.items() if key.startswith("UCX_")}
         if "CMA_MEMORY_INVALIDATE" not in ucx_config and "UCX_CMA_MEMORY_INVALIDATE" not in os.environ:
             ucx_config["CMA_MEMORY_INVALIDATE"] = "y"  # lets peer-failure mode put over CMA
-        if "NET_DEVICES" not in ucx_config and "UCX_NET_DEVICES" not in os.environ and _is_loopback(config.host):
+        if "NET_DEVICES" not in ucx_config and "UCX_NET_DEVICES" not in os.environ and is_loopback(config.host):
             ucx_config["NET_DEVICES"] = "lo"
         if not self.error_handling:
             log.warning("ucx: endpoint error handling is off; a put to a dead peer aborts this process")
@@ -453,9 +453,3 @@ def _close_all() -> None:
     for backend in list(_LIVE):
         backend.close()
 
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
