@@ -33,7 +33,7 @@ SAMPLE = [
     # in about half a second, not at heartbeat_timeout + fence_timeout.
     ("nixl", "prefill-kill", "mid-transfer"),
     # The link cut mid-transfer, one cell per backend: what the engine's TCP connections still held
-    # must not land after FAILED (prefill resets them: core/tcpfence.py; docs/failures.md).
+    # must not land after FAILED (prefill resets them: plugins/tcpfence.py; docs/failures.md).
     ("mooncake", "net-cut", "mid-transfer"),
     ("nixl", "net-cut", "mid-transfer"),
     ("ucx", "net-cut", "mid-transfer"),

@@ -7,7 +7,7 @@ moved scattered (a random permutation: nothing coalesces) and contiguous,
 four ways measured in the same run:
 
 - **fast path**: a PrefillManager with ``gpu_fast_path`` on: CUDA IPC and one
-  Triton kernel per write (:mod:`kvbridge.core.gpu`);
+  Triton kernel per write (:mod:`kvbridge.plugins.cuda_ipc`);
 - **plain**: a second PrefillManager with it off: the same descriptors through
   the backend (NIXL), one descriptor per page;
 - **raw NIXL**: the same descriptor lists through NIXL's own calls, request

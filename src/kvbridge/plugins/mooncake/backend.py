@@ -19,7 +19,7 @@ Behaviour this adapter is built around (docs/engines.md, Mooncake):
   ``config.transfer_timeout`` plus one second unless the user set them. They
   are process-wide environment variables, so the first backend in a process
   decides them. A batch still running a quarter second past the write's
-  deadline has its TCP connections reset by core (``core/tcpfence.py``), which
+  deadline has its TCP connections reset by core (``plugins/tcpfence.py``), which
   ends it with rc -1 at once; the engine's own timeout, later, is a backstop.
 - **Partial writes.** A failed batch may still have landed some bytes.
 

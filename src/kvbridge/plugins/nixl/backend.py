@@ -111,7 +111,7 @@ regions are covered by the memory its agent metadata declares.
 
 **A failed endpoint.** NIXL keeps a UCX endpoint that failed (its TCP
 connection reset, as core's fence does to a peer whose host stopped
-answering: ``core/tcpfence.py``) failed, and every later write to that peer
+answering: ``plugins/tcpfence.py``) failed, and every later write to that peer
 raised ``nixlRemoteDisconnectError``. A write that fails so, or ends in
 ``ERR``, unloads the peer's agent and loads its metadata again
 (:meth:`NixlBackend._reload`), so the next write connects anew.

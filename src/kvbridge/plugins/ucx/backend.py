@@ -58,7 +58,7 @@ out with puts still queued force-closes the peer's endpoint, which drops them,
 and connects a new one for the next write, so nothing of the batch is left in
 UCX when ``write`` returns; what the kernel already took into the TCP socket's
 buffers core drops next, by resetting the connections to the peer
-(``core/tcpfence.py``); a stopped peer may still read what its own receive
+(``plugins/tcpfence.py``); a stopped peer may still read what its own receive
 buffers hold when it resumes.
 
 **Progress.** UCXX's progress thread runs in blocking (epoll) mode so an idle
