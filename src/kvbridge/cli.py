@@ -62,8 +62,19 @@ def _backends_table(rows: list[dict[str, Any]]) -> Any:
         ["backend", "from", "status", "memory", "limits", "writes"],
         [(r["name"], r["distribution"], _status(r), r["capabilities"]["memory_kinds"], _limits(r["capabilities"]),
           _writes(r["capabilities"])) for r in rows if r["kind"] == "backend"],
-        title="Transfer backends (--transfer-backend NAME)", nowrap=["backend"],
+        title=f"Transfer backends (--transfer-backend NAME, or lanes NAME,NAME; default here: {_default_lanes()})",
+        nowrap=["backend"],
     )
+
+
+def _default_lanes() -> str:
+    """The lanes a manager gets when it names none, as ``--transfer-backend`` would write them."""
+    from kvbridge.core.plugins import PluginError, get_registry
+
+    try:
+        return ",".join(get_registry().default_lanes())
+    except PluginError:
+        return "none available"
 
 
 def _handlers_table(rows: list[dict[str, Any]]) -> Any:
