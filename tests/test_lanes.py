@@ -13,10 +13,12 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvbridge.core import BackendCapabilities, Region, TransferPlan, checkpoint
+from kvbridge.core.plan import Memory
 from kvbridge.core.backend import Backend, BackendConfig, TransferCancelled, TransferError
 from kvbridge.core.transport import FENCE_BATCH_DESCRIPTORS, Lane, Transport
 
@@ -208,3 +210,34 @@ def test_a_session_over_lanes_moves_every_page_through_the_first_lane_both_sides
     finally:
         for obj in (decode, prefill, server):
             obj.close()
+
+
+def test_core_hands_a_backend_batches_of_one_memory_kind_and_device_a_side_and_says_which() -> None:
+    # One lane that moves both kinds: a write touching the host pool and the "GPU" pool arrives as one
+    # batch per (source, destination) place, each told where it is (NIXL builds one list per kind).
+    far = _Copy()
+    t = Transport([Lane("far", far, FAR)])
+    src, src_regions = _pools(np.random.default_rng(2))
+    dst, dst_regions = _pools(None)
+    t.register(src_regions)
+    t.add_peer("decode", b"y", dst_regions)
+    t.write("decode", _plan(src, dst, [1, 2, 3], [4, 5, 6]), deadline=float("inf"))
+    for a, b in zip(src, dst):
+        np.testing.assert_array_equal(b[[4, 5, 6]], a[[1, 2, 3]])
+    got = sorted((w.memory, len(w)) for w in far.writes)
+    assert got == [(Memory("dram", 0, "dram", 0), 3), (Memory("vram", 0, "vram", 0), 3)]
+    for w in far.writes:  # each batch's descriptors are where it says
+        pool = 0 if w.memory.src_kind == "dram" else 1
+        assert ((w.src_addr >= src[pool].ctypes.data) & (w.src_addr < src[pool].ctypes.data + src[pool].nbytes)).all()
+
+
+def test_a_peer_whose_regions_share_one_place_gets_its_batches_placed_without_a_lookup() -> None:
+    far = _Copy()
+    t = Transport([Lane("far", far, FAR)])
+    src, src_regions = _pools(np.random.default_rng(2))
+    dst, dst_regions = _pools(None)
+    t.register(src_regions[:1])
+    t.add_peer("decode", b"y", [msgspec.structs.replace(dst_regions[0], device=3)])
+    t.write("decode", _plan(src[:1], dst[:1], [0, 9], [1, 2]), deadline=float("inf"))
+    assert [w.memory for w in far.writes] == [Memory("dram", 0, "dram", 3)]
+    np.testing.assert_array_equal(dst[0][[1, 2]], src[0][[0, 9]])

@@ -10,7 +10,7 @@ and moves exactly those bytes, split to its own limits with
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Union
+from typing import NamedTuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,8 @@ from .layout import Region
 
 __all__ = [
     "Indices",
+    "Memory",
+    "memory_of",
     "RegionTable",
     "PlanError",
     "TransferPlan",
@@ -196,6 +198,30 @@ def _by_group(group: IntArray) -> Iterator[tuple[int, IntArray | slice | None]]:
         yield int(ordered[lo]), order[lo:hi]
 
 
+class Memory(NamedTuple):
+    """Where a batch's descriptors are: the memory kind ("dram", "vram") and device of every source,
+    and of every destination (one of each: core splits a write by them before a backend sees it)."""
+
+    src_kind: str
+    src_device: int
+    dst_kind: str
+    dst_device: int
+
+
+def memory_of(plan: TransferPlan, local: RegionTable, peer: RegionTable) -> Memory:
+    """Where the descriptors of a plan core did not post lie (core sets :attr:`TransferPlan.memory` on
+    every batch it posts), located once; :class:`PlanError` if they span several memory kinds or
+    devices on a side: write such a plan through a ``Transport``, which splits it."""
+    found = []
+    for table, addr in ((local, plan.src_addr), (peer, plan.dst_addr)):
+        places = np.unique(table.place[table.locate(addr, plan.nbytes)[0]]) if len(table) and len(plan) else []
+        if len(places) > 1:
+            raise PlanError(f"the plan spans {len(places)} memory kinds or devices on one side; "
+                            "write it through a Transport, which splits it by them")
+        found.append(table.places[int(places[0])] if len(places) else ("dram", 0))
+    return Memory(*found[0], *found[1])
+
+
 class TransferPlan:
     """Descriptors to move: ``nbytes[i]`` bytes from ``src_addr[i]`` to ``dst_addr[i]``.
 
@@ -205,6 +231,10 @@ class TransferPlan:
     time, and reading ``src_addr``, ``dst_addr`` or ``nbytes`` expands the
     whole plan once. Batches of a plan given as arrays are views, not copies.
     """
+
+    #: Set by core on each batch it hands a backend (``Backend.write``): where its sources and
+    #: destinations are, one memory kind and device a side. None on a plan core did not post.
+    memory: Memory | None = None
 
     def __init__(self, src_addr: IntArray, dst_addr: IntArray, nbytes: IntArray) -> None:
         n = src_addr.shape
@@ -464,6 +494,10 @@ class RegionTable:
         self.ends = np.array([r.end for r in ordered], np.int64)
         self.vram = np.array([r.mem == "vram" for r in ordered], bool)
         self.device = np.array([r.device for r in ordered], np.int64)
+        #: The (memory kind, device) pairs of the regions, and each region's index into them.
+        places = [(r.mem, r.device) for r in ordered]
+        self.places: list[tuple[str, int]] = sorted(set(places))
+        self.place = np.array([self.places.index(p) for p in places], np.int64)
 
     def __len__(self) -> int:
         return int(self.starts.shape[0])

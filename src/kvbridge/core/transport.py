@@ -39,7 +39,7 @@ import numpy.typing as npt
 from . import staging
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, host_id
 from .layout import Region
-from .plan import RegionTable, TransferPlan
+from .plan import Memory, RegionTable, TransferPlan
 from .plugins import SAME_HOST_LANES, PluginError, get_registry, import_object
 from .records import BackendCapabilities, BackendSpec, assign_options
 
@@ -99,12 +99,15 @@ class Lane:
 class _Route:
     """How writes to one peer are shared among the lanes (made at :meth:`Transport.add_peer`)."""
 
-    #: The lane moving every descriptor to this peer, when one does (no descriptor is located then).
+    #: The lane moving every descriptor to this peer, when one does.
     whole: int | None
-    #: Otherwise: the peer's regions, and the lane of each (local, peer) region pair in the order
-    #: ``RegionTable``\ s sort them (-1: none moves it; the handshake refused such a peer).
+    #: The peer's regions, and the lane of each (local, peer) region pair in the order
+    #: ``RegionTable``\ s sort them (every pair has one: the handshake refused a peer otherwise).
     table: RegionTable
     lanes: npt.NDArray[np.int64]
+    #: Where every descriptor is, when one lane moves everything and each side's regions share one
+    #: memory kind and device (most ranks): no descriptor is located then.
+    memory: Memory | None = None
 
     @property
     def used(self) -> list[int]:
@@ -128,7 +131,7 @@ class Transport:
         self._regions: list[Region] = []
         self._local = RegionTable(())
         self._routes: dict[str, _Route] = {}
-        #: One lane: every peer's route, known to it or not (the backend refuses a peer it does not know).
+        #: One lane: the route of a peer it was not told of (the backend refuses a peer it does not know).
         self._single = _Route(0, RegionTable(()), np.zeros((0, 0), np.int64)) if len(self.lanes) == 1 else None
         self._running: dict[str, float] = {}  # peer -> when its write in the backend is overdue (reset_overdue)
         self._was_reset: dict[str, int] = {}  # peer -> connections reset() reset since its last write
@@ -200,7 +203,7 @@ class Transport:
         self.remove_peer(peer)
         if len(self.lanes) == 1:  # nothing to share out: the backend takes the peer or refuses it
             self.lanes[0].backend.add_peer(peer, metadata.get(self.lanes[0].name, b""), regions)
-            self._routes[peer] = self._single  # type: ignore[assignment]
+            self._routes[peer] = self._route(np.zeros((len(self._regions), len(regions)), np.int64), regions)
             return
         local = sorted(self._regions, key=lambda r: r.addr)
         theirs = sorted(regions, key=lambda r: r.addr)
@@ -236,10 +239,19 @@ class Transport:
                 f"no backend of {self.name!r} moves peer {peer!r}'s memory: e.g. local region {a.name!r} ({a.mem}) "
                 f"-> its {b.name!r} ({b.mem}), {len(missing)} region pair(s) in all; " + "; ".join(why)
             )
-        used = np.unique(table)
-        self._routes[peer] = _Route(int(used[0]) if len(used) == 1 else None, RegionTable(regions), table)
-        if len(self.lanes) > 1:
-            log.info("%s: peer %r goes through %s", self.name, peer, ", ".join(self.lanes[i].name for i in used.tolist()))
+        route = self._routes[peer] = self._route(table, regions)
+        log.info("%s: peer %r goes through %s", self.name, peer, ", ".join(self.lanes[i].name for i in route.used))
+
+    def _route(self, lanes: npt.NDArray[np.int64], regions: Sequence[Region]) -> _Route:
+        used = np.unique(lanes)
+        whole = int(used[0]) if len(used) == 1 else 0 if not lanes.size else None
+        theirs = RegionTable(regions)
+        memory = None
+        if whole is not None and len(self._local.places) <= 1 and len(theirs.places) <= 1:
+            (src_kind, src_device), = self._local.places or [("dram", 0)]
+            (dst_kind, dst_device), = theirs.places or [("dram", 0)]
+            memory = Memory(src_kind, src_device, dst_kind, dst_device)
+        return _Route(whole, theirs, lanes, memory)
 
     def lanes_of(self, peer: str) -> list[str]:
         """The lanes that move something to ``peer`` (empty for an unknown peer)."""
@@ -311,26 +323,34 @@ class Transport:
         token = _live.set(live)  # the backend re-checks right before it posts (backend.may_post)
         check = _checkpoint.set(lambda where: self._check(peer, deadline, live, where))
         try:
-            if route.whole is not None:
-                self._write_lane(self.lanes[route.whole], peer, plan, deadline, live)
+            if route.whole is not None and (route.memory is not None or not route.table.places):
+                self._write_lane(self.lanes[route.whole], peer, plan, deadline, live, route.memory)
                 return
+            # Located once: each part goes to its lane, one memory kind and device a side per part.
             src = self._local.locate(plan.src_addr, plan.nbytes)[0]
             dst = route.table.locate(plan.dst_addr, plan.nbytes)[0]
-            lane_of = route.lanes[src, dst]
-            for i in np.unique(lane_of).tolist():  # in lane order
-                pick = lane_of == i
+            src_place, dst_place = self._local.place[src], route.table.place[dst]
+            n_src, n_dst = len(self._local.places), len(route.table.places)
+            key = (route.lanes[src, dst] * n_src + src_place) * n_dst + dst_place
+            for k in np.unique(key).tolist():  # in lane order
+                pick = key == k
                 part = plan if pick.all() else TransferPlan(plan.src_addr[pick], plan.dst_addr[pick], plan.nbytes[pick])
-                self._write_lane(self.lanes[i], peer, part, deadline, live)
+                lane, rest = divmod(k, n_src * n_dst)
+                memory = Memory(*self._local.places[rest // n_dst], *route.table.places[rest % n_dst])
+                self._write_lane(self.lanes[lane], peer, part, deadline, live, memory)
         finally:
             _checkpoint.reset(check)
             _live.reset(token)
 
-    def _write_lane(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None) -> None:
+    def _write_lane(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None,
+                    memory: Memory | None) -> None:
+        """``plan`` through ``lane``, batch by batch, each batch told where its descriptors are (``memory``)."""
         landed = 0
         posted = 0
 
         def post(batch: TransferPlan, of: str = "") -> None:
             nonlocal landed, posted
+            batch.memory = memory
             self._check(peer, deadline, live, f"after {posted}{of} batches ({landed} of {plan.total_bytes} B landed)")
             self._running[peer] = deadline + RESET_GRACE
             try:
@@ -355,10 +375,14 @@ class Transport:
                 for batch in batches:
                     post(batch, of)
                 continue
+            local = memory
+            if memory is not None:  # staged batches come from the staging buffer
+                memory = memory._replace(src_kind="dram", src_device=lane.staging.region.device)  # type: ignore[union-attr]
             try:
                 for batch in staged.batches(lane.batch_descriptors):
                     post(batch)
             finally:
+                memory = local
                 staged.release()  # write() returned or raised: the engine reads the slice no more
 
     def _post(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float, check: Callable[[], None]) -> None:

@@ -147,7 +147,7 @@ from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferErr
 from kvbridge.core.backend import wait_until
 from kvbridge.core.auth import is_loopback
 from kvbridge.core.layout import Region
-from kvbridge.core.plan import RegionTable, TransferPlan
+from kvbridge.core.plan import RegionTable, TransferPlan, memory_of
 from kvbridge.core.records import BackendCapabilities
 
 from ..tcpfence import TcpFence
@@ -296,17 +296,7 @@ def _mem(vram: bool) -> str:
     return "VRAM" if vram else "DRAM"
 
 
-_Side = tuple[bool, "npt.NDArray[np.int64] | int"]  # (GPU memory?, device id per descriptor or for all)
-
-
-def _one_kind(table: RegionTable) -> tuple[bool, int] | None:
-    """``(GPU memory?, device)`` shared by every region of ``table``, or None if they differ (or there are none).
-
-    Decided once per side, so a write between such sides needs no per-descriptor lookup.
-    """
-    if not len(table) or not ((table.vram == table.vram[0]).all() and (table.device == table.device[0]).all()):
-        return None
-    return bool(table.vram[0]), int(table.device[0])
+_Side = tuple[bool, int]  # (GPU memory?, device) of every descriptor of a side
 
 
 @dataclass
@@ -314,8 +304,7 @@ class _Peer:
     name: str  # kvbridge's peer id
     agent: str  # the NIXL agent name add_remote_agent returned
     table: PageTable | None  # None when the peer registered no regions, or they mix memory kinds
-    regions: RegionTable  # its regions: which memory kind and device each destination is in
-    kind: tuple[bool, int] | None  # (GPU memory?, device) of every region, if they share one
+    regions: RegionTable  # its regions, to place a batch core did not post (memory_of)
     metadata: bytes  # its agent metadata, to load again after its endpoint failed (_reload)
     region_list: list[Region]  # its regions as add_peer got them, for the page table _reload prepares again
     writes: int = 0  # writes in progress (guarded by the backend's lock)
@@ -357,7 +346,6 @@ class NixlBackend(Backend):
         self._registered: list[Region] = []
         self._reg_descs: list[Any] = []
         self._local_regions = RegionTable(())
-        self._local_kind: tuple[bool, int] | None = None  # (GPU memory?, device) of every local region, if shared
         self._local: PageTable | None = None
         self._stuck: list[nixl_xfer_handle] = []  # requests NIXL refused to release at a deadline
         log.debug("nixl agent %s up: progress delay %d us, UCX %s, xfer mode %s",
@@ -382,7 +370,6 @@ class NixlBackend(Backend):
         """Register every region with the agent (per memory kind) and prepare the local page table."""
         agent = self._live_agent()
         self._local_regions = RegionTable(regions)
-        self._local_kind = _one_kind(self._local_regions)
         if not regions:
             return
         try:
@@ -432,8 +419,7 @@ class NixlBackend(Backend):
         with self._lock:
             old = self._peers.pop(peer, None)
             table_of_regions = RegionTable(regions)
-            self._peers[peer] = _Peer(peer, agent_name, table, table_of_regions, _one_kind(table_of_regions),
-                                      bytes(metadata), list(regions))
+            self._peers[peer] = _Peer(peer, agent_name, table, table_of_regions, bytes(metadata), list(regions))
         if old is not None:
             self._retire(old, forget_agent=old.agent != agent_name)
 
@@ -554,19 +540,10 @@ class NixlBackend(Backend):
         self._live_agent()
         p = self._begin(peer)
         try:
-            if self._local_kind is not None and p.kind is not None:  # one memory kind and device per side
-                self._post(p, batch, self._local_kind, p.kind, deadline)
-                return
-            # A NIXL descriptor list holds one memory kind: one request per (source, destination) kind.
-            # (core checked every descriptor lies inside a region of each side)
-            src = self._local_regions.locate(batch.src_addr, batch.nbytes)[0]
-            dst = p.regions.locate(batch.dst_addr, batch.nbytes)[0]
-            kinds = 2 * self._local_regions.vram[src] + p.regions.vram[dst]  # 0..3: (source, destination) in VRAM?
-            for kind in np.unique(kinds).tolist():
-                pick = kinds == kind
-                sub = batch if pick.all() else TransferPlan(batch.src_addr[pick], batch.dst_addr[pick], batch.nbytes[pick])
-                self._post(p, sub, (kind >= 2, self._local_regions.device[src[pick]]),
-                           (kind % 2 == 1, p.regions.device[dst[pick]]), deadline)
+            # Core posts each batch with one memory kind and device a side (TransferPlan.memory): a NIXL
+            # descriptor list holds one kind. A batch from elsewhere (a direct call) is placed here.
+            m = batch.memory or memory_of(batch, self._local_regions, p.regions)
+            self._post(p, batch, (m.src_kind == "vram", m.src_device), (m.dst_kind == "vram", m.dst_device), deadline)
         finally:
             self._end(p)
 
