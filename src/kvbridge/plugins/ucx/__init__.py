@@ -2,6 +2,28 @@
 
 Registration only: :mod:`.backend` imports UCXX when ``ucx`` is selected,
 and shares :data:`CAPABILITIES` with this registration.
+
+**Error handling** (``error_handling``, ``on`` by default):
+
+- ``on``: endpoints use ``UCP_ERR_HANDLING_MODE_PEER``. A dead peer fails the
+  write with :class:`TransferError` at once. UCP puts in this mode only over
+  transports whose memory domain can invalidate remote access; CMA
+  (``process_vm_writev``) does not claim that by default, so this adapter sets
+  ``UCX_CMA_MEMORY_INVALIDATE=y`` (unless you set it) and puts go zero-copy
+  over CMA between processes of one host. Without it UCP emulates puts with
+  8 KiB active messages over TCP at under 1 GB/s. The invalidation is not
+  really done by CMA: after a failure, puts that were already posted may still
+  land, which core's contract allows.
+- ``off``: same speed for puts (CMA either way), but a put to a peer that has
+  died makes UCX **abort the whole prefill process** (SIGABRT in
+  ``process_vm_writev``: "No such process"); docs/engines.md saw two-sided
+  traffic to a dead peer complete without error in this mode. Use it only
+  where peers never die on their own.
+
+Other options: any ``UCX_*`` key
+(``UCX_TLS=tcp``, ...) configures this backend's UCX context, overriding the
+environment. With a loopback ``host`` and no ``UCX_NET_DEVICES`` set, the
+context uses ``lo`` only.
 """
 
 from __future__ import annotations

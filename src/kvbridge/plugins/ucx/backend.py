@@ -1,54 +1,8 @@
 """UCX adapter on UCXX: prefill pushes pages with one-sided UCP puts into decode memory.
 
-**Why RMA through ctypes, not UCXX's tag or AM messages.** UCXX's Python API
-offers tag, stream and active messages only (docs/engines.md, UCXX).
-Two-sided messages would need decode to post one receive per page into its
-destination slice, which core's contract does not provide (``write`` is
-one-sided and decode takes no part until ``Done``). UCXX's context, worker and
-endpoint objects do expose their raw UCP handles, and UCXX creates workers in
-``UCS_THREAD_MODE_MULTI``, so :mod:`._ucp` binds the handful of UCP RMA calls
-with ctypes against the very ``libucp`` UCXX loaded: decode ``ucp_mem_map``\\ s
-and ``ucp_rkey_pack``\\ s each region and ships the keys in its metadata;
-prefill ``ucp_ep_rkey_unpack``\\ s them, ``ucp_put_nbx``\\ es every descriptor
-and waits for ``ucp_ep_flush_nbx``, which completes once the puts are done at
-the destination. The core contract stays as it is.
-
-Measured here (2 cores shared with the receiver and another test run, two
-processes on 127.0.0.1, 256 MiB scattered so nothing coalesces, UCX 1.21 from
-libucx-cu12; GB/s, median of 5 with min-max):
-
-=====================================  ================  ================  ================
-path                                   4096 x 64 KiB     256 x 1 MiB       dead peer
-=====================================  ================  ================  ================
-RMA put, error handling on (default)   5.4 (5.2-5.8)     9.9 (9.8-10.3)    error in < 1 ms
-same without CMA: TCP put emulation    0.3 (0.3-0.9)     0.3 (0.3-0.4)     error in < 1 ms
-RMA put, error handling off            5.7 (5.1-6.1)     11.0 (8.8-11.8)   **process abort**
-tag send/recv, error handling on       0.5 (0.4-0.7)     0.6 (0.5-1.2)     error
-tag send/recv, error handling off      1.7 (1.5-1.9)     7.4 (6.8-8.5)     silent loss
-=====================================  ================  ================  ================
-
-Through kvbridge (``python -m kvbridge.bench.transfer --backend ucx``, 256 MiB):
-5.3 GB/s for 64 KiB pages, 8.7 for 1 MiB runs, 8.6 for one block; the raw UCP
-loop of :mod:`kvbridge.bench.raw_ucx` did 5.7, 9.0 and 7.7 in the same run.
-Small descriptors cost about 4 us each (20,000 x 16 B in 80 ms): 1 us to post
-through ctypes, 3 us inside UCP's progress (one ``process_vm_writev`` each).
-
-**Error handling** (``config.options["error_handling"]``, ``on`` by default):
-
-- ``on``: endpoints use ``UCP_ERR_HANDLING_MODE_PEER``. A dead peer fails the
-  write with :class:`TransferError` at once. UCP puts in this mode only over
-  transports whose memory domain can invalidate remote access; CMA
-  (``process_vm_writev``) does not claim that by default, so this adapter sets
-  ``UCX_CMA_MEMORY_INVALIDATE=y`` (unless you set it) and puts go zero-copy
-  over CMA between processes of one host. Without it UCP emulates puts with
-  8 KiB active messages over TCP at under 1 GB/s. The invalidation is not
-  really done by CMA: after a failure, puts that were already posted may still
-  land, which core's contract allows.
-- ``off``: same speed for puts (CMA either way), but a put to a peer that has
-  died makes UCX **abort the whole prefill process** (SIGABRT in
-  ``process_vm_writev``: "No such process"); docs/engines.md saw two-sided
-  traffic to a dead peer complete without error in this mode. Use it only
-  where peers never die on their own.
+Why one-sided RMA through ctypes (UCXX's Python API has only two-sided messages), and what it
+measured against the alternatives: :mod:`._ucp`. The ``error_handling`` and ``UCX_*`` options:
+:mod:`kvbridge.plugins.ucx`.
 
 **Timeouts.** UCX never notices a frozen (SIGSTOPped) peer. Over CMA the puts
 still land in the stopped process, so the write succeeds (the bytes are
@@ -61,20 +15,11 @@ buffers core drops next, by resetting the connections to the peer
 (``plugins/tcpfence.py``); a stopped peer may still read what its own receive
 buffers hold when it resumes.
 
-**Progress.** UCXX's progress thread runs in blocking (epoll) mode so an idle
-backend costs no CPU, but it does not pick up puts posted from another thread
-promptly (a 256 MiB write took 20 s). The writing thread therefore progresses
-the worker itself while it waits for the flush that follows a batch's puts,
-backing off to sleeps of up to 1 ms when nothing moves. Puts run inside
-progress calls, so they queue until then: the backend declares
-``max_descriptors_per_batch`` of 4096 (core splits plans to it), which bounds
-that queue. The worker is thread-safe, so writes to several peers may run at
-once. ctypes drops the GIL for every UCP call.
-
-Other options (declared in :mod:`kvbridge.plugins.ucx`): any ``UCX_*`` key
-(``UCX_TLS=tcp``, ...) configures this backend's UCX context, overriding the
-environment. With a loopback ``host`` and no ``UCX_NET_DEVICES`` set, the
-context uses ``lo`` only.
+**Progress.** UCXX's progress thread runs in blocking (epoll) mode (an idle backend costs no CPU) but
+picks up puts posted from another thread late (a 256 MiB write took 20 s), so the writing thread
+progresses the worker itself while it waits for the flush after a batch's puts (core's
+``wait_until``). Puts queue until then: ``max_descriptors_per_batch`` of 4096 bounds that queue.
+The worker is thread-safe; ctypes drops the GIL for every UCP call.
 """
 
 from __future__ import annotations
