@@ -1,14 +1,14 @@
 """The fast path's kernel in one process: tuning, heterogeneous TP 2 -> 1 NHD vs equal TP, and where a
 write's host time goes (``--host``).
 
-Runs :func:`kvbridge.core.kernel.copy` with a peer mapped at its own address
+Runs :func:`kvbridge.plugins.cuda_ipc.kernel.copy` with a peer mapped at its own address
 (one process: no IPC; the kernel and its host-side work are what the
 cross-process fast path runs), next to torch's device-to-device copy of the
 same bytes in the same run, and the kernel alone (``kernel_only_GBps``: its
 table already on the GPU, timed with CUDA events). Every case is checked byte-exact with torch
 indexing. Needs a CUDA GPU.
 
-``--host`` times :func:`~kvbridge.core.kernel.copy` of 1 GiB of scattered 16 and 64 KiB pages,
+``--host`` times :func:`~kvbridge.plugins.cuda_ipc.kernel.copy` of 1 GiB of scattered 16 and 64 KiB pages,
 planned as ``kvbridge bench transfer --device cuda`` plans them, on the host next to torch's D2D copy
 (interleaved, as the transfer bench does), and then, in a traced pass, each step from the copy's start to
 its return: the buffers (and current context), the peer's table, each slice's shape, packing, table copy

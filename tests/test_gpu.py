@@ -1,7 +1,7 @@
 """GPU memory: the fast path's work split (on CPU, always), and VRAM end to end (on a CUDA machine).
 
 The kernel of :mod:`kvbridge.plugins.cuda_ipc` copies ``TILE_BYTES`` pieces of
-descriptors, a slice of rows per launch; :func:`~kvbridge.core.split.execute_on_host` runs the same split
+descriptors, a slice of rows per launch; :func:`~kvbridge.plugins.cuda_ipc.split.execute_on_host` runs the same split
 with ``memmove`` on host memory, checked here against plain numpy slicing.
 The GPU tests run prefill and decode as separate processes with CUDA
 tensors (kvbridge.testing.hybrid, ``device="cuda"``) and skip, naming the
