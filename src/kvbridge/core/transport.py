@@ -115,6 +115,24 @@ class _Route:
         return [self.whole] if self.whole is not None else np.unique(self.lanes).tolist()
 
 
+@dataclass
+class _Peer:
+    """What the transport keeps of one peer. It outlives :meth:`Transport.remove_peer`: the engine still
+    pools the connections reset to that endpoint and may still drain a failed write into it. A peer
+    dropped then handshaking again (the same id: decode after a prefill resumed from a freeze) failed
+    one write per reset connection when they were not retried (measured: the resumed room failed), and
+    a ``Fenced`` sent at the drop must still wait out the drain."""
+
+    #: How its writes are shared among the lanes; None once removed.
+    route: _Route | None = None
+    #: When its write in a backend is overdue (:meth:`Transport.reset_overdue`); inf: none is.
+    overdue: float = math.inf
+    #: Connections :meth:`Transport.reset` reset since its last write (so many retries are allowed).
+    resets: int = 0
+    #: Until when an engine may still write what a failed write to it left (``drain_after_failure``).
+    drain_until: float = 0.0
+
+
 class Transport:
     """Lanes of backends plus the policy core applies to every backend alike."""
 
@@ -130,12 +148,9 @@ class Transport:
         self.host = host_id()
         self._regions: list[Region] = []
         self._local = RegionTable(())
-        self._routes: dict[str, _Route] = {}
+        self._peers: dict[str, _Peer] = {}
         #: One lane: the route of a peer it was not told of (the backend refuses a peer it does not know).
         self._single = _Route(0, RegionTable(()), np.zeros((0, 0), np.int64)) if len(self.lanes) == 1 else None
-        self._running: dict[str, float] = {}  # peer -> when its write in the backend is overdue (reset_overdue)
-        self._was_reset: dict[str, int] = {}  # peer -> connections reset() reset since its last write
-        self._failed_at: dict[str, float] = {}  # peer -> when a write to it last raised (fence_delay)
 
     @classmethod
     def of(cls, backend: Backend, name: str, capabilities: BackendCapabilities | None = None) -> Transport:
@@ -203,7 +218,7 @@ class Transport:
         self.remove_peer(peer)
         if len(self.lanes) == 1:  # nothing to share out: the backend takes the peer or refuses it
             self.lanes[0].backend.add_peer(peer, metadata.get(self.lanes[0].name, b""), regions)
-            self._routes[peer] = self._route(np.zeros((len(self._regions), len(regions)), np.int64), regions)
+            self._state(peer).route = self._route(np.zeros((len(self._regions), len(regions)), np.int64), regions)
             return
         local = sorted(self._regions, key=lambda r: r.addr)
         theirs = sorted(regions, key=lambda r: r.addr)
@@ -239,7 +254,7 @@ class Transport:
                 f"no backend of {self.name!r} moves peer {peer!r}'s memory: e.g. local region {a.name!r} ({a.mem}) "
                 f"-> its {b.name!r} ({b.mem}), {len(missing)} region pair(s) in all; " + "; ".join(why)
             )
-        route = self._routes[peer] = self._route(table, regions)
+        route = self._state(peer).route = self._route(table, regions)
         log.info("%s: peer %r goes through %s", self.name, peer, ", ".join(self.lanes[i].name for i in route.used))
 
     def _route(self, lanes: npt.NDArray[np.int64], regions: Sequence[Region]) -> _Route:
@@ -255,16 +270,24 @@ class Transport:
 
     def lanes_of(self, peer: str) -> list[str]:
         """The lanes that move something to ``peer`` (empty for an unknown peer)."""
-        route = self._routes.get(peer)
+        route = self._route_of(peer, None)
         return [] if route is None else [self.lanes[i].name for i in route.used]
 
+    def _state(self, peer: str) -> _Peer:
+        state = self._peers.get(peer)
+        if state is None:
+            state = self._peers[peer] = _Peer()
+        return state
+
+    def _route_of(self, peer: str, default: _Route | None) -> _Route | None:
+        state = self._peers.get(peer)
+        return state.route if state is not None and state.route is not None else default
+
     def remove_peer(self, peer: str) -> None:
-        route = self._routes.pop(peer, None)
-        # _was_reset and _failed_at stay: the engine still pools the connections reset to that endpoint
-        # and may still drain a failed write into it. A peer dropped then handshaking again (the same
-        # id: decode after a prefill resumed from a freeze) failed one write per reset connection when
-        # they were not retried (measured: the resumed room failed), and a Fenced sent at the drop
-        # must still wait out the drain.
+        state = self._peers.get(peer)
+        route = None if state is None else state.route
+        if state is not None:
+            state.route = None  # the rest stays (_Peer says why)
         for lane in self.lanes if route is None else [self.lanes[i] for i in route.used]:
             lane.backend.remove_peer(peer)
 
@@ -275,28 +298,26 @@ class Transport:
         its deadline; connections are reset whether it answers or not, which ends the engine's wait.
         The engine reconnects for the next write (:meth:`_post` retries it where the engine fails one
         first)."""
-        route = self._routes.get(peer, self._single)
+        route = self._route_of(peer, self._single)
         lanes = self.lanes if route is None else [self.lanes[i] for i in route.used]
         n = sum(lane.backend.abort_peer(peer, stuck) for lane in lanes)
         if n:
-            self._was_reset[peer] = self._was_reset.get(peer, 0) + n
+            self._state(peer).resets += n
             log.warning("%s: reset %d connection(s) to peer %r (%s) so nothing queued in them lands later",
                         self.name, n, peer, why)
 
     def fence_delay(self, peer: str) -> float:
         """Seconds until the engine certainly has no work left of a write to ``peer`` that failed
         (``Backend.drain_after_failure`` after it raised; 0 for most engines): ``Fenced`` waits that long."""
-        at = self._failed_at.get(peer)
-        if at is None:
-            return 0.0
-        return max(0.0, at + self.backend.drain_after_failure - time.monotonic())
+        state = self._peers.get(peer)
+        return 0.0 if state is None else max(0.0, state.drain_until - time.monotonic())
 
     def reset_overdue(self, now: float) -> None:
         """Reset the connections of peers whose write is still inside the backend ``RESET_GRACE``
         past its deadline (the I/O thread calls this on its tick); once per write."""
-        for peer, due in list(self._running.items()):
-            if now > due:
-                self._running[peer] = math.inf
+        for peer, state in list(self._peers.items()):
+            if now > state.overdue:
+                state.overdue = math.inf
                 self.reset(peer, "a write ran past its deadline", stuck=True)
 
     def close(self) -> None:
@@ -317,7 +338,7 @@ class Transport:
         is started either way: this is what fences a failed room), and passes
         on the backend's :class:`TransferError`, saying how much had landed before.
         """
-        route = self._routes.get(peer, self._single)
+        route = self._route_of(peer, self._single)
         if route is None:
             raise TransferError(f"{self.name}: write to unknown peer {peer!r} (no handshake, or removed)")
         token = _live.set(live)  # the backend re-checks right before it posts (backend.may_post)
@@ -352,18 +373,19 @@ class Transport:
             nonlocal landed, posted
             batch.memory = memory
             self._check(peer, deadline, live, f"after {posted}{of} batches ({landed} of {plan.total_bytes} B landed)")
-            self._running[peer] = deadline + RESET_GRACE
+            state = self._state(peer)
+            state.overdue = deadline + RESET_GRACE
             try:
                 self._post(lane, peer, batch, deadline, lambda: self._check(peer, deadline, live, "before a retry"))
             except TransferError as exc:
                 if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing
-                    self._failed_at[peer] = time.monotonic()
+                    state.drain_until = time.monotonic() + lane.backend.drain_after_failure
                     self.reset(peer, f"a write failed: {type(exc).__name__}")
                 if posted == 0:
                     raise
                 raise type(exc)(f"{exc} (batch {posted + 1}; the {posted} before it, {landed} B, landed)") from exc
             finally:
-                self._running.pop(peer, None)
+                state.overdue = math.inf
             landed += batch.total_bytes
             posted += 1
 
@@ -390,7 +412,8 @@ class Transport:
         reset ``n`` of the peer's connections, up to ``n`` times: an engine that pools connections
         (Mooncake) fails one call per reset connection it picks, dropping it, then reconnects. A retry
         writes the same bytes to the same places, after ``check`` (deadline and liveness) again."""
-        retries = self._was_reset.pop(peer, 0)
+        state = self._state(peer)
+        retries, state.resets = state.resets, 0
         while True:
             try:
                 lane.backend.write(peer, batch, deadline)
@@ -427,7 +450,8 @@ class Transport:
             raise TransferCancelled(f"{self.name}: write to peer {peer!r} stopped {where}: the room is no longer live")
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"backend": self.name, "lanes": {p: self.lanes_of(p) for p in sorted(self._routes)}}
+        out: dict[str, Any] = {"backend": self.name,
+                               "lanes": {p: self.lanes_of(p) for p in sorted(self._peers) if self._peers[p].route}}
         for lane in self.lanes:
             if lane.staging is not None:
                 out["staging"] = lane.staging.stats()
