@@ -1,26 +1,17 @@
-"""Core's half of the backend contract: one policy around every backend, and lanes.
+"""Core's half of the backend contract: one policy around every backend.
 
-A :class:`Transport` holds an ordered list of *lanes*, each a
-:class:`~kvbridge.core.backend.Backend` with its declared
-:class:`~kvbridge.core.records.BackendCapabilities`, and does what no adapter
-repeats: memory kinds checked at registration and at handshake, plans cut
-and split into batches within the declared limits, the deadline and the
-room's liveness checked before every batch. A backend only moves bytes.
+A :class:`Transport` holds an ordered list of lanes (:mod:`kvbridge.core.lanes`:
+which backend moves which pair of regions to a peer) and does, from each
+backend's declared :class:`~kvbridge.core.records.BackendCapabilities`, what no
+adapter repeats: memory kinds checked at registration and at handshake, a
+write's descriptors located once (where a peer's regions need it) and grouped
+by lane and memory kind, plans cut and split into batches within the declared
+limits, the deadline and the room's liveness checked before every batch, and
+the connections of a peer whose write failed reset (``Backend.abort_peer``).
 
-**Lanes.** Each lane registers the rank's regions of the memory kinds it
-moves and, at handshake, adds the peer if the peer runs the same lane and is
-within its reach (a backend with ``cross_host=False`` only for a peer on this
-host). For every pair of (local region, peer region) the first lane that
-holds both moves it: ``cuda_ipc,nixl`` sends GPU -> GPU on one host through
-CUDA IPC and everything else through NIXL. The table is made once per peer;
-a write to a peer one lane covers whole goes to it as planned, and otherwise
-its descriptors are located once and grouped by lane (the same order as the
-list, so a lane is never passed over for a later one).
-
-:func:`open_transport` is the one place core creates backends. It takes what
-a manager was given: a registered name or a comma-separated list of names
-(lanes, in order), a resolved :class:`BackendSpec`, a ready :class:`Backend`
-instance (as an HTTP client takes a transport object), or ``None`` for the
+:func:`open_transport` is the one place core creates backends: from a name or a
+comma-separated list of names (:func:`~kvbridge.core.lanes.lane_names`), a
+:class:`BackendSpec`, a ready :class:`Backend` instance, or ``None`` for the
 default lanes.
 """
 
@@ -30,20 +21,22 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
-import numpy.typing as npt
 
 from . import staging
+from .lanes import FENCE_BATCH_BYTES, FENCE_BATCH_DESCRIPTORS, Lane, Route, backend_name, lane_names, make_route, route_peer
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, host_id
 from .layout import Region
 from .plan import Memory, RegionTable, TransferPlan
-from .plugins import SAME_HOST_LANES, PluginError, get_registry, import_object
+from .plugins import PluginError, get_registry, import_object
 from .records import BackendCapabilities, BackendSpec, assign_options
 
-__all__ = ["BackendChoice", "Lane", "Transport", "lane_names", "open_transport"]
+__all__ = [
+    "FENCE_BATCH_BYTES", "FENCE_BATCH_DESCRIPTORS", "BackendChoice", "Lane", "Transport", "lane_names", "open_transport",
+]
 
 log = logging.getLogger(__name__)
 
@@ -51,68 +44,10 @@ log = logging.getLogger(__name__)
 #: spec, a ready backend, or None for the default lanes.
 BackendChoice = Union[str, BackendSpec, Backend, None]
 
-#: Every batch stays within these, whatever the backend allows: the fence is
-#: checked between batches, so they bound what a prefill frozen inside an engine
-#: call can still write when it resumes after decode reported FAILED
-#: (docs/failures.md). Measured cost on nixl: within noise (docs/failures.md).
-FENCE_BATCH_DESCRIPTORS = 1024
-FENCE_BATCH_BYTES = 16 << 20
-
 #: A write still inside its backend this long after its deadline has its peer's TCP connections
 #: reset (:meth:`Transport.reset_overdue`): an engine blocked past the deadline (Mooncake waits for
 #: its own timeout) must not close them itself, which would leave what they queued to land later.
 RESET_GRACE = 0.25
-
-
-@dataclass
-class Lane:
-    """One backend of a transport, with what core derives from its declaration."""
-
-    name: str
-    backend: Backend
-    capabilities: BackendCapabilities
-    #: The local regions it registered (those of the memory kinds it moves).
-    regions: list[Region] = field(default_factory=list)
-    #: Host staging of strided sources (core/staging.py), on the first lane that moves host memory.
-    staging: staging.Staging | None = None
-
-    def __post_init__(self) -> None:
-        caps = self.capabilities
-        if caps.whole_plans:  # the backend checks the fence between its own posts (backend.checkpoint)
-            self.batch_descriptors = caps.batch_descriptors or 1 << 62
-            self.batch_bytes = caps.max_bytes_per_batch or 1 << 62
-        else:
-            self.batch_descriptors = min(caps.batch_descriptors or FENCE_BATCH_DESCRIPTORS, FENCE_BATCH_DESCRIPTORS)
-            self.batch_bytes = min(caps.max_bytes_per_batch or FENCE_BATCH_BYTES, FENCE_BATCH_BYTES)
-
-    def batches(self, plan: TransferPlan) -> list[TransferPlan]:
-        """``plan`` as the backend will receive it: cut and split within the declared limits (views)."""
-        # A plan within every limit (the fence's caps included) is one batch as it is (most requests:
-        # one chunk, one metadata row); cutting and slicing it cost more than the engine's own write.
-        if len(plan) <= self.batch_descriptors and plan.total_bytes <= self.batch_bytes:
-            return [plan] if len(plan) else []
-        plan = plan.cut(self.batch_bytes)
-        return list(plan.batches(self.batch_descriptors, self.batch_bytes))
-
-
-@dataclass
-class _Route:
-    """How writes to one peer are shared among the lanes (made at :meth:`Transport.add_peer`)."""
-
-    #: The lane moving every descriptor to this peer, when one does.
-    whole: int | None
-    #: The peer's regions, and the lane of each (local, peer) region pair in the order
-    #: ``RegionTable``\ s sort them (every pair has one: the handshake refused a peer otherwise).
-    table: RegionTable
-    lanes: npt.NDArray[np.int64]
-    #: Where every descriptor is, when one lane moves everything and each side's regions share one
-    #: memory kind and device (most ranks): no descriptor is located then.
-    memory: Memory | None = None
-
-    @property
-    def used(self) -> list[int]:
-        """The lanes moving something to the peer, in order."""
-        return [self.whole] if self.whole is not None else np.unique(self.lanes).tolist()
 
 
 @dataclass
@@ -124,7 +59,7 @@ class _Peer:
     a ``Fenced`` sent at the drop must still wait out the drain."""
 
     #: How its writes are shared among the lanes; None once removed.
-    route: _Route | None = None
+    route: Route | None = None
     #: When its write in a backend is overdue (:meth:`Transport.reset_overdue`); inf: none is.
     overdue: float = math.inf
     #: Connections :meth:`Transport.reset` reset since its last write (so many retries are allowed).
@@ -150,7 +85,7 @@ class Transport:
         self._local = RegionTable(())
         self._peers: dict[str, _Peer] = {}
         #: One lane: the route of a peer it was not told of (the backend refuses a peer it does not know).
-        self._single = _Route(0, RegionTable(()), np.zeros((0, 0), np.int64)) if len(self.lanes) == 1 else None
+        self._single = Route(0, RegionTable(()), np.zeros((0, 0), np.int64)) if len(self.lanes) == 1 else None
 
     @classmethod
     def of(cls, backend: Backend, name: str, capabilities: BackendCapabilities | None = None) -> Transport:
@@ -218,55 +153,11 @@ class Transport:
         self.remove_peer(peer)
         if len(self.lanes) == 1:  # nothing to share out: the backend takes the peer or refuses it
             self.lanes[0].backend.add_peer(peer, metadata.get(self.lanes[0].name, b""), regions)
-            self._state(peer).route = self._route(np.zeros((len(self._regions), len(regions)), np.int64), regions)
+            self._state(peer).route = make_route(np.zeros((len(self._regions), len(regions)), np.int64), self._local,
+                                                 regions)
             return
-        local = sorted(self._regions, key=lambda r: r.addr)
-        theirs = sorted(regions, key=lambda r: r.addr)
-        table = np.full((len(local), len(theirs)), -1, np.int64)
-        why: list[str] = []
-        for i, lane in enumerate(self.lanes):
-            caps = lane.capabilities
-            if lane.name not in metadata:
-                why.append(f"{lane.name}: the peer does not run it")
-                continue
-            if not caps.cross_host and host != self.host:
-                why.append(f"{lane.name}: the peer is on another host")
-                continue
-            mine = np.array([r.mem in caps.memory_kinds and r in lane.regions for r in local], bool)
-            its = np.array([r.mem in caps.memory_kinds for r in theirs], bool)
-            if not mine.any() or not its.any():
-                why.append(f"{lane.name}: no memory of the kinds it moves on both sides")
-                continue
-            try:
-                lane.backend.add_peer(peer, metadata[lane.name], [r for r in theirs if r.mem in caps.memory_kinds])
-            except Exception as exc:
-                why.append(f"{lane.name}: {exc}")
-                log.info("%s: lane %r does not take peer %r: %s", self.name, lane.name, peer, exc)
-                continue
-            free = (table < 0) & mine[:, None] & its[None, :]
-            table[free] = i
-        missing = np.argwhere(table < 0)
-        if len(missing):
-            for i in np.unique(table[table >= 0]).tolist():
-                self.lanes[i].backend.remove_peer(peer)
-            a, b = local[missing[0][0]], theirs[missing[0][1]]
-            raise TransferError(
-                f"no backend of {self.name!r} moves peer {peer!r}'s memory: e.g. local region {a.name!r} ({a.mem}) "
-                f"-> its {b.name!r} ({b.mem}), {len(missing)} region pair(s) in all; " + "; ".join(why)
-            )
-        route = self._state(peer).route = self._route(table, regions)
+        route = self._state(peer).route = route_peer(self.lanes, self._regions, peer, metadata, regions, host == self.host)
         log.info("%s: peer %r goes through %s", self.name, peer, ", ".join(self.lanes[i].name for i in route.used))
-
-    def _route(self, lanes: npt.NDArray[np.int64], regions: Sequence[Region]) -> _Route:
-        used = np.unique(lanes)
-        whole = int(used[0]) if len(used) == 1 else 0 if not lanes.size else None
-        theirs = RegionTable(regions)
-        memory = None
-        if whole is not None and len(self._local.places) <= 1 and len(theirs.places) <= 1:
-            (src_kind, src_device), = self._local.places or [("dram", 0)]
-            (dst_kind, dst_device), = theirs.places or [("dram", 0)]
-            memory = Memory(src_kind, src_device, dst_kind, dst_device)
-        return _Route(whole, theirs, lanes, memory)
 
     def lanes_of(self, peer: str) -> list[str]:
         """The lanes that move something to ``peer`` (empty for an unknown peer)."""
@@ -279,7 +170,7 @@ class Transport:
             state = self._peers[peer] = _Peer()
         return state
 
-    def _route_of(self, peer: str, default: _Route | None) -> _Route | None:
+    def _route_of(self, peer: str, default: Route | None) -> Route | None:
         state = self._peers.get(peer)
         return state.route if state is not None and state.route is not None else default
 
@@ -457,30 +348,6 @@ class Transport:
                 out["staging"] = lane.staging.stats()
             out.update(lane.backend.describe())
         return out
-
-
-def backend_name(backend: Backend) -> str:
-    """The registered name of ``backend``'s class, or its class name if no registration names it."""
-    cls = type(backend)
-    target = f"{cls.__module__}:{cls.__qualname__}"
-    for name, reg in get_registry().backends.items():
-        if isinstance(reg.spec, BackendSpec) and reg.spec.factory == target:
-            return name
-    return cls.__name__
-
-
-def lane_names(backend: str | None, fast_path: bool = True) -> list[str]:
-    """The lanes a manager gets for ``backend`` (``--transfer-backend``): a comma-separated list as
-    named; one name after the available same-host lanes; None the default lanes. ``fast_path=False``
-    (``SessionConfig.gpu_fast_path``) leaves the same-host lanes out of the last two."""
-    registry = get_registry()
-    if backend is None:
-        return registry.default_lanes(fast_path)
-    if "," in backend:
-        return registry.lane_names(backend)
-    registry.backend_spec(backend)  # an unknown name: the registry's error
-    near = registry.same_host_lanes() if fast_path and backend not in SAME_HOST_LANES else []
-    return [*near, backend]
 
 
 def open_transport(
