@@ -1,6 +1,6 @@
 """Lanes: the backends of one transport, in order, and which of them moves what to a peer.
 
-A transport holds an ordered list of :class:`Lane`\ s, each a backend with its
+A transport holds an ordered list of :class:`Lane` objects, each a backend with its
 declared capabilities. At the handshake, :func:`route_peer` asks every lane
 the peer runs too, and can reach, to add it (``cross_host=False``: only a
 peer on this host), and gives each pair of (local region, peer region) to the
@@ -79,7 +79,7 @@ class Route:
     #: The lane moving every descriptor to this peer, when one does.
     whole: int | None
     #: The peer's regions, and the lane of each (local, peer) region pair in the order
-    #: ``RegionTable``\ s sort them (every pair has one: the handshake refused a peer otherwise).
+    #: ``RegionTable`` sorts them (every pair has one: the handshake refused a peer otherwise).
     table: RegionTable
     lanes: npt.NDArray[np.int64]
     #: Where every descriptor is, when one lane moves everything and each side's regions share one
