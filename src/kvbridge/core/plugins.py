@@ -125,6 +125,7 @@ class Registry:
     #: name -> every provider, for names claimed more than once (unusable until fixed).
     duplicates: dict[tuple[Kind, str], list[Provider]] = field(default_factory=dict)
     _handlers: dict[str, Any] = field(default_factory=dict, repr=False)
+    _lanes: dict[str, tuple[BackendSpec, ...]] = field(default_factory=dict, repr=False)
 
     # -- backends -----------------------------------------------------------
     def backend_spec(self, name: str) -> BackendSpec:
@@ -189,12 +190,17 @@ class Registry:
 
     def lanes(self, text: str) -> list[BackendSpec]:
         """The registrations of ``text``'s backends (one name, or names separated by commas), each
-        checked to be installed and usable: :class:`BackendUnavailableError` names the pip extra."""
-        specs = [self.backend_spec(n) for n in self.lane_names(text)]
-        for spec in specs:
-            if not self.backend_available(spec.name):
-                self.load_backend(spec.name)  # raises, naming what to install
-        return specs
+        checked to be installed and usable: :class:`BackendUnavailableError` names the pip extra.
+        Resolved once per text and kept: ``--transfer-backend``, ``TransferConfig`` and every manager
+        built from it share the answer."""
+        specs = self._lanes.get(text)
+        if specs is None:
+            specs = tuple(self.backend_spec(n) for n in self.lane_names(text))
+            for spec in specs:
+                if not self.backend_available(spec.name):
+                    self.load_backend(spec.name)  # raises, naming what to install
+            self._lanes[text] = specs
+        return list(specs)
 
     def lane_names(self, text: str) -> list[str]:
         """``"cuda_ipc,nixl"`` as registered backend names, in order; an unknown, repeated or empty

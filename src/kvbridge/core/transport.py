@@ -379,7 +379,7 @@ def open_transport(
     if isinstance(backend, BackendSpec):
         specs = [backend]
     elif isinstance(backend, str) or backend is None:
-        specs = [registry.backend_spec(n) for n in lane_names(backend, fast_path)]
+        specs = registry.lanes(",".join(lane_names(backend, fast_path)))
     else:
         raise TypeError(f"backend must be a name, a BackendSpec or a Backend instance, got {type(backend).__name__}")
     parsed = [spec.parse_options(mine) for spec, mine in zip(specs, assign_options(specs, options))]
