@@ -142,7 +142,9 @@ if [ "$TORCH_MODE" = cpu ]; then
   elif [ -n "$TORCH_INDEX" ] && probe --extra-index-url "$TORCH_INDEX" "$TORCH_PIN" >/dev/null 2>"$VENV/.probe.log"; then
     torch_from=(--extra-index-url "$TORCH_INDEX" "$TORCH_PIN")
   else
-    die "no CPU build of torch 2.13.0 ($TORCH_PIN) in pip's sources${TORCH_INDEX:+ or $TORCH_INDEX}: $(grep -m1 -E 'ERROR|WARNING' "$VENV/.probe.log" || tail -n 1 "$VENV/.probe.log")
+    why=$(grep -m1 'No matching distribution' "$VENV/.probe.log" || tail -n 1 "$VENV/.probe.log")
+    grep -q -E 'NewConnectionError|Name or service not known|timed out' "$VENV/.probe.log" && why="$why (an index could not be reached)"
+    die "no CPU build of torch 2.13.0 ($TORCH_PIN) in pip's sources${TORCH_INDEX:+ or $TORCH_INDEX}; pip says: $why
   The demo's model needs it; PyPI's Linux torch is the CUDA build (~7 GB of nvidia-* wheels) and is not installed on purpose. Either:
   - make the CPU build reachable: KVBRIDGE_TORCH_INDEX=<a mirror of https://download.pytorch.org/whl/cpu> bash scripts/setup.sh,
     or put torch-2.13.0+cpu-cp${pyver/./}-*.whl in a folder and: PIP_FIND_LINKS=<folder> bash scripts/setup.sh
