@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
             _lazy("kvbridge.scaffold"), add_scaffold_arguments)
 
     bench = sub.add_parser("bench", help="benchmarks: plan, transfer, tp, request, scale, layerwise, checksum (each with --json)",
-                           description="Benchmarks. Each part prints a table (or --json); plan, transfer, tp, request "
-                                       "and scale can draw --plot FILE.png (needs kvbridge[plot]).",
+                           description="Benchmarks. Each part prints a table (or --json) and can draw "
+                                       "--plot FILE.png (needs kvbridge[plot]).",
                            formatter_class=ui.HelpFormatter)
     bench_sub = bench.add_subparsers(dest="bench", metavar="PART", required=True)
     from kvbridge.bench import checksum, layerwise, plan, request, scale, tp, transfer
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     command(bench_sub, "plan", "plan building vs SGLang's plan path, same descriptors", _lazy("kvbridge.bench.plan"),
             plan.add_arguments)
     command(bench_sub, "transfer", "bytes between two processes: kvbridge vs raw engine vs memcpy "
-            "(`--device cuda`: VRAM to VRAM, its own options: `kvbridge bench transfer --device cuda --help`)",
+            "(--device cuda: VRAM to VRAM, vs raw NIXL and torch D2D)",
             _lazy("kvbridge.bench.transfer"), transfer.add_arguments)
     command(bench_sub, "tp", "heterogeneous-TP plans: descriptors and time, NHD vs HND", _lazy("kvbridge.bench.tp"),
             tp.add_arguments)
@@ -153,26 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cuda_transfer(argv: list[str]) -> list[str] | None:
-    """The arguments of ``bench transfer --device cuda`` without the device, or None for any other command."""
-    if argv[:2] != ["bench", "transfer"]:
-        return None
-    rest = argv[2:]
-    for i, arg in enumerate(rest):
-        if arg == "--device=cuda":
-            return rest[:i] + rest[i + 1:]
-        if arg == "--device" and rest[i + 1:i + 2] == ["cuda"]:
-            return rest[:i] + rest[i + 2:]
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cuda = _cuda_transfer(argv)
-    if cuda is not None:
-        from kvbridge.bench import gpu  # VRAM -> VRAM takes its own options (page sizes, GPUs)
-
-        return gpu.main(cuda)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
