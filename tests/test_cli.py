@@ -168,3 +168,10 @@ def test_bench_transfer_has_one_parser_whatever_the_device():
 def test_bench_transfer_refuses_the_other_devices_options(args, message):
     out = kvb("bench", "transfer", "--transfer-backend", "memory", *args)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_conformance_without_a_name_asks_for_the_name_only():
+    out = kvb("conformance")
+    assert out.returncode == 2 and out.stderr.startswith("usage: kvbridge conformance"), out.stderr
+    assert "the following argument is required: NAME (an installed backend; available here: " in out.stderr
+    assert "PYTEST_ARGS" not in out.stderr.splitlines()[-1]  # optional: named only in the usage line
