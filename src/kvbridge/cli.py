@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -153,20 +154,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit statuses of a run stopped by a signal (Ctrl-C, SIGTERM): 128 + the signal.
+INTERRUPTED = (130, 143)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``kvbridge`` command; ``argv`` None: this process's arguments (the program itself)."""
+    program = argv is None
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return ui.EXIT_USAGE
+    args: argparse.Namespace | None = None
     try:
-        return int(args.func(args))
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return ui.EXIT_USAGE
+        status = int(args.func(args))
     except PluginError as exc:  # unknown backend, missing engine, duplicate plugin: a usage error, no traceback
+        assert args is not None
         ui.usage_error(args.command_parser, str(exc))
     except KeyboardInterrupt:
-        print(f"{args.command_parser.prog}: interrupted", file=sys.stderr)
-        return 130
+        prog = args.command_parser.prog if args is not None and hasattr(args, "command_parser") else "kvbridge"
+        print(f"{prog}: interrupted", file=sys.stderr)
+        status = 130
+    if program and status in INTERRUPTED:
+        # Everything the command started is stopped by now. torch, imported (or half imported) when the
+        # signal came, can abort the interpreter's own exit ("terminate called without an active
+        # exception", status 134): leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":
