@@ -29,9 +29,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             if i:
                 print()
             ui.print_table(table)
+    # One broken plugin never fails the listing of the others; --strict (a plugin's CI) makes it an error.
+    level = "error" if args.strict else "warning"
     for err in registry.errors:
-        print(f"kvbridge: error: {err}", file=sys.stderr)
-    return ui.EXIT_FAILED if registry.errors else ui.EXIT_OK
+        print(f"kvbridge plugins: {level}: {err} (the other plugins loaded)", file=sys.stderr)
+    for dep in registry.deprecations:
+        print(f"kvbridge plugins: warning: {dep}", file=sys.stderr)
+    return ui.EXIT_FAILED if args.strict and registry.errors else ui.EXIT_OK
 
 
 def _status(row: dict[str, Any]) -> str:
@@ -58,10 +62,15 @@ def _writes(caps: dict[str, Any]) -> str:
                       "cross-host" if caps["cross_host"] else "same host"))
 
 
+def _source(row: dict[str, Any]) -> str:
+    """The distribution a registration comes from, with its version."""
+    return f"{row['distribution']} {row['version']}" if row.get("version") else str(row["distribution"])
+
+
 def _backends_table(rows: list[dict[str, Any]]) -> Any:
     return ui.table(
         ["backend", "from", "status", "memory", "limits", "writes"],
-        [(r["name"], r["distribution"], _status(r), r["capabilities"]["memory_kinds"], _limits(r["capabilities"]),
+        [(r["name"], _source(r), _status(r), r["capabilities"]["memory_kinds"], _limits(r["capabilities"]),
           _writes(r["capabilities"])) for r in rows if r["kind"] == "backend"],
         title="Transfer backends (--transfer-backend NAME)", nowrap=["backend"],
     )
@@ -70,7 +79,7 @@ def _backends_table(rows: list[dict[str, Any]]) -> Any:
 def _handlers_table(rows: list[dict[str, Any]]) -> Any:
     return ui.table(
         ["state handler", "from", "index spaces", "hetero TP", "layouts", "draft"],
-        [(r["name"], r["distribution"], r["capabilities"]["index_spaces"], r["capabilities"]["hetero_tp"],
+        [(r["name"], _source(r), r["capabilities"]["index_spaces"], r["capabilities"]["hetero_tp"],
           r["capabilities"]["layouts"], r["capabilities"]["draft"]) for r in rows if r["kind"] == "state_handler"],
         title="State handlers", nowrap=["state handler"],
     )
@@ -113,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plugins = command(sub, "plugins", "list installed backends, state handlers and backend options", _cmd_plugins)
     plugins.add_argument("--json", action="store_true", help="print a JSON list of objects, one per registration")
+    plugins.add_argument("--strict", action="store_true",
+                         help="exit 1 if a plugin did not load (without it, one is reported on stderr and the rest listed)")
 
     from kvbridge.demo import add_arguments as add_demo_arguments
 
@@ -173,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     except PluginError as exc:  # unknown backend, missing engine, duplicate plugin: a usage error, no traceback
         assert args is not None
         ui.usage_error(args.command_parser, str(exc))
+    except BrokenPipeError:  # stdout closed early (| head): not an error of the command; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as the shell reports a pipe's writer that stopped there
     except KeyboardInterrupt:
         prog = args.command_parser.prog if args is not None and hasattr(args, "command_parser") else "kvbridge"
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 EXIT_OK = 0
-#: The command ran and something failed (a transfer, a check, a plugin that did not load).
+#: The command ran and something failed (a transfer, a check; with ``plugins --strict``, a plugin that did not load).
 EXIT_FAILED = 1
 #: The command line was wrong (argparse's own status): nothing ran.
 EXIT_USAGE = 2
