@@ -169,11 +169,14 @@ class Cell(msgspec.Struct, kw_only=True):
 
     @property
     def late_allowed(self) -> int:
-        """Late pages after FAILED the guarantee allows: none, except from a prefill frozen inside an
-        engine call (mid-transfer), which may finish that one batch when it resumes, and then only in a
-        room reported FAILED before it was fenced (docs/failures.md). After ``fenced``: none, ever."""
-        frozen = (self.fault, self.phase) == ("prefill-freeze", "mid-transfer") and self.fenced_at_failed is False
-        return FENCE_BATCH_DESCRIPTORS if frozen else 0
+        """Late pages after FAILED the guarantee allows (docs/failures.md, its two exceptions): none,
+        except one batch from a prefill frozen inside an engine call (mid-transfer), which may finish
+        that batch when it resumes, and then only in a room reported FAILED before it was fenced; and
+        one batch into a decode that was itself stopped mid-transfer, which copies in on resuming what
+        its kernel had already received. After ``fenced``: none, ever."""
+        frozen_prefill = (self.fault, self.phase) == ("prefill-freeze", "mid-transfer") and self.fenced_at_failed is False
+        stopped_decode = (self.fault, self.phase) == ("decode-freeze", "mid-transfer")
+        return FENCE_BATCH_DESCRIPTORS if frozen_prefill or stopped_decode else 0
 
     @property
     def fence_ok(self) -> bool:
