@@ -228,6 +228,7 @@ def run(args: argparse.Namespace, cfg: TransferConfig, progress: Any) -> dict[st
     reference: dict[str, Any] = {}
     stop = threading.Event()
     thread = threading.Thread(target=_colocated, args=(args, work, reference, stop.is_set), daemon=True)
+    interrupted = False
     try:
         children.start("prefill", "kvbridge.demo.server", _server_args(args, cfg, "prefill", args.prefill_tp))
         children.start("decode", "kvbridge.demo.server", _server_args(args, cfg, "decode", args.decode_tp))
@@ -246,6 +247,9 @@ def run(args: argparse.Namespace, cfg: TransferConfig, progress: Any) -> dict[st
             raise Failure(f"the colocated reference run did not finish: {reference.get('error', 'timed out')}")
     except Failure as exc:
         return {"result": "FAIL", "problems": [str(exc)], "log_tail": exc.log}
+    except BaseException:  # Ctrl-C, SIGTERM: the program leaves with os._exit (cli.main), which a thread
+        interrupted = True  # still inside torch cannot abort; it is not waited for long
+        raise
     finally:
         # A second Ctrl-C or a SIGTERM must not cut the clean-up short: they wait (blocked) until it is done,
         # then interrupt as usual.
@@ -254,7 +258,7 @@ def run(args: argparse.Namespace, cfg: TransferConfig, progress: Any) -> dict[st
             stop.set()
             children.stop()
             if thread.is_alive():  # a thread inside torch when the interpreter exits aborts it
-                thread.join(STALL_S)
+                thread.join(1.0 if interrupted else STALL_S)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return summarize(args, cfg, results, reference["outputs"], stats, time.monotonic() - t0)
