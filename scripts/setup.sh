@@ -8,17 +8,34 @@
 #
 #   bash scripts/setup.sh && .venv/bin/kvbridge demo
 #
-# PYTHON       the interpreter the environment is made from (default: python3, >= 3.10)
-# KVBRIDGE_VENV  where the environment goes (default: .venv in the repository)
+# PyTorch: the demo's tiny model (and the tests of torch-tensor pools) need the
+# CPU build of torch 2.13.0; kvbridge and its engines do not (nixl-cu12 declares
+# torch but never imports it, so it is installed without its dependencies). The
+# CPU build is taken from pip's configured sources or PyTorch's CPU index and
+# never from PyPI, whose Linux torch is the CUDA build (~7 GB of nvidia-*
+# wheels). Where neither has it the script stops within seconds and says what
+# to do.
+#
+# PYTHON               the interpreter the environment is made from (default: python3, >= 3.10)
+# KVBRIDGE_VENV        where the environment goes (default: .venv in the repository)
+# KVBRIDGE_TORCH       cpu (default): install torch 2.13.0+cpu or stop; none: no torch (no demo,
+#                      the torch tests skip)
+# KVBRIDGE_TORCH_INDEX where else to look for the CPU build (default: PyTorch's CPU wheel index,
+#                      https://download.pytorch.org/whl/cpu; empty: pip's configured sources only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${KVBRIDGE_VENV:-.venv}
 VPY="$VENV/bin/python"
+TORCH_MODE=${KVBRIDGE_TORCH:-cpu}
+TORCH_INDEX=${KVBRIDGE_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+TORCH_PIN="torch==2.13.0+cpu"   # the local version "+cpu" cannot match the CUDA build
+NIXL_PIN="nixl-cu12>=1.5"       # as pyproject's nixl extra; installed with --no-deps (see above)
 
 say() { echo "setup: $*"; }
 die() { echo "setup: error: $*" >&2; exit 1; }
 
+case "$TORCH_MODE" in cpu|none) ;; *) die "KVBRIDGE_TORCH=$TORCH_MODE; expected cpu or none" ;; esac
 command -v "$PY" >/dev/null || die "no '$PY' on PATH; install Python >= 3.10 (apt-get install python3) or set PYTHON"
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
   || die "$PY is Python $("$PY" -c 'import platform; print(platform.python_version())'); kvbridge needs >= 3.10 (set PYTHON)"
@@ -64,37 +81,93 @@ if ! "$VPY" -c '' 2>/dev/null; then
   "$PY" -m venv "$VENV"
 fi
 
-# What a complete set-up can import; run after installing, and instead of it on a re-run.
+# What a complete set-up can import, and that torch (if any) is the CPU build and
+# no CUDA runtime wheel came in; run after installing, and instead of it on a re-run.
 installed_ok() {
-  "$VPY" - <<'EOF'
-import importlib.metadata as md, pathlib, sys
-import kvbridge, kvbridge_zmq, mooncake.engine, nixl_cu12, ucxx, xxhash  # noqa: F401  (the engines load)
+  KVBRIDGE_TORCH_MODE=$TORCH_MODE "$VPY" - <<'PYEOF'
+import importlib.metadata as md, os, pathlib, sys
+import kvbridge, kvbridge_zmq, mooncake.engine, nixl_cu12, ucxx, xxhash, xdist  # noqa: F401  (the engines load)
 here = pathlib.Path.cwd().resolve()
 if not pathlib.Path(kvbridge.__file__).resolve().is_relative_to(here / "src"):
     sys.exit(f"kvbridge in the environment is {kvbridge.__file__}, not this checkout's")
-if md.version("torch").split("+")[0] != "2.13.0":
-    sys.exit(f"torch {md.version('torch')} is installed, expected 2.13.0 (CPU)")
-EOF
+try:
+    torch = md.version("torch")
+except md.PackageNotFoundError:
+    torch = None
+if os.environ["KVBRIDGE_TORCH_MODE"] == "cpu" and torch != "2.13.0+cpu":
+    sys.exit(f"torch {torch} is installed, expected 2.13.0+cpu (the CPU build)")
+# nvidia-ml-py is NVML's Python binding (kilobytes, no CUDA runtime): ucxx needs it.
+cuda = sorted(d.metadata["Name"] for d in md.distributions()
+              if d.metadata["Name"].lower().startswith("nvidia-") and d.metadata["Name"].lower() != "nvidia-ml-py")
+if cuda:
+    sys.exit(f"CUDA runtime wheels are installed ({', '.join(cuda)}): a CUDA build of torch came in; "
+             f"remove {os.environ.get('VIRTUAL_ENV', '.venv')} and run scripts/setup.sh again")
+PYEOF
 }
 
 # The inputs of the installation; unchanged inputs and a working environment mean nothing to do.
 stamp="$VENV/.kvbridge-setup"
-inputs=$(cat scripts/setup.sh pyproject.toml examples/kvbridge-zmq/pyproject.toml "$VENV/pyvenv.cfg" | sha256sum)
+inputs=$( (cat scripts/setup*.sh pyproject.toml examples/kvbridge-zmq/pyproject.toml "$VENV/pyvenv.cfg"; echo "$TORCH_MODE") | sha256sum)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ] && installed_ok 2>/dev/null; then
   say "$VENV is up to date; nothing to do"
   exit 0
 fi
 rm -f "$stamp"
 
-# torch==2.13.0 is the CPU wheel pip's configured find-links provide: NIXL's
-# wheel depends on torch, and an unpinned torch pulls several GB of CUDA
-# packages. One pip call, so one resolution covers everything.
-say "installing kvbridge (editable) with every engine, torch 2.13.0 (CPU), the test tools and the example plugin into $VENV"
-# pip's exit status is kept; only its notes about configured index folders
-# that lack a package (local mirrors) are dropped from stderr.
-"$VPY" -m pip install --quiet --disable-pip-version-check \
-  torch==2.13.0 -e '.[all,checksum,dev]' -e examples/kvbridge-zmq \
-  2> >(grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory.$" >&2)
+# pip with short network limits for the probes, so an unreachable index fails in
+# seconds (pip's default is 5 retries of up to 180 s each); its notes about
+# configured index folders that lack a package (local mirrors) are dropped.
+pip_() {
+  "$VPY" -m pip --disable-pip-version-check "$@" \
+    2> >(grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory.$" >&2)
+}
+probe() { pip_ install --dry-run --ignore-installed --no-deps --quiet --timeout 15 --retries 1 "$@"; }
+
+# -- can pip reach its package sources? (seconds, not minutes) --------------------
+if ! probe 'pluggy>=1.3' >/dev/null 2>"$VENV/.probe.log"; then
+  die "pip cannot fetch packages from its configured sources ($(tail -n 1 "$VENV/.probe.log")); check the network, a proxy (HTTPS_PROXY) or pip's index settings (pip config list), then run this again"
+fi
+
+# -- torch: the CPU build or nothing ----------------------------------------------
+# Looked up first in pip's own sources, then in $TORCH_INDEX; that index is
+# passed to the one pip call that installs torch, never to the others (an
+# unreachable extra index would slow every lookup down).
+torch_from=()
+if [ "$TORCH_MODE" = cpu ]; then
+  have=$("$VPY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null) || have=none
+  if [ "$have" = 2.13.0+cpu ]; then
+    :
+  elif probe "$TORCH_PIN" >/dev/null 2>"$VENV/.probe.log"; then
+    torch_from=("$TORCH_PIN")
+  elif [ -n "$TORCH_INDEX" ] && probe --extra-index-url "$TORCH_INDEX" "$TORCH_PIN" >/dev/null 2>"$VENV/.probe.log"; then
+    torch_from=(--extra-index-url "$TORCH_INDEX" "$TORCH_PIN")
+  else
+    why=$(grep -m1 'No matching distribution' "$VENV/.probe.log" || tail -n 1 "$VENV/.probe.log")
+    grep -q -E 'NewConnectionError|Name or service not known|timed out' "$VENV/.probe.log" && why="$why (an index could not be reached)"
+    die "no CPU build of torch 2.13.0 ($TORCH_PIN) in pip's sources${TORCH_INDEX:+ or $TORCH_INDEX}; pip says: $why
+  The demo's model needs it; PyPI's Linux torch is the CUDA build (~7 GB of nvidia-* wheels) and is not installed on purpose. Either:
+  - make the CPU build reachable: KVBRIDGE_TORCH_INDEX=<a mirror of https://download.pytorch.org/whl/cpu> bash scripts/setup.sh,
+    or put torch-2.13.0+cpu-cp${pyver/./}-*.whl in a folder and: PIP_FIND_LINKS=<folder> bash scripts/setup.sh
+  - or go without torch (no kvbridge demo; the torch tests skip): KVBRIDGE_TORCH=none bash scripts/setup.sh"
+  fi
+fi
+rm -f "$VENV/.probe.log"
+
+# -- install ---------------------------------------------------------------------
+# pip shows each download with its size (and a progress bar on a terminal).
+if [ ${#torch_from[@]} -gt 0 ]; then
+  say "installing $TORCH_PIN (about 200 MB to download)"
+  pip_ install --progress-bar on "${torch_from[@]}" || die "pip install $TORCH_PIN failed (its message is above)"
+fi
+say "installing kvbridge (editable) with the mooncake and ucx engines, the test tools and the example plugin into $VENV"
+pip_ install --progress-bar on -e '.[mooncake,ucx,checksum,dev]' -e examples/kvbridge-zmq \
+  || die "pip install failed (its message is above)"
+say "installing $NIXL_PIN without its dependencies (it declares torch but does not import it)"
+pip_ install --progress-bar on --no-deps "$NIXL_PIN" || die "pip install $NIXL_PIN failed (its message is above)"
+
+# -- integrations (each adds one line here) -----------------------------------------
+
 installed_ok || die "the installation finished but the check above failed"
 echo "$inputs" >"$stamp"
+[ "$TORCH_MODE" = none ] && say "no torch (KVBRIDGE_TORCH=none): kvbridge demo is not available; the torch tests skip"
 say "done: $VENV/bin/kvbridge demo, $VENV/bin/python -m pytest -q"

@@ -1,5 +1,11 @@
+import fcntl
 import os
+import re
 import secrets
+import tempfile
+from pathlib import Path
+
+import pytest
 
 # Engine environment for CPU-only loopback machines (docs/engines.md):
 # keep UCX on loopback, avoid NIXL's SIGSEGV at exit, quiet Mooncake's per-call logs.
@@ -10,3 +16,33 @@ for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL"
 # process (this one and the drivers it starts, which inherit the environment)
 # holds the same secret. Tests of what happens without one remove it for a child.
 os.environ.setdefault("KVBRIDGE_SECRET", secrets.token_hex(32))
+
+
+# The suite runs on every core (pytest-xdist, `-n auto --dist loadgroup` in pyproject.toml); tests are
+# independent (ephemeral loopback ports, their own temporary folders and processes). Tests that kill,
+# freeze or signal processes, or bound how fast something fails, are kept serial: they all go to one
+# worker (xdist_group "faults") and each runs alone, holding an exclusive lock that every other test
+# shares, so no other test competes with it for the cores.
+SERIAL = re.compile(r"frozen|freeze|kill|signal|ctrl_c|fault|closed|deadline|in_time|timeout|timed_out|dead")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name == "test_faults.py" or SERIAL.search(item.name):
+            item.add_marker(pytest.mark.xdist_group("faults"))
+
+
+@pytest.fixture(autouse=True)
+def _serial_tests_run_alone(request: pytest.FixtureRequest):
+    workerinput = getattr(request.config, "workerinput", None)
+    if workerinput is None:  # not under xdist: one test at a time anyway
+        yield
+        return
+    alone = any(m.args == ("faults",) for m in request.node.iter_markers("xdist_group"))
+    path = Path(tempfile.gettempdir()) / f"kvbridge-tests-{workerinput['testrunuid']}.lock"
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

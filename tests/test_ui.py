@@ -113,3 +113,19 @@ def test_usage_error_exits_2_with_the_usage_line(capsys):
         ui.usage_error(parser(), "--reps and --scale disagree")
     assert exit.value.code == 2
     assert capsys.readouterr().err.endswith("kvbridge thing: error: --reps and --scale disagree\n")
+
+
+def test_numbers_are_never_split_however_narrow_the_terminal(monkeypatch):
+    # bench plan's shape at 80 columns (stdout piped): numbers with separators and ranges, long headers
+    columns = ["case", "descriptors", "plan ms", "expanded ms (min-max)", "SGLang ms (min-max)", "speedup", "same"]
+    rows = [("61 x 32,768 pages x 1152 B, fragmented", 1877885, "1.69", "34.01 (29.69-38.03)",
+             "2395.41 (2285.19-3285.48)", "70x", True),
+            ("61 x 1,048,576 pages x 1152 B, fragmented", 60018449, "126.06", "793.07 (549.03-4520.94)", None, None, None)]
+    numbers = ["1,877,885", "60,018,449", "126.06", "(2285.19-3285.48)", "(549.03-4520.94)", "2395.41", "70x"]
+    for width in (80, 40):
+        text = render(ui.table(columns, rows, right=columns[1:6]), width, monkeypatch)
+        words = text.split()
+        for number in numbers:
+            assert number in words, (width, number, text)
+    text = render(ui.table(columns, rows, right=columns[1:6]), 80, monkeypatch)
+    assert max(len(line) for line in text.splitlines()) <= 80  # wide enough once headers and text fold

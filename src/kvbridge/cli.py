@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -28,9 +29,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             if i:
                 print()
             ui.print_table(table)
+    # One broken plugin never fails the listing of the others; --strict (a plugin's CI) makes it an error.
+    level = "error" if args.strict else "warning"
     for err in registry.errors:
-        print(f"kvbridge: error: {err}", file=sys.stderr)
-    return ui.EXIT_FAILED if registry.errors else ui.EXIT_OK
+        print(f"kvbridge plugins: {level}: {err} (the other plugins loaded)", file=sys.stderr)
+    for dep in registry.deprecations:
+        print(f"kvbridge plugins: warning: {dep}", file=sys.stderr)
+    return ui.EXIT_FAILED if args.strict and registry.errors else ui.EXIT_OK
 
 
 def _status(row: dict[str, Any]) -> str:
@@ -57,10 +62,15 @@ def _writes(caps: dict[str, Any]) -> str:
                       "cross-host" if caps["cross_host"] else "same host"))
 
 
+def _source(row: dict[str, Any]) -> str:
+    """The distribution a registration comes from, with its version."""
+    return f"{row['distribution']} {row['version']}" if row.get("version") else str(row["distribution"])
+
+
 def _backends_table(rows: list[dict[str, Any]]) -> Any:
     return ui.table(
         ["backend", "from", "status", "memory", "limits", "writes"],
-        [(r["name"], r["distribution"], _status(r), r["capabilities"]["memory_kinds"], _limits(r["capabilities"]),
+        [(r["name"], _source(r), _status(r), r["capabilities"]["memory_kinds"], _limits(r["capabilities"]),
           _writes(r["capabilities"])) for r in rows if r["kind"] == "backend"],
         title=f"Transfer backends (--transfer-backend NAME, or lanes NAME,NAME; default here: {_default_lanes()})",
         nowrap=["backend"],
@@ -80,7 +90,7 @@ def _default_lanes() -> str:
 def _handlers_table(rows: list[dict[str, Any]]) -> Any:
     return ui.table(
         ["state handler", "from", "index spaces", "hetero TP", "layouts", "draft"],
-        [(r["name"], r["distribution"], r["capabilities"]["index_spaces"], r["capabilities"]["hetero_tp"],
+        [(r["name"], _source(r), r["capabilities"]["index_spaces"], r["capabilities"]["hetero_tp"],
           r["capabilities"]["layouts"], r["capabilities"]["draft"]) for r in rows if r["kind"] == "state_handler"],
         title="State handlers", nowrap=["state handler"],
     )
@@ -123,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plugins = command(sub, "plugins", "list installed backends, state handlers and backend options", _cmd_plugins)
     plugins.add_argument("--json", action="store_true", help="print a JSON list of objects, one per registration")
+    plugins.add_argument("--strict", action="store_true",
+                         help="exit 1 if a plugin did not load (without it, one is reported on stderr and the rest listed)")
 
     from kvbridge.demo import add_arguments as add_demo_arguments
 
@@ -140,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
             _lazy("kvbridge.scaffold"), add_scaffold_arguments)
 
     bench = sub.add_parser("bench", help="benchmarks: plan, transfer, tp, request, scale, layerwise, checksum (each with --json)",
-                           description="Benchmarks. Each part prints a table (or --json); plan, transfer, tp, request "
-                                       "and scale can draw --plot FILE.png (needs kvbridge[plot]).",
+                           description="Benchmarks. Each part prints a table (or --json) and can draw "
+                                       "--plot FILE.png (needs kvbridge[plot]).",
                            formatter_class=ui.HelpFormatter)
     bench_sub = bench.add_subparsers(dest="bench", metavar="PART", required=True)
     from kvbridge.bench import checksum, layerwise, plan, request, scale, tp, transfer
@@ -149,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     command(bench_sub, "plan", "plan building vs SGLang's plan path, same descriptors", _lazy("kvbridge.bench.plan"),
             plan.add_arguments)
     command(bench_sub, "transfer", "bytes between two processes: kvbridge vs raw engine vs memcpy "
-            "(`--device cuda`: VRAM to VRAM, its own options: `kvbridge bench transfer --device cuda --help`)",
+            "(--device cuda: VRAM to VRAM, vs raw NIXL and torch D2D)",
             _lazy("kvbridge.bench.transfer"), transfer.add_arguments)
     command(bench_sub, "tp", "heterogeneous-TP plans: descriptors and time, NHD vs HND", _lazy("kvbridge.bench.tp"),
             tp.add_arguments)
@@ -164,38 +176,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cuda_transfer(argv: list[str]) -> list[str] | None:
-    """The arguments of ``bench transfer --device cuda`` without the device, or None for any other command."""
-    if argv[:2] != ["bench", "transfer"]:
-        return None
-    rest = argv[2:]
-    for i, arg in enumerate(rest):
-        if arg == "--device=cuda":
-            return rest[:i] + rest[i + 1:]
-        if arg == "--device" and rest[i + 1:i + 2] == ["cuda"]:
-            return rest[:i] + rest[i + 2:]
-    return None
+#: Exit statuses of a run stopped by a signal (Ctrl-C, SIGTERM): 128 + the signal.
+INTERRUPTED = (130, 143)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``kvbridge`` command; ``argv`` None: this process's arguments (the program itself)."""
+    program = argv is None
     argv = sys.argv[1:] if argv is None else argv
-    cuda = _cuda_transfer(argv)
-    if cuda is not None:
-        from kvbridge.bench import gpu  # VRAM -> VRAM takes its own options (page sizes, GPUs)
-
-        return gpu.main(cuda)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return ui.EXIT_USAGE
+    args: argparse.Namespace | None = None
     try:
-        return int(args.func(args))
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return ui.EXIT_USAGE
+        status = int(args.func(args))
     except PluginError as exc:  # unknown backend, missing engine, duplicate plugin: a usage error, no traceback
+        assert args is not None
         ui.usage_error(args.command_parser, str(exc))
+    except BrokenPipeError:  # stdout closed early (| head): not an error of the command; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as the shell reports a pipe's writer that stopped there
     except KeyboardInterrupt:
-        print(f"{args.command_parser.prog}: interrupted", file=sys.stderr)
-        return 130
+        prog = args.command_parser.prog if args is not None and hasattr(args, "command_parser") else "kvbridge"
+        print(f"{prog}: interrupted", file=sys.stderr)
+        status = 130
+    if program and status in INTERRUPTED:
+        # Everything the command started is stopped by now. torch, imported (or half imported) when the
+        # signal came, can abort the interpreter's own exit ("terminate called without an active
+        # exception", status 134): leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 EXIT_OK = 0
-#: The command ran and something failed (a transfer, a check, a plugin that did not load).
+#: The command ran and something failed (a transfer, a check; with ``plugins --strict``, a plugin that did not load).
 EXIT_FAILED = 1
 #: The command line was wrong (argparse's own status): nothing ran.
 EXIT_USAGE = 2
@@ -114,41 +114,53 @@ def print_table(renderable: RenderableType, file: IO[str] | None = None) -> None
     """Print a :func:`table` (or any rich renderable) to ``file`` (default: stdout).
 
     A table keeps its words whole and its ``nowrap`` columns on one line when
-    the console is wide enough for that; on a narrower one every column folds
-    (rich would otherwise leave columns out).
+    the console is wide enough for that; on a narrower one headers and text
+    columns fold, but a number (a word of a right-aligned column) is never
+    split: where even that does not fit, the table is printed wider than the
+    console (rich would otherwise split numbers or leave columns out).
     """
     out = console(file)
     if isinstance(renderable, Table):
-        _fit(out, renderable)
+        needed = _fit(out, renderable)
+        if needed > out.width:
+            out.width = needed
     out.print(renderable)
 
 
-def _fit(out: Console, t: Table) -> None:
-    """Fix every column's width so the table fits ``out`` without rich leaving a column out.
+def _fit(out: Console, t: Table) -> int:
+    """Fix every column's width so the table fits ``out`` without rich leaving a column out; the width it takes.
 
     Each column gets its widest cell if all fit; else at least its longest word
     (a ``nowrap`` column: its widest cell) plus a share of the rest in
-    proportion to what it lacks; on a console too narrow even for that, every
-    column folds, sized in proportion to its widest cell.
+    proportion to what it lacks; on a console too narrow even for that,
+    headers and the other columns fold, in proportion to their widest cell,
+    while numeric (right-aligned) columns keep their longest word whole.
     """
     options = out.options.update_width(1 << 20)
-    low, high = [], []
+    low, high, floor = [], [], []
     for column in t.columns:
-        sizes = [Measurement.get(out, options, c) for c in (column.header, *column.cells)]
-        high.append(max(m.maximum for m in sizes))
-        low.append(max(m.maximum if column.no_wrap else m.minimum for m in sizes))
-    room = out.width - _GAPS * (len(t.columns) - 1)
+        head = Measurement.get(out, options, column.header)
+        cells = [Measurement.get(out, options, c) for c in column.cells]
+        high.append(max(m.maximum for m in (head, *cells)))
+        whole = max((m.maximum if column.no_wrap else m.minimum for m in cells), default=0)
+        low.append(max(whole, head.maximum if column.no_wrap else head.minimum))
+        floor.append(whole if column.justify == "right" else 1)
+    gaps = _GAPS * (len(t.columns) - 1)
+    room = out.width - gaps
     if sum(high) <= room:
         widths = high
     elif sum(low) <= room:
         spare, lack = room - sum(low), [h - lo for h, lo in zip(high, low)]
         widths = [lo + spare * need // max(1, sum(lack)) for lo, need in zip(low, lack)]
-    else:  # too narrow for whole words: every column folds, in proportion to its widest cell
+    else:  # too narrow for whole words: what may fold shares what the whole words leave
+        spare = max(0, room - sum(floor))
+        flexible = [h - f for h, f in zip(high, floor)]
+        widths = [f + min(need, spare * need // max(1, sum(flexible))) for f, need in zip(floor, flexible)]
         for column in t.columns:
             column.no_wrap = False
-        widths = [room * h // sum(high) for h in high]
     for column, width in zip(t.columns, widths):
         column.width = max(1, width)
+    return sum(max(1, w) for w in widths) + gaps
 
 
 # -- progress ----------------------------------------------------------------------------

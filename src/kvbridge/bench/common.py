@@ -26,6 +26,19 @@ def add_output_arguments(parser: argparse.ArgumentParser, units: str) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the results into FILE.png (needs kvbridge[plot])")
 
 
+def cuda_problem() -> str | None:
+    """Why ``--device cuda`` cannot run here (a usage error naming the device), or None."""
+    if importlib.util.find_spec("torch") is None:
+        return "argument --device: cuda needs PyTorch with CUDA, and torch is not installed"
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return (f"argument --device: cuda was asked for but torch sees no CUDA device (torch {torch.__version__}, "
+                f"{build}); use --device cpu here, or run on a host with a GPU")
+    return None
+
+
 def spread(samples: Sequence[float], scale: float = 1.0) -> dict[str, float]:
     """Median, minimum and maximum of ``samples`` (times ``scale``)."""
     return {"median": statistics.median(samples) * scale, "min": min(samples) * scale, "max": max(samples) * scale}

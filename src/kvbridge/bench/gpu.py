@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import ui
+from kvbridge.bench import common
 from kvbridge.core import metrics
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.layout import IndexSpace, KVArgs, Region
@@ -192,7 +194,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["fast_vs_d2d_after"] = row["fast_GBps"] / row["d2d_after_GBps"]
             row["verified"] = json.loads(child.stdout.readline())["verified"]  # type: ignore[union-attr]
             rows.append(row)
-            print(format_row(row), file=sys.stderr, flush=True)
+            print(f"{page >> 10}K {total >> 20}Mi {how}: fast {row['fast_GBps']:.1f} GB/s, plain "
+                  f"{row['plain_GBps']:.1f}, D2D {row['d2d_GBps']:.1f}, bytes ok: {row['verified']}",
+                  file=sys.stderr, flush=True)
     finally:
         finish_child(child)
         for m in managers.values():
@@ -202,45 +206,62 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-HEAD = (f"{'page':>7} {'request':>8} {'pattern':<10} {'desc':>7} {'fast GB/s':>10} {'plain GB/s':>10} "
-        f"{'raw NIXL':>9} {'D2D GB/s':>9} {'fast/D2D':>8} {'D2D after':>9} {'/after':>6} {'fast ms':>8} {'ok':>3}")
-
-
-def format_row(r: dict[str, Any]) -> str:
-    raw = f"{r['raw_nixl_GBps']:>9.1f}" if "raw_nixl_GBps" in r else f"{'-':>9}"
-    return (f"{r['page_bytes'] >> 10:>6}K {r['request_bytes'] >> 20:>6}Mi {r['pattern']:<10} {r['descriptors']:>7} "
-            f"{r['fast_GBps']:>10.1f} {r['plain_GBps']:>10.1f} {raw} {r['d2d_GBps']:>9.1f} {r['fast_vs_d2d']:>8.2f} "
-            f"{r['d2d_after_GBps']:>9.1f} {r['fast_vs_d2d_after']:>6.2f} "
-            f"{r['fast_latency_ms']:>8.2f} {'yes' if r['verified'] else 'NO':>3}")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transfer-backend", default="nixl", help="backend of the plain path (default: nixl)")
+    """The decode child's options (the user's come from ``kvbridge bench transfer``'s one parser)."""
+    parser.add_argument("--transfer-backend", default="nixl", help="backend of the plain path")
     parser.add_argument("--page-kib", type=int, nargs="+", default=[4, 16, 64, 256, 1024], help="page sizes in KiB")
     parser.add_argument("--total-mib", type=int, nargs="+", default=[64, 1024], help="request sizes in MiB")
-    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case, after one warm-up (median; default 10)")
-    parser.add_argument("--decode-gpu", type=int, default=0, help="GPU of the decode process (default 0)")
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case, after one warm-up (median)")
+    parser.add_argument("--decode-gpu", type=int, default=0, help="GPU of the decode process")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--decode", help=argparse.SUPPRESS)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def format_table(rows: list[dict[str, Any]]) -> Any:
+    """The rows as a :func:`kvbridge.ui.table` (GB/s = 1e9 bytes/s)."""
+    def rate(value: float | None) -> str | None:
+        return f"{value:.1f}" if value else None
+
+    columns = ["page", "request", "pattern", "desc", "fast GB/s", "plain GB/s", "raw NIXL GB/s", "D2D GB/s",
+               "fast/D2D", "D2D after", "/after", "fast ms", "ok"]
+    return ui.table(
+        columns,
+        [(f"{r['page_bytes'] >> 10}K", f"{r['request_bytes'] >> 20}Mi", r["pattern"], r["descriptors"],
+          rate(r["fast_GBps"]), rate(r["plain_GBps"]), rate(r.get("raw_nixl_GBps")), rate(r["d2d_GBps"]),
+          f"{r['fast_vs_d2d']:.2f}", rate(r["d2d_after_GBps"]), f"{r['fast_vs_d2d_after']:.2f}",
+          f"{r['fast_latency_ms']:.2f}", r["verified"]) for r in rows],
+        right=columns[3:12], nowrap=["page", "request", "pattern"],
+    )
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    common.bars(path, "VRAM -> VRAM (GB/s, higher is better)",
+                [f"{r['page_bytes'] >> 10}K {r['request_bytes'] >> 20}Mi {r['pattern']}" for r in rows],
+                {"fast path": [r["fast_GBps"] for r in rows], "plain": [r["plain_GBps"] for r in rows],
+                 "raw NIXL": [r.get("raw_nixl_GBps") for r in rows], "torch D2D": [r["d2d_GBps"] for r in rows]},
+                "GB/s")
+
+
+def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """``kvbridge bench transfer --device cuda`` (``parser``: its one parser), or the decode child (``--decode``)."""
     for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}.items():
         os.environ.setdefault(key, value)
     if args.decode:
         return run_decode(args)
+    prog = "kvbridge bench transfer"
+    common.check_plot(args, prog)
     rows = run(args)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print("VRAM -> VRAM between two processes; GB/s = 1e9 bytes/s; median of", args.reps)
-        print(HEAD)
-        for r in rows:
-            print(format_row(r))
-    return 0 if all(r["verified"] for r in rows) else 1
+
+    def table() -> Any:
+        t = format_table(rows)
+        t.title = f"VRAM -> VRAM between two processes, median of {args.reps} (GB/s = 1e9 bytes/s)"
+        return t
+
+    return common.finish(args, prog, rows, table, plot, all(r["verified"] for r in rows))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The decode child's entry point (``python -m kvbridge.bench.gpu --decode ...``)."""
     parser = argparse.ArgumentParser(prog="python -m kvbridge.bench.gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)

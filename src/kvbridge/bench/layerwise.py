@@ -626,7 +626,7 @@ def _environment_problem(args: argparse.Namespace) -> str | None:
         why = "--device cuda" if args.device == "cuda" else "--model tiny"
         return f"{why} needs PyTorch: install it (pip install 'kvbridge[torch]', or torch itself)"
     if args.device == "cuda" and not torch.cuda.is_available():
-        return "argument --device: cuda was asked for but torch sees no CUDA device"
+        return common.cuda_problem()
     if args.chunk_size % 16:
         return f"argument --chunk-size: must be a multiple of the page size 16, got {args.chunk_size}"
     return None

@@ -251,18 +251,47 @@ def format_table(results: list[dict[str, Any]]) -> Any:
     )
 
 
+#: ``--device cuda``'s defaults where they differ from the host-memory run's (kvbridge.bench.gpu).
+CUDA_REPS, CUDA_TOTAL_MIB, CUDA_PAGE_KIB = 10, [64, 1024], [4, 16, 64, 256, 1024]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One parser whatever the device: the options of one device are refused with the other."""
     add_transfer_args(parser)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: host memory (these options); cuda: VRAM to VRAM, with its own options")
-    parser.add_argument("--reps", type=ui.int_at_least(5), default=5, metavar="N",
-                        help="timed repetitions per case, at least 5 (median, min-max)")
-    parser.add_argument("--total-mib", type=ui.int_at_least(1), default=256, metavar="MIB",
-                        help="bytes moved per transfer, in MiB")
-    parser.add_argument("--regions", type=ui.int_at_least(1), default=1, metavar="N",
-                        help="buffers the bytes are split across")
+                        help="cpu: host memory, kvbridge vs the raw engine vs memcpy; cuda: VRAM to VRAM, kvbridge's "
+                             "fast path vs its plain path vs raw NIXL vs torch D2D")
+    parser.add_argument("--reps", type=ui.int_at_least(5), default=None, metavar="N",
+                        help=f"timed repetitions per case, at least 5 (median, min-max) (default: 5; cuda: {CUDA_REPS})")
+    parser.add_argument("--total-mib", type=ui.int_at_least(1), nargs="+", default=None, metavar="MIB",
+                        help="bytes moved per transfer, in MiB; cuda: one case per value "
+                             f"(default: 256; cuda: {' '.join(map(str, CUDA_TOTAL_MIB))})")
+    parser.add_argument("--regions", type=ui.int_at_least(1), default=None, metavar="N",
+                        help="cpu only: buffers the bytes are split across (default: 1)")
+    parser.add_argument("--page-kib", type=ui.int_at_least(1), nargs="+", default=None, metavar="KIB",
+                        help=f"cuda only: page sizes in KiB, one case each (default: {' '.join(map(str, CUDA_PAGE_KIB))})")
+    parser.add_argument("--decode-gpu", type=ui.int_at_least(0), default=None, metavar="N",
+                        help="cuda only: the decode process's GPU (default: 0, the prefill's)")
     common.add_output_arguments(parser, "rates in gigabytes per second: *_GBps")
     parser.add_argument("--decode", metavar="BOOTSTRAP", help=argparse.SUPPRESS)
+
+
+def _device_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fill the device's defaults; an option of the other device is a usage error."""
+    other = ("--page-kib", "--decode-gpu") if args.device == "cpu" else ("--regions",)
+    given = [flag for flag in other if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        ui.usage_error(parser, f"argument {given[0]}: applies to --device {'cuda' if args.device == 'cpu' else 'cpu'} "
+                               f"only (this run is --device {args.device})")
+    if args.device == "cpu":
+        if args.total_mib is not None and len(args.total_mib) > 1:
+            ui.usage_error(parser, f"argument --total-mib: takes one value with --device cpu, got {args.total_mib}")
+        args.total_mib = args.total_mib[0] if args.total_mib else 256
+        args.reps, args.regions = args.reps or 5, args.regions or 1
+    else:
+        args.total_mib, args.reps = args.total_mib or list(CUDA_TOTAL_MIB), args.reps or CUDA_REPS
+        args.page_kib = args.page_kib or list(CUDA_PAGE_KIB)
+        args.decode_gpu = args.decode_gpu or 0
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:
@@ -276,6 +305,15 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     parser = parser or args.command_parser
     for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "WARNING"}.items():
         os.environ.setdefault(key, value)
+    _device_options(args, parser)
+    if args.device == "cuda":
+        problem = common.cuda_problem()
+        if problem is not None:
+            ui.usage_error(parser, problem)
+        from kvbridge.bench import gpu  # imports torch
+
+        args.transfer_backend = TransferConfig.from_args(args, parser).backend
+        return gpu.run_from_args(args, parser)
     pages = (args.total_mib << 20) // (args.regions * PAGE)
     if pages < RUN_PAGES or pages % RUN_PAGES:
         parser.error(f"--total-mib / --regions must be a multiple of {RUN_PAGES * PAGE >> 20} MiB")

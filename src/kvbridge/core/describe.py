@@ -13,10 +13,18 @@ A state handler is any object with::
 
 Buffers may be numpy arrays or torch tensors; :func:`buffer_region` turns one
 into a region whose item ``i`` is ``buffer[i]``.
+
+Lifetime: the KVArgs :func:`describe` returns keeps the pool objects it was
+given (and through them their buffers) alive for as long as it lives, and a
+manager holds its KVArgs, so pools passed as objects cannot be freed under a
+registration. A :class:`~kvbridge.core.layout.Region` built from a raw address
+(or by :func:`buffer_region` alone) holds nothing: that memory is the host's to
+keep until the managers are closed.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,7 +33,16 @@ from .layout import ROLES, IndexSpace, KVArgs, MemoryKind, Region, Shard
 from .plugins import Registry, get_registry
 from .records import StateHandlerSpec
 
-__all__ = ["DescribeContext", "Description", "StateHandler", "buffer_region", "describe", "element_size", "item_count"]
+__all__ = ["DescribeContext", "Description", "StateHandler", "buffer_region", "describe", "element_size", "held_by",
+           "item_count"]
+
+#: The pool objects each live KVArgs made by describe() holds, by id(); an entry goes when its KVArgs does.
+_HELD: dict[int, tuple[Any, ...]] = {}
+
+
+def held_by(kvargs: KVArgs) -> tuple[Any, ...]:
+    """The pool objects ``kvargs`` keeps alive (those :func:`describe` made it from; none for a hand-built one)."""
+    return _HELD.get(id(kvargs), ())
 
 
 @dataclass(frozen=True)
@@ -56,7 +73,10 @@ def buffer_region(
     draft: bool = False,
     shard: Shard = Shard(),
 ) -> Region:
-    """A region over ``buf`` (numpy array or torch tensor) whose item ``i`` is ``buf[i]``."""
+    """A region over ``buf`` (numpy array or torch tensor) whose item ``i`` is ``buf[i]``.
+
+    The region holds no reference to ``buf`` (see the module's note on lifetime).
+    """
     if hasattr(buf, "data_ptr"):  # torch
         if not buf.is_contiguous():
             raise ValueError(f"buffer for region {name!r} must be contiguous")
@@ -98,7 +118,12 @@ def describe(
     pp_size: int = 1,
     registry: Registry | None = None,
 ) -> KVArgs:
-    """Describe every pool with its registered handler and combine them into a KVArgs."""
+    """Describe every pool with its registered handler and combine them into a KVArgs.
+
+    The KVArgs holds ``pools`` and ``draft_pools`` (and so their buffers) for as
+    long as it lives: a manager made from it keeps them allocated while open.
+    """
+    pools, draft_pools = tuple(pools), tuple(draft_pools)
     registry = registry or get_registry()
     resolver = registry.state_resolver()
     regions: list[Region] = []
@@ -117,10 +142,14 @@ def describe(
                         f"index space {space.name!r} is described differently by two pools: {known} and "
                         f"{space} (state handler {spec.name!r})"
                     )
-    return KVArgs(
+    kvargs = KVArgs(
         regions=tuple(regions), index_spaces=tuple(spaces.values()), dtype=dtype, page_size=page_size,
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
     )
+    # Regions are addresses only; without this a host's pools made in a function could be freed while registered.
+    _HELD[id(kvargs)] = pools + draft_pools
+    weakref.finalize(kvargs, _HELD.pop, id(kvargs), None)
+    return kvargs
 
 
 def _check_roles(spec: StateHandlerSpec, regions: Iterable[Region]) -> None:

@@ -153,6 +153,12 @@ INT64_MAX = 2**63 - 1
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One registered buffer: item ``i`` of ``index_space`` is at ``addr + i * stride``.
 
+    ``addr`` is a raw address: a Region holds no reference to the memory, so
+    the host keeps it allocated until every manager that registered it is
+    closed (memory freed under a registration is written or read as garbage,
+    or fails the engine's write). :func:`~kvbridge.core.describe.describe`,
+    given pool objects, holds them for you.
+
     Regions pair between prefill and decode by :attr:`key` (state type, role,
     layer, draft), never by position.
     """
@@ -200,7 +206,8 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return (self.state_type, self.role, self.layer, self.draft)
 
 
-class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# weakref: describe() keeps the pool objects a KVArgs was made from alive for as long as it lives.
+class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, weakref=True):
     """Everything one rank registers, plus the model facts both sides must share.
 
     Validated on construction (and on decoding from the wire): region names

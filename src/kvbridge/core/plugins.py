@@ -19,6 +19,7 @@ import importlib.metadata as md
 import importlib.util
 import logging
 import os
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -122,6 +123,8 @@ class Registry:
     backends: dict[str, Registered] = field(default_factory=dict)
     state_handlers: dict[str, Registered] = field(default_factory=dict)
     errors: list[LoadError] = field(default_factory=list)
+    #: Plugins that loaded through a deprecated form of the contract, and what to write instead.
+    deprecations: list[LoadError] = field(default_factory=list)
     #: name -> every provider, for names claimed more than once (unusable until fixed).
     duplicates: dict[tuple[Kind, str], list[Provider]] = field(default_factory=dict)
     _handlers: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -387,7 +390,13 @@ def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, *, autol
             call = pm.subset_hook_caller(hook.name, [p for p in plugins if p is not impl.plugin])
             plugin_trace(hook.name, "in", impl.plugin_name)
             try:
-                records: list[Any] = [rec for result in call() for rec in (result or ())]
+                with warnings.catch_warnings(record=True) as caught:  # a deprecated form loads; say so by plugin
+                    warnings.simplefilter("always", DeprecationWarning)
+                    records: list[Any] = [rec for result in call() for rec in (result or ())]
+                for w in caught:
+                    if issubclass(w.category, DeprecationWarning):
+                        registry.deprecations.append(LoadError(provider.plugin, provider.distribution, str(w.message)))
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
                 for rec in records:
                     if not isinstance(rec, record_type):
                         raise TypeError(f"{hook.name} returned {type(rec).__name__}, expected {record_type.__name__}")

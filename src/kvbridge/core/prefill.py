@@ -445,7 +445,8 @@ class PrefillManager(TransferManager[Sender]):
         yet (a decode whose ``init`` failed before its request went out). An
         unknown peer (dropped, or never handshaken) only gets the answer.
         """
-        reason = f"aborted by decode: {msg.reason}"
+        # One "aborted by decode" however the reason was written (a peer's default reason may already say it).
+        reason = msg.reason if msg.reason.startswith("aborted by decode") else f"aborted by decode: {msg.reason}"
         if peer is not None:
             pending = self._pending.get(msg.room)
             sender = self.rooms.get(msg.room)

@@ -102,7 +102,7 @@ class Receiver(Room):
         """What this room asked prefill for (after :meth:`init`)."""
         return self._request
 
-    def abort(self, reason: str = "aborted by decode") -> None:
+    def abort(self, reason: str = "abort() called by decode's host") -> None:
         """Give up on this room; prefill is told. Returns at once: ``poll()`` says FAILED once
         prefill confirmed it stopped writing (or the fence timeout passed); only then reuse the pages."""
         self.fail(reason, "aborted")

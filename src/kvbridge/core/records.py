@@ -7,17 +7,29 @@ handler is selected, so listing plugins never imports an engine.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from .layout import check_role
 
 __all__ = [
-    "BackendCapabilities", "BackendSpec", "HandlerCapabilities", "OptionError", "OptionSpec", "StateHandlerSpec",
-    "assign_options",
+    "PLUGIN_API_VERSION", "BackendCapabilities", "BackendSpec", "HandlerCapabilities", "OptionError", "OptionSpec",
+    "StateHandlerSpec", "assign_options",
 ]
+
+#: The plugin contract's version (hooks, records, the Backend contract): ``major.minor``. A minor
+#: release only adds; a form it deprecates still loads, with a DeprecationWarning naming the new
+#: form, for at least one more minor release; only a major release removes it (docs/plugin-authors.md).
+#: 1.1: capabilities given as a dict are deprecated (a BackendCapabilities / HandlerCapabilities record).
+#: 1.2: lanes. Added, all optional: ``Backend.select`` and ``Backend.abort_peer``,
+#: ``BackendCapabilities.whole_plans``, ``TransferPlan.memory`` on every batch core posts, and the helpers
+#: ``checkpoint``, ``wait_until``, ``expired``, ``host_id``; TCP resets moved behind ``abort_peer``
+#: (``kvbridge.plugins.tcpfence``).
+PLUGIN_API_VERSION = "1.2"
 
 #: Type names an :class:`OptionSpec` may use instead of a parse function.
 OPTION_TYPES = ("str", "int", "float", "bool")
@@ -188,6 +200,9 @@ class BackendSpec:
     def __post_init__(self) -> None:
         _check_name("backend", self.name)
         _check_factory(self.name, self.factory)
+        if isinstance(self.capabilities, Mapping):  # contract 1.0's form: loads, with a warning (PLUGIN_API_VERSION)
+            object.__setattr__(self, "capabilities",
+                               _capabilities_from_dict("backend", self.name, BackendCapabilities, self.capabilities))
         if not isinstance(self.capabilities, BackendCapabilities):
             raise TypeError(
                 f"backend {self.name!r}: capabilities must be a BackendCapabilities, "
@@ -309,6 +324,9 @@ class StateHandlerSpec:
 
     def __post_init__(self) -> None:
         _check_name("state handler", self.name)
+        if isinstance(self.capabilities, Mapping):  # contract 1.0's form: loads, with a warning (PLUGIN_API_VERSION)
+            object.__setattr__(self, "capabilities",
+                               _capabilities_from_dict("state handler", self.name, HandlerCapabilities, self.capabilities))
         if not isinstance(self.capabilities, HandlerCapabilities):
             raise TypeError(f"state handler {self.name!r}: capabilities must be a HandlerCapabilities, "
                             f"got {type(self.capabilities).__name__}")
@@ -321,6 +339,20 @@ class StateHandlerSpec:
                     f"state handler {self.name!r}: pool type {t!r} must be a class or "
                     "a 'module:QualName' string"
                 )
+
+
+def _capabilities_from_dict(kind: str, name: str, record: type[Any], given: Mapping[str, Any]) -> Any:
+    """``given`` as a ``record``, after a DeprecationWarning that names the new form; a key or value the record
+    does not accept is an error naming it."""
+    fields = ", ".join(f"{k}={v!r}" for k, v in given.items())
+    warnings.warn(
+        f"{kind} {name!r}: capabilities given as a dict are deprecated since kvbridge's plugin contract 1.1 and "
+        f"will stop loading in 2.0; pass capabilities={record.__name__}({fields}) "
+        f"(from kvbridge import {record.__name__})", DeprecationWarning, stacklevel=4)
+    try:
+        return msgspec.convert(dict(given), record)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise TypeError(f"{kind} {name!r}: capabilities {dict(given)!r} do not make a {record.__name__}: {exc}") from None
 
 
 def _check_name(kind: str, name: str) -> None:

@@ -154,8 +154,14 @@ class Sender(Room):
         """``(reason, kind)`` if a timeout of this room has expired, else None."""
         if self.poll() == Poll.BOOTSTRAPPING and now - self.created > cfg.bootstrap_timeout:
             got = sorted(r.decode_rank for r in self._requests.values())
-            return (f"requests from decode ranks {got} of {self._expected or '?'} arrived within "
-                    f"bootstrap_timeout={cfg.bootstrap_timeout}s", "timeout")
+            if not got:  # the usual cause: decode never called init() for this room
+                return (f"no request from decode for room {self.room} within bootstrap_timeout="
+                        f"{cfg.bootstrap_timeout:g} s: did decode create a Receiver for room {self.room} and call "
+                        f"init()? (a decode that failed before asking reports why on its side)", "timeout")
+            missing = sorted(set(range(self._expected or 0)) - set(got))
+            return (f"decode ranks {missing} of decode TP {self._expected} sent no request for room {self.room} "
+                    f"within bootstrap_timeout={cfg.bootstrap_timeout:g} s (ranks {got} did): did every decode rank "
+                    f"call init()?", "timeout")
         if self._busy and now - min(self._busy.values()) > cfg.transfer_timeout:
             return f"transfer did not complete within transfer_timeout={cfg.transfer_timeout}s", "timeout"
         lc = self._layered
@@ -297,7 +303,7 @@ class Sender(Room):
                 out.append(f"{'draft ' if draft else ''}layer{'s' if len(ids) > 1 else ''} {shown}")
         return "; ".join(out)
 
-    def abort(self, reason: str = "aborted by prefill") -> None:
+    def abort(self, reason: str = "abort() called by prefill's host") -> None:
         """Give up on this room; decode is told. No batch starts after this; decode reports
         FAILED once the batch running now (if any) has returned (``Fenced``)."""
         self.manager.fail_sender(self, reason, "aborted")

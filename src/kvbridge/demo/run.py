@@ -228,6 +228,7 @@ def run(args: argparse.Namespace, cfg: TransferConfig, progress: Any) -> dict[st
     reference: dict[str, Any] = {}
     stop = threading.Event()
     thread = threading.Thread(target=_colocated, args=(args, work, reference, stop.is_set), daemon=True)
+    interrupted = False
     try:
         children.start("prefill", "kvbridge.demo.server", _server_args(args, cfg, "prefill", args.prefill_tp))
         children.start("decode", "kvbridge.demo.server", _server_args(args, cfg, "decode", args.decode_tp))
@@ -246,11 +247,20 @@ def run(args: argparse.Namespace, cfg: TransferConfig, progress: Any) -> dict[st
             raise Failure(f"the colocated reference run did not finish: {reference.get('error', 'timed out')}")
     except Failure as exc:
         return {"result": "FAIL", "problems": [str(exc)], "log_tail": exc.log}
+    except BaseException:  # Ctrl-C, SIGTERM: the program leaves with os._exit (cli.main), which a thread
+        interrupted = True  # still inside torch cannot abort; it is not waited for long
+        raise
     finally:
-        stop.set()
-        children.stop()
-        if thread.is_alive():  # a thread inside torch when the interpreter exits aborts it
-            thread.join(STALL_S)
+        # A second Ctrl-C or a SIGTERM must not cut the clean-up short: they wait (blocked) until it is done,
+        # then interrupt as usual.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            stop.set()
+            children.stop()
+            if thread.is_alive():  # a thread inside torch when the interpreter exits aborts it
+                thread.join(1.0 if interrupted else STALL_S)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return summarize(args, cfg, results, reference["outputs"], stats, time.monotonic() - t0)
 
 
@@ -426,20 +436,17 @@ def _environment_problem(device: str) -> str | None:
     try:
         import torch
     except ImportError:
-        return "the demo runs a PyTorch model: install PyTorch (pip install 'kvbridge[torch]', or torch itself)"
+        return ("the demo runs a PyTorch model and torch is not installed: install PyTorch's CPU build "
+                "(pip install torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu; from a checkout, "
+                "bash scripts/setup.sh without KVBRIDGE_TORCH=none), or pip install 'kvbridge[torch]' on a GPU host")
     if device == "cuda" and not torch.cuda.is_available():
         return "argument --device: cuda was asked for but torch sees no CUDA device"
     return None
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    parser = getattr(args, "demo_parser", None)
-    cfg = TransferConfig.from_args(args, parser)  # the backend and its options, checked together; exits 2
-    problem = _environment_problem(args.device)
-    if problem is not None:
-        if parser is None:
-            raise SystemExit(f"kvbridge demo: error: {problem}")
-        parser.error(problem)
+    """``kvbridge demo``: 0 PASS, 1 FAIL, 2 usage error, 130 Ctrl-C and 143 SIGTERM at any moment (once every
+    process and thread it started has been stopped)."""
     from rich.console import Console
 
     def on_term(*_: object) -> None:
@@ -447,6 +454,13 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
+        parser = getattr(args, "demo_parser", None)
+        cfg = TransferConfig.from_args(args, parser)  # the backend and its options, checked together; exits 2
+        problem = _environment_problem(args.device)  # imports torch: Ctrl-C may come in the middle of it
+        if problem is not None:
+            if parser is None:
+                raise SystemExit(f"kvbridge demo: error: {problem}")
+            parser.error(problem)
         with ui.progress(args.requests, "requests", description="demo") as progress:
             summary = run(args, cfg, progress)
     except (KeyboardInterrupt, Stopped) as exc:

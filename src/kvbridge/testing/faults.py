@@ -169,18 +169,27 @@ class Cell(msgspec.Struct, kw_only=True):
 
     @property
     def late_allowed(self) -> int:
-        """Late pages after FAILED the guarantee allows: none, except from a prefill frozen inside an
-        engine call (mid-transfer), which may finish that one batch when it resumes, and then only in a
-        room reported FAILED before it was fenced (docs/failures.md). After ``fenced``: none, ever."""
-        frozen = (self.fault, self.phase) == ("prefill-freeze", "mid-transfer") and self.fenced_at_failed is False
-        return FENCE_BATCH_DESCRIPTORS if frozen else 0
+        """Late pages after FAILED the guarantee allows (docs/failures.md, its two exceptions): none,
+        except one batch from a prefill frozen inside an engine call (mid-transfer), which may finish
+        that batch when it resumes, and then only in a room reported FAILED before it was fenced; and
+        one batch into a decode that was itself stopped mid-transfer, which copies in on resuming what
+        its kernel had already received. After ``fenced``: none, ever."""
+        frozen_prefill = (self.fault, self.phase) == ("prefill-freeze", "mid-transfer") and self.fenced_at_failed is False
+        return FENCE_BATCH_DESCRIPTORS if frozen_prefill or self._stopped_decode else 0
+
+    @property
+    def _stopped_decode(self) -> bool:
+        """Decode itself was stopped mid-transfer: on resuming it copies in what its kernel had received."""
+        return (self.fault, self.phase) == ("decode-freeze", "mid-transfer")
 
     @property
     def fence_ok(self) -> bool:
-        """Decode's room was fenced in the end, and nothing landed after that (where decode survived)."""
+        """Decode's room was fenced in the end, and nothing landed after that (but a stopped decode's one batch)."""
         if self.fenced_at_failed is None:
             return True  # not measured here (decode is the victim, or the room did not fail)
-        return self.fenced_s is not None and self.late_after_fenced == 0
+        # A stopped decode's own kernel may still hold one batch when it resumes, fenced or not (docs/failures.md).
+        allowed = FENCE_BATCH_DESCRIPTORS if self._stopped_decode else 0
+        return self.fenced_s is not None and self.late_after_fenced is not None and self.late_after_fenced <= allowed
 
     @property
     def ok(self) -> bool:

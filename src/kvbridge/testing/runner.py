@@ -32,10 +32,12 @@ def _add_own_options(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_own_options(parser)
     names = ", ".join(available_backends()) or "none"
-    parser.add_argument("name", metavar="NAME", type=_backend_type,
+    # NAME is checked after parsing: argparse calls a REMAINDER positional after it "required" when NAME is missing.
+    parser.add_argument("name", metavar="NAME", type=_backend_type, nargs="?",
                         help=f"an installed backend (available here: {names})")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, metavar="PYTEST_ARGS",
-                        help="passed to pytest, e.g. -x -q -k frozen (after --, passed as they are)")
+                        help="optional, passed to pytest, e.g. -x -q -k frozen (after --, passed as they are)")
+    parser.usage = "%(prog)s [-h] [--transfer-option KEY=VALUE] [--timeout-scale X] NAME [PYTEST_ARGS ...]"
 
 
 def _own_options_after_name(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
@@ -59,6 +61,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     from kvbridge.scaffold import conformance_test_file
 
     parser: argparse.ArgumentParser = args.command_parser
+    if args.name is None:
+        ui.usage_error(parser, "the following argument is required: NAME (an installed backend; available here: "
+                               f"{', '.join(available_backends()) or 'none'})")
     pytest_args = _own_options_after_name(args, parser)
     options = dict(args.transfer_options)
     try:
