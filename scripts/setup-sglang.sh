@@ -39,7 +39,7 @@ PINS=(
   starlette==1.10.0 anyio==4.16.0 sniffio==1.3.1 h11==0.16.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
   orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 pillow==13.0.0 tqdm==4.70.1 ipython==9.18.1 traitlets==5.16.1
   dill==0.4.1 regex==2026.11.19 pyyaml==6.0.4 loguru==0.7.3 gguf==0.19.0 partial-json-parser==0.2.1.1.post7
-  einops==0.8.2
+  einops==0.8.2 httpx==0.28.1 distro==1.9.0
 )
 
 main_site=$("$MAIN/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
