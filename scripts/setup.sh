@@ -77,6 +77,9 @@ if md.version("torch").split("+")[0] != "2.13.0":
 EOF
 }
 
+# On success (a re-run that has nothing to do included): SGLang's test environment, .venv-sglang (scripts/setup-sglang.sh).
+trap 'status=$?; [ "$status" != 0 ] || bash scripts/setup-sglang.sh || status=$?; exit "$status"' EXIT
+
 # The inputs of the installation; unchanged inputs and a working environment mean nothing to do.
 stamp="$VENV/.kvbridge-setup"
 inputs=$(cat scripts/setup.sh pyproject.toml examples/kvbridge-zmq/pyproject.toml "$VENV/pyvenv.cfg" | sha256sum)
