@@ -32,6 +32,7 @@ from kvbridge.integrations.sglang.conn import (
 SRC_PAGES, DST_PAGES = [5, 2, 3, 7], [1, 6, 4, 8]
 SRC_SWA, DST_SWA = [2, 3], [4, 1]
 SRC_ROW, DST_ROW = 3, 5
+SRC_SLOT, DST_SLOT = 2, 3  # the request's Mamba state slot
 CHUNKS = (slice(0, 3), slice(3, 4))  # two prefill chunks: 3 pages, then the last page
 
 
@@ -40,8 +41,9 @@ def manager(rank: rig.Rank, mode: DisaggregationMode, port: int) -> KVBridgeKVMa
         return KVBridgeKVManager(rank.kv_args, mode, rig.server_args(rank.tp_size, port), rig.is_mla(rank.kind))
 
 
-def state_indices(kv_args: Any, swa: list[int], pages: list[int]) -> list[Any]:
-    lists = {"swa": np.array(swa, dtype=np.int32), "dsa": np.array(pages, dtype=np.int32)}
+def state_indices(kv_args: Any, swa: list[int], pages: list[int], slot: int) -> list[Any]:
+    lists = {"swa": np.array(swa, dtype=np.int32), "dsa": np.array(pages, dtype=np.int32),
+             "mamba": [np.array(slot, dtype=np.int64)]}  # SGLang's _mamba_payload: [translated slot index]
     return [lists[getattr(st, "value", st)] for st in kv_args.state_types]
 
 
@@ -67,7 +69,7 @@ def send_request(senders: list[KVBridgeKVSender], ranks: list[rig.Rank]) -> None
         last = i == len(CHUNKS) - 1
         for s, r in zip(senders, ranks):
             pages = np.array(SRC_PAGES[chunk], dtype=np.int32)
-            s.send(pages, state_indices(r.kv_args, SRC_SWA, SRC_PAGES) if last else None,
+            s.send(pages, state_indices(r.kv_args, SRC_SWA, SRC_PAGES, SRC_SLOT) if last else None,
                    num_kv_tokens=len(pages) * rig.page_size(r.kind))
 
 
@@ -77,7 +79,7 @@ def decode_receivers(managers: list[KVBridgeKVManager], ranks: list[rig.Rank], p
     for r in recvs:
         r.init(0)
     for r, rank in zip(recvs, ranks):
-        r.send_metadata(np.array(DST_PAGES, dtype=np.int32), DST_ROW, state_indices(rank.kv_args, DST_SWA, DST_PAGES))
+        r.send_metadata(np.array(DST_PAGES, dtype=np.int32), DST_ROW, state_indices(rank.kv_args, DST_SWA, DST_PAGES, DST_SLOT))
     return recvs
 
 
@@ -122,17 +124,14 @@ def check_decode(rank: rig.Rank, g: dict) -> list[str]:
     """Every buffer of a decode rank against the oracle: asked-for items from the global source, the rest zero."""
     problems = []
     ps = rig.page_size(rank.kind)
-    hs = rig.head_slice(rank.tp_rank, rank.tp_size)
-    for name, (buf, sliced) in rig.rank_buffers(rank).items():
-        src = g[name][:, hs] if sliced else g[name]
+    for name, (buf, how, index) in rig.rank_buffers(rank).items():
+        src = rig.local_part(g[name], how, rank.tp_rank, rank.tp_size)
         expect = src.new_zeros(src.shape)
-        swa = ".swa." in f".{name}" or name.startswith("swa.")
-        pairs = zip(SRC_SWA, DST_SWA) if swa else zip(SRC_PAGES, DST_PAGES)
-        per_page = ".index" in f".{name}" or name.startswith("index")  # DSA indexer: one row per page
+        pairs = {"swa": zip(SRC_SWA, DST_SWA), "slot": [(SRC_SLOT, DST_SLOT)]}.get(index, zip(SRC_PAGES, DST_PAGES))
         for s, d in pairs:
-            if per_page:
+            if index in ("kv_rows", "slot"):  # one row per index
                 expect[d] = src[s]
-            else:
+            else:  # token slots: a page is page_size rows
                 expect[d * ps:(d + 1) * ps] = src[s * ps:(s + 1) * ps]
         if not buf.view(torch.uint8).equal(expect.view(torch.uint8)):  # bytes: random bf16 bits include NaNs
             problems.append(f"decode TP rank {rank.tp_rank}/{rank.tp_size}: buffer {name} differs from the oracle")

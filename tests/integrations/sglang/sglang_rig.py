@@ -17,11 +17,18 @@ from typing import Any
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.utils import MetadataBuffers, get_kv_transfer_buf_infos, setup_state_kv_args
-from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+from sglang.srt.mem_cache.memory_pool import (
+    DSATokenToKVPool,
+    HybridLinearKVPool,
+    MambaPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+)
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.runtime_context import get_parallel
 
-KINDS = ("mha", "swa", "mla", "dsa")
+KINDS = ("mha", "swa", "mla", "dsa", "mamba")
 HEADS = 4  # total KV heads (MHA / SWA)
 HEAD_DIM = 8
 LAYERS = 2  # target layers (SWA: one full, one sliding-window... see below)
@@ -73,26 +80,68 @@ def make_pool(kind: str, tp: int, draft: bool = False) -> Any:
             return DSATokenToKVPool(size=slots(kind), page_size=page_size(kind), kv_lora_rank=16, dtype=DTYPE,
                                     qk_rope_head_dim=8, layer_num=LAYERS, device="cpu", index_head_dim=128,
                                     enable_memory_saver=False, kv_cache_dim=24)
+    if kind == "mamba":  # a gated-delta-net hybrid: layers 0 and 2 Mamba, 1 and 3 full attention
+        shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=16, n_groups=2, num_heads=MAMBA_HEADS,
+                                        head_dim=4, state_size=4, conv_kernel=4, conv_shard_groups=list(CONV_GROUPS))
+        mamba = MambaPool(size=MAMBA_SLOTS - 1, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
+                          mamba_layer_ids=[0, 2], device="cpu")
+        return HybridLinearKVPool(size=slots(kind), dtype=DTYPE, page_size=page_size(kind), head_num=HEADS // tp,
+                                  head_dim=HEAD_DIM, full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=mamba)
     raise ValueError(kind)
+
+
+#: The Mamba layers' conv channels: q | k | v sub-blocks, each split across TP on its own.
+CONV_GROUPS = (16, 8, 8)
+MAMBA_HEADS = 4
+MAMBA_SLOTS = 5  # request slots (SGLang adds one to the size it is given)
+
+
+def local_part(g: torch.Tensor, how: str | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s part of a global buffer: heads (dim 1), or each conv sub-block's channels (dim 1)."""
+    if how is None:
+        return g
+    if how in ("heads", "temporal"):
+        per = g.shape[1] // tp_size
+        return g[:, tp_rank * per:(tp_rank + 1) * per]
+    if how == "conv":
+        parts, start = [], 0
+        for total in CONV_GROUPS:
+            per = total // tp_size
+            parts.append(g[:, start + tp_rank * per:start + (tp_rank + 1) * per])
+            start += total
+        return torch.cat(parts, dim=1)
+    raise ValueError(how)
 
 
 def make_metadata() -> MetadataBuffers:
     return MetadataBuffers(size=ROWS, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=4)
 
 
-def kv_buffers(pool: Any) -> list[tuple[str, torch.Tensor, bool]]:
-    """(name, buffer, sliced by heads) of every transferable buffer of an SGLang pool."""
+Buffer = tuple[str, torch.Tensor, "str | None", str]
+
+
+def kv_buffers(pool: Any) -> list[Buffer]:
+    """(name, buffer, how TP splits it, what indexes it) of every transferable buffer of an SGLang pool.
+
+    how: None (whole on every rank), "heads", "conv", "temporal" (see local_part); indexed by:
+    "kv" (token slots, whole pages), "swa" (the SWA pool's token slots), "kv_rows" (one row per KV page), "slot".
+    """
     if isinstance(pool, SWAKVPool):
-        return ([(f"full.{n}", b, s) for n, b, s in kv_buffers(pool.full_kv_pool)]
-                + [(f"swa.{n}", b, s) for n, b, s in kv_buffers(pool.swa_kv_pool)])
-    out: list[tuple[str, torch.Tensor, bool]] = []
+        return ([(f"full.{n}", b, h, i) for n, b, h, i in kv_buffers(pool.full_kv_pool)]
+                + [(f"swa.{n}", b, h, "swa") for n, b, h, _ in kv_buffers(pool.swa_kv_pool)])
+    if isinstance(pool, HybridLinearKVPool):
+        cache = pool.mamba_pool.mamba_cache
+        return ([(f"full.{n}", b, h, i) for n, b, h, i in kv_buffers(pool.full_kv_pool)]
+                + [(f"mamba.conv{li}", b, "conv", "slot") for li, b in enumerate(cache.conv[0])]
+                + [(f"mamba.temporal{li}", b, "temporal", "slot") for li, b in enumerate(cache.temporal)])
+    out: list[Buffer] = []
     if hasattr(pool, "k_buffer"):
-        out += [(f"k{i}", b, True) for i, b in enumerate(pool.k_buffer)]
-        out += [(f"v{i}", b, True) for i, b in enumerate(pool.v_buffer)]
+        out += [(f"k{i}", b, "heads", "kv") for i, b in enumerate(pool.k_buffer)]
+        out += [(f"v{i}", b, "heads", "kv") for i, b in enumerate(pool.v_buffer)]
     else:
-        out += [(f"kv{i}", b, False) for i, b in enumerate(pool.kv_buffer)]
+        out += [(f"kv{i}", b, None, "kv") for i, b in enumerate(pool.kv_buffer)]
     if isinstance(pool, DSATokenToKVPool):
-        out += [(f"index{i}", b, False) for i, b in enumerate(pool.index_k_with_scale_buffer)]
+        out += [(f"index{i}", b, None, "kv_rows") for i, b in enumerate(pool.index_k_with_scale_buffer)]
     return out
 
 
@@ -100,8 +149,8 @@ def global_tensors(kind: str, draft: bool, seed: int) -> dict[str, torch.Tensor]
     """Every buffer with all heads (TP 1 shapes), seeded random bytes."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, buf, _ in kv_buffers(make_pool(kind, 1)) + (
-            [(f"draft.{n}", b, s) for n, b, s in kv_buffers(make_pool(kind, 1, draft=True))] if draft else []):
+    for name, buf, _, _ in kv_buffers(make_pool(kind, 1)) + (
+            [(f"draft.{n}", b, h, i) for n, b, h, i in kv_buffers(make_pool(kind, 1, draft=True))] if draft else []):
         raw = torch.randint(0, 256, (buf.numel() * buf.element_size(),), dtype=torch.uint8, generator=gen)
         out[name] = raw.view(buf.dtype).view(buf.shape)
     meta = make_metadata()
@@ -110,15 +159,10 @@ def global_tensors(kind: str, draft: bool, seed: int) -> dict[str, torch.Tensor]
     return out
 
 
-def head_slice(tp_rank: int, tp_size: int) -> slice:
-    per = HEADS // tp_size
-    return slice(tp_rank * per, (tp_rank + 1) * per)
-
-
-def rank_buffers(rank: Rank) -> dict[str, tuple[torch.Tensor, bool]]:
-    out = {n: (b, s) for n, b, s in kv_buffers(rank.target)}
+def rank_buffers(rank: Rank) -> dict[str, tuple[torch.Tensor, "str | None", str]]:
+    out = {n: (b, h, i) for n, b, h, i in kv_buffers(rank.target)}
     if rank.draft is not None:
-        out.update({f"draft.{n}": (b, s) for n, b, s in kv_buffers(rank.draft)})
+        out.update({f"draft.{n}": (b, h, i) for n, b, h, i in kv_buffers(rank.draft)})
     return out
 
 
@@ -139,9 +183,8 @@ def make_rank(kind: str, tp_rank: int, tp_size: int, *, draft: bool, fill: dict[
     rank = Rank(kind, tp_rank, tp_size, make_pool(kind, tp_size), make_pool(kind, tp_size, draft=True) if draft else None,
                 make_metadata())
     if fill is not None:
-        hs = head_slice(tp_rank, tp_size)
-        for name, (buf, sliced) in rank_buffers(rank).items():
-            buf.copy_(fill[name][:, hs] if sliced else fill[name])
+        for name, (buf, how, _) in rank_buffers(rank).items():
+            buf.copy_(local_part(fill[name], how, tp_rank, tp_size))
         for i, rows in enumerate(metadata_rows(rank.metadata)):
             rows.view(-1).copy_(fill[f"meta{i}"])
     rank.kv_args = sglang_kv_args(rank)
@@ -161,12 +204,12 @@ def sglang_kv_args(rank: Rank) -> KVArgs:
         ptrs, lens, items = ptrs + d[0], lens + d[1], items + d[2]
         a.num_draft_entries = len(d[0])
     a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = ptrs, lens, items
-    if rank.kind in ("mha", "swa"):
+    if rank.kind in ("mha", "swa", "mamba"):
         a.kv_head_num = rank.target.head_num
         a.total_kv_head_num = HEADS
     a.page_size = rank.target.page_size
     a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = rank.metadata.get_buf_infos()
-    setup_state_kv_args(a, rank.target, rank.draft, LAYERS * 2)
+    setup_state_kv_args(a, rank.target, rank.draft, 4)  # 4: the model's layer count (SWA and hybrid kinds)
     return a
 
 

@@ -20,7 +20,7 @@ def test_description_agrees_with_sglang_kv_args(kind, tp, draft):
                     page_size=rank.target.page_size, tp_rank=tp[0], tp_size=tp[1])
     assert compare(rank.kv_args, ours) == []
     expected = {"mha": {"kv", "metadata"}, "mla": {"kv", "metadata"}, "swa": {"kv", "swa", "metadata"},
-                "dsa": {"kv", "dsa", "metadata"}}[kind]
+                "dsa": {"kv", "dsa", "metadata"}, "mamba": {"kv", "mamba", "metadata"}}[kind]
     assert {r.state_type for r in ours.regions} == expected
     assert any(r.draft for r in ours.regions) == draft
 
@@ -28,7 +28,9 @@ def test_description_agrees_with_sglang_kv_args(kind, tp, draft):
 def test_sglang_pool_classes_resolve_to_kvbridge_handlers_by_class_name():
     resolver = get_registry().state_resolver()
     names = {kind: resolver.resolve(rig.make_pool(kind, 1)).name for kind in rig.KINDS}
-    assert names == {"mha": "sglang_mha", "swa": "sglang_swa", "mla": "sglang_mla", "dsa": "sglang_dsa"}
+    assert names == {"mha": "sglang_mha", "swa": "sglang_swa", "mla": "sglang_mla", "dsa": "sglang_dsa",
+                     "mamba": "sglang_hybrid_linear"}
+    assert resolver.resolve(rig.make_pool("mamba", 1).mamba_pool).name == "sglang_mamba"
     assert resolver.resolve(rig.make_metadata()).name == "sglang_metadata"
 
 

@@ -12,7 +12,7 @@ _rooms = itertools.count(1000)
 CASES = [
     *[(kind, p, d, False, "memory") for kind in rig.KINDS for p, d in ((2, 1), (1, 2))],
     *[(kind, p, d, True, "memory") for kind in ("mha", "mla") for p, d in ((2, 1), (1, 2))],
-    *[(kind, p, d, draft, "nixl") for kind, draft in (("mha", True), ("swa", False), ("dsa", False))
+    *[(kind, p, d, draft, "nixl") for kind, draft in (("mha", True), ("swa", False), ("dsa", False), ("mamba", False))
       for p, d in ((2, 1), (1, 2))],
 ]
 

@@ -5,7 +5,7 @@ SGLang fills its ``KVArgs`` (``kv_data_ptrs``/``lens``/``item_lens``, the
 same pools with ``get_kv_transfer_buf_infos`` and ``setup_state_kv_args``.
 Every entry there must be exactly one kvbridge region (same address, size and
 bytes per item, the right state type, target or draft) in SGLang's order
-(per list: K layers, then V layers), and kvbridge must describe nothing
+(per list: K layers, then V layers; conv, then temporal; SGLang's state layer ids where it reports them), and kvbridge must describe nothing
 SGLang does not register. The adapter's manager refuses to start otherwise.
 """
 
@@ -21,8 +21,8 @@ from .handlers import DSA_STATE
 __all__ = ["STATE_TYPES", "compare"]
 
 #: SGLang ``StateType`` values kvbridge moves, and the kvbridge state type of their regions.
-STATE_TYPES = {"swa": "swa", "dsa": DSA_STATE}
-_ROLE_ORDER = {"k": 0, "kv": 0, "indexer": 0, "v": 1}
+STATE_TYPES = {"swa": "swa", "dsa": DSA_STATE, "mamba": "mamba"}
+_ROLE_ORDER = {"k": 0, "kv": 0, "indexer": 0, "conv": 0, "v": 1, "temporal": 1}
 
 
 def compare(sglang: Any, ours: KVArgs) -> list[str]:
@@ -32,7 +32,7 @@ def compare(sglang: Any, ours: KVArgs) -> list[str]:
     used: set[str] = set()
 
     def check(what: str, ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], state_type: str,
-              drafts: Sequence[bool]) -> None:
+              drafts: Sequence[bool], layers: Sequence[int] = ()) -> None:
         hit: list[Region] = []
         for i, (ptr, nbytes, item) in enumerate(zip(ptrs, lens, items)):
             r = by_addr.get(int(ptr))
@@ -47,6 +47,8 @@ def compare(sglang: Any, ours: KVArgs) -> list[str]:
             if (r.state_type, r.draft) != (state_type, drafts[i]):
                 problems.append(f"{what}[{i}]: SGLang's entry is {'draft ' if drafts[i] else ''}{state_type}, kvbridge's "
                                 f"region {r.name!r} is {'draft ' if r.draft else ''}{r.state_type}")
+            if layers and i < len(layers) and int(layers[i]) != r.layer:
+                problems.append(f"{what}[{i}]: SGLang's layer id {layers[i]}, kvbridge's region {r.name!r} layer {r.layer}")
         for group in (False, True):
             order = [(_ROLE_ORDER.get(r.role, 2), r.layer) for r in hit if r.draft == group]
             if order != sorted(order):
@@ -67,8 +69,9 @@ def compare(sglang: Any, ours: KVArgs) -> list[str]:
             continue
         ptrs = sglang.state_data_ptrs[c]
         drafts = [by_addr[p].draft if p in by_addr else False for p in ptrs]  # SGLang appends draft entries to the component
+        layer_ids = sglang.state_layer_ids[c] if c < len(getattr(sglang, "state_layer_ids", [])) else []
         check(f"state component {c} ({value})", ptrs, sglang.state_data_lens[c], sglang.state_item_lens[c],
-              STATE_TYPES[value], drafts)
+              STATE_TYPES[value], drafts, layer_ids)
     extra = [r.name for r in ours.regions if r.name not in used]
     if extra:
         problems.append(f"kvbridge describes regions SGLang does not register: {extra}")

@@ -18,6 +18,12 @@ What each describes, in kvbridge's terms (every buffer a region, paired by
 - ``SWAKVPool``: its full-attention sub-pool as above (``kv_page``), its
   sliding-window sub-pool in the ``swa_page`` index space -- SGLang's
   ``StateType.SWA``, addressed by the window's own page list.
+- ``MambaPool``: per Mamba layer the conv state (each channel sub-block of
+  ``conv_shard_groups`` sliced on its own under heterogeneous TP) and the
+  temporal (SSM) state (sliced by heads), one item per request slot (index
+  space ``slot``) -- SGLang's ``StateType.MAMBA``;
+- ``HybridLinearKVPool``: its full-attention sub-pool (MHA or MLA) at the
+  model's full-attention layer ids, and its ``MambaPool``;
 - ``MetadataBuffers``: the per-request metadata rows, in SGLang's
   ``get_buf_infos`` order (the commit point, written last).
 
@@ -33,14 +39,16 @@ from typing import Any
 
 from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
 from kvbridge.core.describe import DescribeContext, Description, buffer_region, item_count, paged_kv
-from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace
+from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, Shard
 
-__all__ = ["DSA_STATE", "SWA_PAGE_SPACE", "POOL_TYPES", "kvbridge_register_state_handlers"]
+__all__ = ["DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE", "kvbridge_register_state_handlers"]
 
 #: SGLang's sliding-window pages (the window's own page list), as kvbridge's swa handler names them.
 SWA_PAGE_SPACE = "swa_page"
 #: The state type of DSA indexer regions (SGLang's ``StateType.DSA``).
 DSA_STATE = "dsa"
+#: Request slots of the Mamba state (kvbridge's mamba handler's index space).
+SLOT_SPACE = "slot"
 
 _POOLS = "sglang.srt.mem_cache.memory_pool"
 #: Every SGLang class a handler here serves, by handler name.
@@ -49,6 +57,8 @@ POOL_TYPES: dict[str, tuple[str, ...]] = {
     "sglang_mla": (f"{_POOLS}:MLATokenToKVPool",),
     "sglang_dsa": (f"{_POOLS}:DSATokenToKVPool",),
     "sglang_swa": ("sglang.srt.mem_cache.swa_memory_pool:SWAKVPool",),
+    "sglang_mamba": (f"{_POOLS}:MambaPool",),
+    "sglang_hybrid_linear": (f"{_POOLS}:HybridLinearKVPool",),
     "sglang_metadata": ("sglang.srt.disaggregation.utils:MetadataBuffers",),
 }
 
@@ -137,6 +147,65 @@ def _ids_of(pool: Any, *, swa: bool) -> list[int]:
     return [g for g, (_, is_swa) in sorted(mapping.items(), key=lambda kv: kv[1][0]) if is_swa == swa]
 
 
+def describe_mamba(pool: Any, ctx: DescribeContext) -> Description:
+    """A ``MambaPool``: conv and temporal state per Mamba layer, one item per request slot.
+
+    SGLang's per-slot conv state is ``[channels, K-1]`` (``conv_slice_axis`` 0) or
+    ``[K-1, channels]`` (1, Kimi); its channels are the concatenation of
+    ``conv_shard_groups`` sub-blocks (q|k|v of a gated delta net), each split
+    across TP on its own. The temporal state ``[heads, head_dim, state]`` is
+    split by heads.
+    """
+    cache = pool.mamba_cache
+    if len(cache.conv) != 1:
+        raise ValueError(f"MambaPool with {len(cache.conv)} conv state tensors per layer: kvbridge's SGLang integration "
+                         "describes one (Mamba2, gated delta net)")
+    if any(getattr(cache, f, None) is not None for f in ("replayssm_d", "replayssm_k", "replayssm_g")):
+        raise ValueError("MambaPool with ReplaySSM buffers: not described by kvbridge's SGLang integration "
+                         "(disable --enable-linear-replayssm)")
+    conv, temporal = cache.conv[0], cache.temporal
+    axis = int(getattr(pool, "conv_slice_axis", 0))
+    channels = int(conv.shape[2 + axis])
+    # SGLang's own per-tensor sub-block sizes (conv tensors first); None: one block of all channels.
+    declared = pool.get_state_conv_shard_groups()[0] if hasattr(pool, "get_state_conv_shard_groups") else None
+    groups = tuple(int(n) for n in declared) if declared else (channels * ctx.tp_size,)
+    conv_shard = (Shard(kind="split", outer=1, totals=groups, unit_nbytes=int(conv.shape[3]) * conv.element_size())
+                  if axis == 0 else Shard(kind="split", outer=int(conv.shape[2]), totals=groups,
+                                          unit_nbytes=conv.element_size()))
+    heads = int(temporal.shape[2])
+    t_shard = Shard(kind="split", outer=1, totals=(heads * ctx.tp_size,),
+                    unit_nbytes=int(temporal[0, 0, 0].numel()) * temporal.element_size())
+    desc = Description()
+    for role, buf, shard in (("conv", conv, conv_shard), ("temporal", temporal, t_shard)):
+        for li, layer in enumerate(pool.mamba_layer_ids):
+            desc.regions.append(buffer_region(buf[li], name=f"mamba.{role}{layer}", role=role, index_space=SLOT_SPACE,
+                                              layer=int(layer), state_type="mamba", draft=ctx.draft, shard=shard))
+    desc.index_spaces.append(IndexSpace(SLOT_SPACE, int(conv.shape[1]), 1, "slot"))
+    return desc
+
+
+class MambaHandler:
+    """``MambaPool``: conv and temporal state per Mamba layer, by request slot."""
+
+    def describe(self, pool: Any, ctx: DescribeContext) -> Description:
+        return describe_mamba(pool, ctx)
+
+
+class HybridLinearHandler:
+    """``HybridLinearKVPool``: the full-attention sub-pool by KV page, the Mamba pool by request slot."""
+
+    def describe(self, pool: Any, ctx: DescribeContext) -> Description:
+        if getattr(pool, "use_dsa", False):
+            raise ValueError("HybridLinearKVPool with use_dsa: not described by kvbridge's SGLang integration yet")
+        mapping: dict[int, int] = pool.full_attention_layer_id_mapping
+        full_ids = [g for g, _ in sorted(mapping.items(), key=lambda kv: kv[1])]
+        desc = describe_paged(pool.full_kv_pool, ctx, state_type="kv", index_space=KV_PAGE_SPACE, layer_ids=full_ids)
+        mamba = describe_mamba(pool.mamba_pool, ctx)
+        desc.regions.extend(mamba.regions)
+        desc.index_spaces.extend(mamba.index_spaces)
+        return desc
+
+
 #: ``MetadataBuffers`` attributes in the order of SGLang's ``get_buf_infos`` (absent ones are None there too).
 METADATA_FIELDS = (
     "output_ids", "cached_tokens", "output_token_logprobs_val", "output_token_logprobs_idx",
@@ -167,6 +236,8 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
     here = "kvbridge.integrations.sglang.handlers"
     kv = HandlerCapabilities(index_spaces=(KV_PAGE_SPACE,), layouts=("nhd",), draft=True,
                              hetero_tp="slice KV heads (MHA/GQA), replicate (MLA)")
+    mamba = HandlerCapabilities(index_spaces=(SLOT_SPACE,), draft=True,
+                                hetero_tp="slice each conv sub-block and the SSM heads")
     return [
         StateHandlerSpec(name="sglang_mha", factory=f"{here}:MHAHandler", pool_types=POOL_TYPES["sglang_mha"],
                          capabilities=kv, description="SGLang MHATokenToKVPool: K/V per layer, token-major pages"),
@@ -179,6 +250,13 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
                          capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, SWA_PAGE_SPACE), layouts=("nhd",),
                                                           draft=True, hetero_tp="slice KV heads (MHA), replicate (MLA)"),
                          description="SGLang SWAKVPool: full KV by page, the sliding window by its own pages"),
+        StateHandlerSpec(name="sglang_mamba", factory=f"{here}:MambaHandler", pool_types=POOL_TYPES["sglang_mamba"],
+                         capabilities=mamba, description="SGLang MambaPool: conv and SSM state per request slot"),
+        StateHandlerSpec(name="sglang_hybrid_linear", factory=f"{here}:HybridLinearHandler",
+                         pool_types=POOL_TYPES["sglang_hybrid_linear"],
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, SLOT_SPACE), layouts=("nhd",), draft=True,
+                                                          hetero_tp="slice KV heads; conv sub-blocks and SSM heads"),
+                         description="SGLang HybridLinearKVPool: full-attention KV by page, Mamba state by slot"),
         StateHandlerSpec(name="sglang_metadata", factory=f"{here}:MetadataHandler", pool_types=POOL_TYPES["sglang_metadata"],
                          capabilities=HandlerCapabilities(index_spaces=(METADATA_SPACE,), hetero_tp="replicated"),
                          description="SGLang MetadataBuffers: per-request metadata rows, written last"),
