@@ -74,18 +74,20 @@ def send_request(senders: list[KVBridgeKVSender], ranks: list[rig.Rank]) -> None
 
 
 def decode_receivers(managers: list[KVBridgeKVManager], ranks: list[rig.Rank], port: int,
-                     room: int) -> list[KVBridgeKVReceiver]:
+                     room: int, dst_swa: list[int] = DST_SWA) -> list[KVBridgeKVReceiver]:
     recvs = [KVBridgeKVReceiver(m, f"127.0.0.1:{port}", room) for m in managers]
     for r in recvs:
         r.init(0)
     for r, rank in zip(recvs, ranks):
-        r.send_metadata(np.array(DST_PAGES, dtype=np.int32), DST_ROW, state_indices(rank.kv_args, DST_SWA, DST_PAGES, DST_SLOT))
+        r.send_metadata(np.array(DST_PAGES, dtype=np.int32), DST_ROW, state_indices(rank.kv_args, dst_swa, DST_PAGES, DST_SLOT))
     return recvs
 
 
-def transfer(kind: str, prefill_tp: int, decode_tp: int, draft: bool, seed: int, room: int, backend: str) -> list[str]:
+def transfer(kind: str, prefill_tp: int, decode_tp: int, draft: bool, seed: int, room: int, backend: str,
+             dst_swa: list[int] = DST_SWA, abort: str | None = None) -> list[str]:
     """One request through the adapters over kvbridge ``backend`` (as ``KVBRIDGE_SGLANG_BACKEND`` chose it);
-    every mismatch against the oracle (empty: byte-exact)."""
+    every mismatch against the oracle (empty: byte-exact). ``dst_swa``: the SWA pages decode allocates;
+    ``abort``: "prefill" or "decode" aborts the request once prefill is ready, and the result is each side's reason."""
     from kvbridge.integrations.sglang.conn import KVBridgeKVBootstrapServer
 
     g = rig.global_tensors(kind, draft, seed)
@@ -103,10 +105,17 @@ def transfer(kind: str, prefill_tp: int, decode_tp: int, draft: bool, seed: int,
         if used != [backend]:
             return [f"managers run over {used}, not {backend!r}"]
         senders = prefill_senders(p_mgrs, port, room)
-        recvs = decode_receivers(d_mgrs, d_ranks, port, room)
+        recvs = decode_receivers(d_mgrs, d_ranks, port, room, dst_swa)
         polls = wait(senders, {KVPoll.WaitingForInput, KVPoll.Failed}, 30)
         if polls != [KVPoll.WaitingForInput] * len(senders):
             return [f"prefill senders polled {polls}: {[s.sender.failure() for s in senders]}"]
+        if abort is not None:
+            for x in senders if abort == "prefill" else recvs:
+                x.abort()
+            polls = wait(senders + recvs, {KVPoll.Failed, KVPoll.Success}, 30)
+            if polls != [KVPoll.Failed] * len(polls):
+                return [f"after the {abort} abort: polls {polls}"]
+            return [exception_text(x) for x in senders + recvs]
         send_request(senders, p_ranks)
         s_polls = wait(senders, {KVPoll.Success, KVPoll.Failed}, 30)
         r_polls = wait(recvs, {KVPoll.Success, KVPoll.Failed}, 30)
@@ -118,6 +127,17 @@ def transfer(kind: str, prefill_tp: int, decode_tp: int, draft: bool, seed: int,
         for m in managers:
             m.close()
         boot.close()
+
+
+def exception_text(poller: Any) -> str:
+    """What ``failure_exception()`` raises, as SGLang's scheduler reads it."""
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    try:
+        poller.failure_exception()
+    except KVTransferError as exc:
+        return f"KVTransferError(room={exc.bootstrap_room}): {exc}"
+    return "failure_exception() raised nothing"
 
 
 def check_decode(rank: rig.Rank, g: dict) -> list[str]:

@@ -31,3 +31,24 @@ def test_the_oracle_reports_a_decode_rank_that_received_nothing(kind):
     untouched = rig.make_rank(kind, 0, 1, draft=False, fill=None)
     problems = pd.check_decode(untouched, g)
     assert len(problems) == len(rig.rank_buffers(untouched)) + len(rig.metadata_rows(untouched.metadata))
+
+
+def test_decode_allocating_more_window_pages_than_prefill_sends_is_trimmed_by_kvbridges_policy(monkeypatch, caplog):
+    """Seed 001: a page-indexed state list longer on decode is trimmed to the shorter side, with a warning, on every backend."""
+    monkeypatch.setenv("KVBRIDGE_SGLANG_BACKEND", "memory")
+    room = next(_rooms)
+    with caplog.at_level("WARNING"):
+        problems = pd.transfer("swa", 2, 1, False, seed=room, room=room, backend="memory", dst_swa=[*pd.DST_SWA, 0])
+    assert problems == []  # the oracle: the window's pages landed, decode's extra page (0) is still zero
+    assert any("swa_page" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_an_abort_fails_both_sides_with_the_reason(side, monkeypatch):
+    monkeypatch.setenv("KVBRIDGE_SGLANG_BACKEND", "memory")
+    room = next(_rooms)
+    texts = pd.transfer("mha", 2, 1, False, seed=room, room=room, backend="memory", abort=side)
+    assert len(texts) == 3  # two prefill senders, one decode receiver
+    for text in texts:
+        assert text.startswith(f"KVTransferError(room={room}): ") and "abort" in text.lower(), text
+    assert any(f"aborted by SGLang's {side} scheduler" in t for t in texts)
