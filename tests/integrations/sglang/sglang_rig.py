@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.utils import MetadataBuffers, get_kv_transfer_buf_infos, setup_state_kv_args
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.mem_cache.memory_pool import (
     DSATokenToKVPool,
     HybridLinearKVPool,
@@ -159,7 +159,7 @@ def global_tensors(kind: str, draft: bool, seed: int) -> dict[str, torch.Tensor]
     return out
 
 
-def rank_buffers(rank: Rank) -> dict[str, tuple[torch.Tensor, "str | None", str]]:
+def rank_buffers(rank: Rank) -> dict[str, tuple[torch.Tensor, str | None, str]]:
     out = {n: (b, h, i) for n, b, h, i in kv_buffers(rank.target)}
     if rank.draft is not None:
         out.update({f"draft.{n}": (b, h, i) for n, b, h, i in kv_buffers(rank.draft)})
@@ -168,7 +168,7 @@ def rank_buffers(rank: Rank) -> dict[str, tuple[torch.Tensor, "str | None", str]
 
 def metadata_rows(meta: MetadataBuffers) -> list[torch.Tensor]:
     """Each metadata buffer as [rows, bytes] (SGLang's get_buf_infos order)."""
-    ptrs, lens, items = meta.get_buf_infos()
+    ptrs = meta.get_buf_infos()[0]
     bufs = [b for b in (getattr(meta, f) for f in (
         "output_ids", "cached_tokens", "output_token_logprobs_val", "output_token_logprobs_idx",
         "output_top_logprobs_val", "output_top_logprobs_idx", "output_token_sampling_mask_len",
