@@ -184,7 +184,7 @@ class KVBridgeKVSender(BaseKVSender):
         self.sender = Sender(mgr.transfer, self.bootstrap_room)  # type: ignore[arg-type]
         self.num_kv_indices: int | None = None
         self.sent = 0
-        self.nbytes = 0
+        self.concluded = False  # the send that reached init()'s page count went out
         self.started = time.monotonic()
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
@@ -196,9 +196,19 @@ class KVBridgeKVSender(BaseKVSender):
         if self.num_kv_indices is None:
             raise RuntimeError(f"room {self.bootstrap_room}: send() before init(num_kv_indices, aux_index)")
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        if self.concluded:
+            if pages.size:
+                raise RuntimeError(f"room {self.bootstrap_room}: send() of {pages.size} pages after all "
+                                   f"{self.num_kv_indices} pages init() announced were sent")
+            return  # SGLang's zero-page final send (should_send_kv_chunk) after the last page went out
         self.sent += int(pages.size)
         last = self.sent >= self.num_kv_indices  # SGLang's rule: the send that reaches init()'s page count is the last
+        self.concluded = last
         self.sender.send(pages, self.kv_mgr.state_lists(state_indices) if last else None, last=last)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """A last chunk without pages still goes out: it carries the state and the metadata row."""
+        return num_pages > 0 or last_chunk
 
     def poll(self) -> int:
         return int(self.sender.poll())
