@@ -10,6 +10,11 @@ from typing import Any
 
 
 def _child(fn: Callable[..., Any], env: Mapping[str, str | None], args: tuple, conn: Any) -> None:
+    # The parent's OpenMP worker pool (torch's CPU kernels) does not survive fork: a parallel
+    # region in the child would wait for it forever. One thread: torch runs kernels inline.
+    import torch
+
+    torch.set_num_threads(1)
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)

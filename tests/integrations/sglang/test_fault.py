@@ -23,6 +23,9 @@ ROOM = 77
 
 def prefill_host(conn, kind):
     """The prefill server: bootstrap server, one rank, one request that sends its first chunk, then waits to be killed."""
+    import torch
+
+    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork (see forked.py)
     try:
         boot = KVBridgeKVBootstrapServer("127.0.0.1", 0)
         port = int(boot.address.rsplit(":", 1)[1])
