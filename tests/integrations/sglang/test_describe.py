@@ -118,3 +118,17 @@ def test_manager_refuses_an_sglang_state_type_it_does_not_move(monkeypatch):
     rank.kv_args.state_types = [StateType.DSV4_REQUEST_STATE]
     with pytest.raises(ValueError, match=r"SGLang state type 'c128_state' is not supported .* \(supported: dsa, mamba, swa\)"):
         pd.manager(rank, DisaggregationMode.DECODE, 1)
+
+
+@pytest.mark.parametrize("flag,value", [("pp_size", 2), ("enable_dp_attention", True)])
+def test_manager_refuses_pipeline_stages_and_dp_attention_naming_the_flag(flag, value, monkeypatch):
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from kvbridge.integrations.sglang.conn import KVBridgeKVManager, sglang_pools
+
+    monkeypatch.setenv("KVBRIDGE_SGLANG_BACKEND", "memory")
+    rank = rig.make_rank("mha", 0, 1, draft=False, fill=None)
+    args = rig.server_args(1)
+    setattr(args, flag, value)
+    with sglang_pools(rank.target, None, rank.metadata), pytest.raises(ValueError, match=f"{flag}={value!r}: not supported"):
+        KVBridgeKVManager(rank.kv_args, DisaggregationMode.DECODE, args, False)

@@ -95,6 +95,11 @@ class KVBridgeKVManager(BaseKVManager):
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
         self.config = transfer_config()
+        for flag, bad in (("enable_dp_attention", True), ("pp_size", lambda v: int(v or 1) > 1)):
+            value = getattr(server_args, flag, None)
+            if value is not None and (bad(value) if callable(bad) else value == bad):
+                raise ValueError(f"{flag}={value!r}: not supported by kvbridge's SGLang integration yet (attention TP "
+                                 "must be the TP size, one pipeline stage); use SGLang's own transfer backend for it")
         self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         self.tp_rank = int(args.engine_rank) % self.tp_size
         if not self.is_mla_backend and getattr(args, "total_kv_head_num", None) is not None:
