@@ -14,6 +14,8 @@ CASES = [
     *[(kind, p, d, True, "memory") for kind in ("mha", "mla") for p, d in ((2, 1), (1, 2))],
     *[(kind, p, d, draft, "nixl") for kind, draft in (("mha", True), ("swa", False), ("dsa", False), ("mamba", False))
       for p, d in ((2, 1), (1, 2))],
+    # A third-party backend (examples/kvbridge-zmq, installed by setup.sh), chosen by name like any other.
+    ("swa", 2, 1, False, "zmq"),
 ]
 
 
