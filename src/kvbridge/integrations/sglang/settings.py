@@ -1,9 +1,9 @@
 """Which kvbridge backend and settings SGLang's transfers use: environment variables and an optional file.
 
-- ``KVBRIDGE_SGLANG_BACKEND``: the switch. Set (to a kvbridge backend name from
-  ``kvbridge plugins``, third-party ones included, or ``default`` for the first
-  available of nixl, ucx, mooncake), SGLang's transfers go through kvbridge;
-  unset, the plugin changes nothing.
+- ``KVBRIDGE_SGLANG_BACKEND``: the switch. Set (to what ``--transfer-backend``
+  takes: a backend name from ``kvbridge plugins``, third-party ones included, or
+  lanes separated by commas; or ``default`` for kvbridge's default choice),
+  SGLang's transfers go through kvbridge; unset, the plugin changes nothing.
 - ``KVBRIDGE_SGLANG_CONFIG``: a JSON file of :class:`~kvbridge.config.TransferConfig`
   fields (``backend_options``, timeouts, ``host``, ``bootstrap``, ``secret_file``,
   ...). Setting it alone also switches kvbridge on (its ``backend``, or the default).
