@@ -78,7 +78,7 @@ def make_pool(kind: str, tp: int, draft: bool = False) -> Any:
     if kind == "dsa":
         with get_parallel().override(attn_dcp_size=1):  # DSA reads the decode-context-parallel size
             return DSATokenToKVPool(size=slots(kind), page_size=page_size(kind), kv_lora_rank=16, dtype=DTYPE,
-                                    qk_rope_head_dim=8, layer_num=LAYERS, device="cpu", index_head_dim=128,
+                                    qk_rope_head_dim=8, layer_num=1 if draft else LAYERS, device="cpu", index_head_dim=128,
                                     enable_memory_saver=False, kv_cache_dim=24)
     if kind == "mamba":  # a gated-delta-net hybrid: layers 0 and 2 Mamba, 1 and 3 full attention
         shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=16, n_groups=2, num_heads=MAMBA_HEADS,

@@ -11,7 +11,7 @@ _rooms = itertools.count(1000)
 # (kind, prefill TP, decode TP, draft pools, backend)
 CASES = [
     *[(kind, p, d, False, "memory") for kind in rig.KINDS for p, d in ((2, 1), (1, 2))],
-    *[(kind, p, d, True, "memory") for kind in ("mha", "mla") for p, d in ((2, 1), (1, 2))],
+    *[(kind, p, d, True, "memory") for kind in ("mha", "mla", "dsa") for p, d in ((2, 1), (1, 2))],
     *[(kind, p, d, draft, "nixl") for kind, draft in (("mha", True), ("swa", False), ("dsa", False), ("mamba", False))
       for p, d in ((2, 1), (1, 2))],
     # A third-party backend (examples/kvbridge-zmq, installed by setup.sh), chosen by name like any other.
