@@ -133,3 +133,18 @@ def test_manager_refuses_pipeline_stages_and_dp_attention_naming_the_flag(flag, 
     setattr(args, flag, value)
     with sglang_pools(rank.target, None, rank.metadata), pytest.raises(ValueError, match=f"{flag}={value!r}: not supported"):
         KVBridgeKVManager(rank.kv_args, DisaggregationMode.DECODE, args, False)
+
+
+def test_regions_sglang_does_not_register_are_reported():
+    """An SWA draft pool: SGLang's KVArgs registers its full layers but not its window; kvbridge would move more."""
+    rank = rig.make_rank("swa", 0, 1, draft=False, fill=None)
+    draft = rig.make_pool("swa", 1)
+    ours = describe([rank.target, rank.metadata], draft_pools=[draft], dtype="bfloat16", page_size=4)
+    ptrs, lens, items = draft.get_contiguous_buf_infos()  # what SGLang's _init_kv_manager appends for a draft pool
+    rank.kv_args.kv_data_ptrs += ptrs
+    rank.kv_args.kv_data_lens += lens
+    rank.kv_args.kv_item_lens += items
+    rank.kv_args.num_draft_entries = len(ptrs)
+    problems = compare(rank.kv_args, ours)
+    assert problems == ["kvbridge describes regions SGLang does not register: "
+                        "['draft.swa.k0', 'draft.swa.k2', 'draft.swa.v0', 'draft.swa.v2']"]
