@@ -105,6 +105,9 @@ if cuda:
 PYEOF
 }
 
+# On success (a re-run that has nothing to do included): SGLang's test environment, .venv-sglang (scripts/setup-sglang.sh).
+trap 'status=$?; [ "$status" != 0 ] || bash scripts/setup-sglang.sh || status=$?; exit "$status"' EXIT
+
 # The inputs of the installation; unchanged inputs and a working environment mean nothing to do.
 stamp="$VENV/.kvbridge-setup"
 inputs=$( (cat scripts/setup*.sh pyproject.toml examples/kvbridge-zmq/pyproject.toml "$VENV/pyvenv.cfg"; echo "$TORCH_MODE") | sha256sum)
