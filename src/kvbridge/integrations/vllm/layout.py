@@ -1,15 +1,13 @@
 """vLLM's registered KV cache tensors as kvbridge regions, with their real layout.
 
-vLLM hands the worker one tensor per attention layer (``register_kv_caches``).
-Their logical shapes come from the attention backend; their physical order
-from the strides (the layout vLLM resolved: NHD or HND, and for hybrid Mamba
-models block-outermost):
-
-- ``(2, blocks, tokens, heads, head_dim)`` (FlashAttention, Triton, ...) or
-  ``(blocks, 2, tokens, heads, head_dim)`` (FlashInfer): per layer either a
-  K and a V region (K and V stored apart) or one ``kv`` region per block
-  (K and V of a block adjacent); heads sharded across TP;
-- ``(blocks, tokens, head_dim)`` (MLA): one replicated latent region.
+vLLM (0.33) hands the worker one view per attention layer
+(``register_kv_caches``), logically ``[blocks, heads, tokens, content]``
+(content: a token's K and V of one head, or an MLA latent) over one backing
+allocation; the physical order is the resolved KV cache layout, read here
+from the strides: ``LBNHC`` (token-major pages, NHD) or ``LBHNC`` (head-major,
+HND). Each layer is one ``kv`` region whose item is a block's page; KV heads
+are sharded across TP (one descriptor per token row or per page under
+heterogeneous TP), MLA latents are replicated.
 
 Layers of different KV cache groups alias the same memory in hybrid models
 (a block id belongs to one group at a time); such views are registered once,
@@ -46,60 +44,38 @@ def _mem(t: Any) -> tuple[str, int]:
     return ("vram", t.device.index or 0) if t.is_cuda else ("dram", 0)
 
 
-def _attention_regions(name: str, layer: int, t: Any, spec: Any, num_blocks: int, total_heads: int) -> list[Region]:
-    """K/V (or combined) regions of one attention layer's tensor, checked against its spec."""
-    T, H, D = spec.block_size, spec.num_kv_heads, spec.head_size
+def _attention_region(name: str, layer: int, t: Any, num_blocks: int, total_heads: int, mla: bool) -> Region:
+    """The region of one attention layer's ``[blocks, heads, tokens, content]`` view, checked dense."""
+    if t.ndim != 4 or t.shape[0] % num_blocks:
+        raise ValueError(f"layer {name!r}: expected a 4-d [blocks, heads, tokens, content] KV cache view with "
+                         f"a multiple of {num_blocks} blocks, got shape {tuple(t.shape)}")
     elt = t.element_size()
-    if t.ndim != 5:
-        raise ValueError(f"layer {name!r}: expected a 5-d KV cache tensor (2, blocks, {T}, {H}, {D}) or "
-                         f"(blocks, 2, {T}, {H}, {D}), got shape {tuple(t.shape)}")
-    shape, stride = tuple(t.shape), t.stride()
-    if shape[0] == 2 and shape[1] == num_blocks:
-        kv_dim, b_dim = 0, 1
-    elif shape[0] == num_blocks and shape[1] == 2:
-        kv_dim, b_dim = 1, 0
+    ratio = t.shape[0] // num_blocks  # kernel blocks per vLLM block (a block split for the attention kernel)
+    _, H, N, C = (int(x) for x in t.shape)
+    s_b, s_h, s_n, s_c = t.stride()
+    if s_c == 1 and s_n == H * C and s_h == C:
+        head_major = False  # [tokens][heads][content] pages (NHD)
+    elif s_c == 1 and s_h == N * C and s_n == C:
+        head_major = True  # [heads][tokens][content] pages (HND)
     else:
-        raise ValueError(f"layer {name!r}: shape {shape} has neither (2, {num_blocks}) nor ({num_blocks}, 2) in front")
-    if shape[2:] != (T, H, D):
-        raise ValueError(f"layer {name!r}: shape {shape} does not end with (tokens, heads, head_dim) = {(T, H, D)} "
-                         "of its KV cache spec")
-    s_kv, s_b, s_t, s_h, s_d = stride[kv_dim], stride[b_dim], stride[2], stride[3], stride[4]
-    page = T * H * D
-    if s_d == 1 and s_t == H * D and (s_h == D or H == 1):
-        nhd = True  # token-major pages: [tokens][heads][head_dim]
-    elif s_d == 1 and s_h == T * D and s_t == D:
-        nhd = False  # head-major pages: [heads][tokens][head_dim]
+        raise ValueError(f"layer {name!r}: strides {t.stride()} of shape {tuple(t.shape)} are neither dense "
+                         "[tokens][heads][content] nor dense [heads][tokens][content] pages")
+    page = H * N * C * elt
+    if s_b * elt != page:
+        raise ValueError(
+            f"layer {name!r}: blocks are {s_b * elt} bytes apart but hold {page} bytes: a layout that interleaves "
+            "layers or heads across blocks is not supported; use a layer-compact KV cache layout "
+            "(VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)"
+        )
+    if mla:
+        shard = Shard()  # one latent per token, the same on every TP rank
+    elif head_major:
+        shard = Shard(kind="split", outer=ratio, totals=(total_heads,), unit_nbytes=N * C * elt)
     else:
-        raise ValueError(f"layer {name!r}: strides {stride} are neither dense NHD nor dense HND pages of {(T, H, D)}")
-    if total_heads < 1:
-        raise ValueError(f"layer {name!r}: the model's total KV head count is {total_heads}")
+        shard = Shard(kind="split", outer=ratio * N, totals=(total_heads,), unit_nbytes=C * elt)
     mem, device = _mem(t)
-    base = t.data_ptr()
-    if s_kv > s_b:  # K and V apart: two regions of dense pages
-        if s_b != page or s_kv < num_blocks * page:
-            raise ValueError(f"layer {name!r}: strides {stride} do not describe dense K and V pages")
-        shard = (Shard(kind="split", outer=T, totals=(total_heads,), unit_nbytes=D * elt) if nhd
-                 else Shard(kind="split", outer=1, totals=(total_heads,), unit_nbytes=T * D * elt))
-        return [Region(name=f"{name}.{role}", addr=base + i * s_kv * elt, nbytes=num_blocks * page * elt,
-                       stride=page * elt, role=role, index_space="kv_page", layer=layer, mem=mem, device=device,  # type: ignore[arg-type]
-                       shard=shard)
-                for i, role in enumerate(("k", "v"))]
-    if s_b != 2 * page or s_kv != page:  # K and V of a block adjacent: one region of [2][page]
-        raise ValueError(f"layer {name!r}: strides {stride} do not describe dense blocks of K and V")
-    shard = (Shard(kind="split", outer=2 * T, totals=(total_heads,), unit_nbytes=D * elt) if nhd
-             else Shard(kind="split", outer=2, totals=(total_heads,), unit_nbytes=T * D * elt))
-    return [Region(name=f"{name}.kv", addr=base, nbytes=num_blocks * 2 * page * elt, stride=2 * page * elt,
-                   role="kv", index_space="kv_page", layer=layer, mem=mem, device=device, shard=shard)]  # type: ignore[arg-type]
-
-
-def _mla_region(name: str, layer: int, t: Any, spec: Any, num_blocks: int) -> Region:
-    elt = t.element_size()
-    if t.ndim != 3 or t.shape[0] != num_blocks or not t.is_contiguous():
-        raise ValueError(f"layer {name!r}: an MLA cache must be a contiguous ({num_blocks}, tokens, dim) tensor, got "
-                         f"shape {tuple(t.shape)} strides {t.stride()}")
-    mem, device = _mem(t)
-    return Region(name=f"{name}.kv", addr=t.data_ptr(), nbytes=t.numel() * elt, stride=t.stride(0) * elt,
-                  role="kv", index_space="kv_page", layer=layer, mem=mem, device=device)  # type: ignore[arg-type]
+    return Region(name=f"{name}.kv", addr=t.data_ptr(), nbytes=num_blocks * ratio * page, stride=ratio * page,
+                  role="kv", index_space="kv_page", layer=layer, mem=mem, device=device, shard=shard)  # type: ignore[arg-type]
 
 
 def describe_vllm_caches(
@@ -121,10 +97,8 @@ def describe_vllm_caches(
         if name not in kv_caches:
             continue
         spec, t = specs[name], kv_caches[name]
-        if isinstance(spec, MLAAttentionSpec):
-            new = [_mla_region(name, layer, t, spec, num_blocks)]
-        elif isinstance(spec, AttentionSpec):
-            new = _attention_regions(name, layer, t, spec, num_blocks, total_kv_heads)
+        if isinstance(spec, AttentionSpec):
+            new = [_attention_region(name, layer, t, num_blocks, total_kv_heads, isinstance(spec, MLAAttentionSpec))]
         else:
             raise ValueError(
                 f"layer {name!r} has a {type(spec).__name__} KV cache: KVBridgeConnector moves attention KV "
