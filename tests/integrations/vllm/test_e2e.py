@@ -91,8 +91,9 @@ def test_heterogeneous_tp(model, bootstrap, p_tp, d_tp):
 
 
 def test_sliding_window_hybrid(model, bootstrap):
-    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, hybrid=True, fill=True)
-    decode = make_server(model, "kv_consumer", {"backend": "memory"}, hybrid=True)
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, hybrid=True, fill=True,
+                          num_blocks=128)
+    decode = make_server(model, "kv_consumer", {"backend": "memory"}, hybrid=True, num_blocks=128)
     try:
         assert len(prefill.sched.kv_cache_config.kv_cache_groups) == 2  # full + sliding window, one block pool
         hand_over(prefill, decode, "r1", 6 * BLOCK + 4, hybrid=True)
