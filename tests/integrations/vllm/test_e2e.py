@@ -79,10 +79,14 @@ def test_request_moves_byte_exact(model, bootstrap, backend):
         prefill.close()
 
 
-@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
-def test_heterogeneous_tp(model, bootstrap, p_tp, d_tp):
-    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, tp=p_tp, fill=True)
-    decode = make_server(model, "kv_consumer", {"backend": "memory"}, tp=d_tp)
+@pytest.mark.parametrize("p_tp,d_tp,layout", [(1, 2, "LBNHC"), (2, 1, "LBHNC")])
+def test_heterogeneous_tp(model, bootstrap, p_tp, d_tp, layout):
+    """Token-major (LBNHC: one descriptor per token row) and head-major (LBHNC: per page) KV head slicing."""
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, tp=p_tp, fill=True,
+                          layout=layout)
+    decode = make_server(model, "kv_consumer", {"backend": "memory"}, tp=d_tp, layout=layout)
+    _, s_heads, s_tokens, _ = prefill.ranks[0].caches[layer_name(0)].stride()
+    assert (s_heads > s_tokens) == (layout == "LBHNC")  # vLLM laid the pages out as asked
     try:
         hand_over(prefill, decode, "r1", 3 * BLOCK + 5)
     finally:
