@@ -77,6 +77,7 @@ if md.version("torch").split("+")[0] != "2.13.0":
 EOF
 }
 
+bash scripts/setup-vllm.sh  # vLLM 0.33.0 (no CUDA) for tests/integrations/vllm; before the check below so re-runs keep it current
 # The inputs of the installation; unchanged inputs and a working environment mean nothing to do.
 stamp="$VENV/.kvbridge-setup"
 inputs=$(cat scripts/setup.sh pyproject.toml examples/kvbridge-zmq/pyproject.toml "$VENV/pyvenv.cfg" | sha256sum)
