@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import BLOCK, block_ids, hand_over, make_request, make_server, status, step_until
+from harness import BLOCK, block_ids, hand_over, make_request, make_server, prefill_request, status, step_until
 from vllm.v1.request import RequestStatus
 
 FAST_FAILURE = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "fence_timeout": 1.0}
@@ -97,6 +97,26 @@ def test_bad_params_fail_that_request_only(model, bootstrap, caplog, policy):
             assert status(decode.sched, "bad") == RequestStatus.RUNNING
             assert decode.last_output.num_scheduled_tokens["bad"] == 40
         hand_over(prefill, decode, "good", 3 * BLOCK)  # the scheduler keeps serving others
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_request_aborted_while_loading_frees_its_blocks_once_the_room_is_fenced(model, bootstrap):
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, fill=True)
+    decode = make_server(model, "kv_consumer", {"backend": "memory", **FAST_FAILURE})
+    seen = Seen(decode)
+    pool = decode.sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    try:
+        params = prefill_request(prefill, "r1", list(range(10, 10 + 3 * BLOCK)))  # prefill is not stepped again
+        decode.sched.add_request(make_request("r1", list(range(10, 10 + 3 * BLOCK)), 4, params))
+        decode.step()
+        assert status(decode.sched, "r1") == RequestStatus.WAITING_FOR_REMOTE_KVS
+        decode.sched.finish_requests({"r1"}, RequestStatus.FINISHED_ABORTED)
+        assert pool.get_num_free_blocks() < free_before  # vLLM holds them until the load reports finished
+        step_until([decode], lambda: pool.get_num_free_blocks() == free_before)
+        assert "r1" not in decode.sched.requests
     finally:
         decode.close()
         prefill.close()

@@ -131,11 +131,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sent, recvd, failed = self._w.results()
+        sent, recvd, failed = self._w.results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recvd, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sent, recvd, _ = self._w.results()
+        sent, recvd, _ = self._w.results(finished_req_ids)
         return sent or None, recvd or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

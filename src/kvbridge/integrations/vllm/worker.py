@@ -67,8 +67,17 @@ class WorkerSide:
             recv.init(spec.block_ids)
             self.receivers[req_id] = (recv, spec)
 
-    def results(self) -> tuple[set[str], set[str], set[str]]:
-        """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
+    def results(self, finished_req_ids: set[str] = frozenset()) -> tuple[set[str], set[str], set[str]]:  # type: ignore[assignment]
+        """``(finished_sending, finished_recving, failed_recving)`` since the last call.
+
+        A decode request vLLM finished (aborted) while its room loads gets the room aborted: vLLM
+        keeps its blocks until it is reported finished receiving, which kvbridge's fencing makes
+        safe (FAILED only once no byte of the room can land any more).
+        """
+        for req_id in finished_req_ids & self.receivers.keys():
+            recv = self.receivers[req_id][0]
+            if recv is not None:
+                recv.abort("the request was finished by vLLM while loading")
         sent: set[str] = set()
         for req_id, (sender, spec, done) in list(self.senders.items()):
             state = sender.poll()
