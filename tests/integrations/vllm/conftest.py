@@ -1,4 +1,4 @@
-"""KVBridgeConnector's tests drive vLLM's real scheduler; ``harness`` builds the servers."""
+"""KVBridgeConnector's tests drive vLLM's real scheduler; ``vllm_harness`` builds the servers."""
 
 import socket
 import sys
@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # `import harness` (pytest runs with --import-mode=importlib)
+sys.path.insert(0, str(Path(__file__).parent))  # `import vllm_harness`: pytest runs with --import-mode=importlib
 
 
 @pytest.fixture(scope="session")
 def model(tmp_path_factory):
-    import harness
+    import vllm_harness as harness
 
     return harness.model_config(tmp_path_factory.mktemp("vllm-model"))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import harness  # noqa: E402
+import vllm_harness as harness  # noqa: E402
 
 model_dir, bootstrap, req_id, prompt_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 model = harness.model_config(Path(model_dir))

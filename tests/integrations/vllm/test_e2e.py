@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from harness import BLOCK, hand_over, layer_name, make_server
+from vllm_harness import BLOCK, hand_over, layer_name, make_server
 
 
 @pytest.mark.parametrize("backend", ["memory", "nixl"])

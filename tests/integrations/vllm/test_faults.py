@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import BLOCK, block_ids, hand_over, make_request, make_server, prefill_request, status, step_until
+from vllm_harness import BLOCK, block_ids, hand_over, make_request, make_server, prefill_request, status, step_until
 from vllm.v1.request import RequestStatus
 
 FAST_FAILURE = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "fence_timeout": 1.0}

@@ -8,7 +8,7 @@ Only the scheduler side: each connector is loaded by vLLM's factory into a real
 from __future__ import annotations
 
 import pytest
-from harness import BLOCK, TOKEN, kv_cache_config, make_request, status, vllm_config
+from vllm_harness import BLOCK, TOKEN, kv_cache_config, make_request, status, vllm_config
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
