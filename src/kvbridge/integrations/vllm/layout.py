@@ -59,7 +59,8 @@ def _attention_region(name: str, layer: int, t: Any, num_blocks: int, total_head
         head_major = True  # [heads][tokens][content] pages (HND)
     else:
         raise ValueError(f"layer {name!r}: strides {t.stride()} of shape {tuple(t.shape)} are neither dense "
-                         "[tokens][heads][content] nor dense [heads][tokens][content] pages")
+                         "[tokens][heads][content] nor dense [heads][tokens][content] pages; use a layer-compact "
+                         "KV cache layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)")
     page = H * N * C * elt
     if s_b * elt != page:
         raise ValueError(
