@@ -43,3 +43,16 @@ def test_sliding_window_hybrid(model, bootstrap):
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
+def test_mla_latents_are_replicated_across_tp(model, bootstrap, p_tp, d_tp):
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, tp=p_tp, fill=True,
+                          mla=True)
+    decode = make_server(model, "kv_consumer", {"backend": "memory"}, tp=d_tp, mla=True)
+    try:
+        assert prefill.ranks[0].caches[layer_name(0)].shape[1] == 1  # vLLM's MLA view: one latent "head"
+        hand_over(prefill, decode, "r1", 2 * BLOCK + 9)
+    finally:
+        decode.close()
+        prefill.close()

@@ -35,7 +35,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core import kv_cache_planning
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -79,11 +79,15 @@ def vllm_config(model: ModelConfig, role: str, extra: dict[str, Any], *, policy:
     return cfg
 
 
-def kv_cache_config(cfg: VllmConfig, tp: int, hybrid: bool, num_blocks: int) -> Any:
+def kv_cache_config(cfg: VllmConfig, tp: int, hybrid: bool, num_blocks: int, mla: bool = False) -> Any:
     """vLLM's own planning for this rank's layer specs (what the model runner would report)."""
     specs: dict[str, Any] = {}
     for i in range(LAYERS):
         kw = dict(block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=torch.float16)
+        if mla:  # one latent of 2 * HEAD per token, the same on every TP rank
+            specs[layer_name(i)] = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=2 * HEAD,
+                                                    dtype=torch.float16)
+            continue
         specs[layer_name(i)] = (SlidingWindowSpec(sliding_window=WINDOW, **kw) if hybrid and i % 2
                                 else FullAttentionSpec(**kw))
     page = 2 * BLOCK * (KV_HEADS // tp) * HEAD * 2
@@ -157,9 +161,9 @@ class Server:
 
 def make_server(model: ModelConfig, role: str, extra: dict[str, Any], *, tp: int = 1, policy: str = "fail",
                 hybrid: bool = False, num_blocks: int = 64, fill: bool = False, seed: int = 0,
-                layout: str = "LBNHC") -> Server:
+                layout: str = "LBNHC", mla: bool = False) -> Server:
     cfg = vllm_config(model, role, extra, policy=policy, tp=tp, hybrid=hybrid, layout=layout)
-    kcc = kv_cache_config(cfg, tp, hybrid, num_blocks)
+    kcc = kv_cache_config(cfg, tp, hybrid, num_blocks, mla)
     cfg.cache_config.num_gpu_blocks = kcc.num_blocks
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(cfg),
                       block_size=BLOCK, log_stats=True)
@@ -236,14 +240,17 @@ def prefill_request(prefill: Server, req_id: str, prompt: list[int]) -> dict:
 def check_bytes(prefill: Server, decode: Server, src: list[list[int]], dst: list[list[int]], positions: range) -> None:
     """Oracle: for every token position, layer and KV head, decode's page row equals prefill's (heads mapped by TP)."""
     hp, hd = KV_HEADS // len(prefill.ranks), KV_HEADS // len(decode.ranks)
+    if prefill.ranks[0].caches[layer_name(0)].shape[1] == 1 == decode.ranks[0].caches[layer_name(0)].shape[1]:
+        heads = {rd: [(0, 0, 0)] for rd in range(len(decode.ranks))}  # MLA: (local head, prefill rank, its head)
+    else:
+        heads = {rd: [(j, (rd * hd + j) // hp, (rd * hd + j) % hp) for j in range(hd)] for rd in range(len(decode.ranks))}
     for layer in range(LAYERS):
         group = 1 if len(src) > 1 and layer % 2 else 0
         for pos in positions:
             s_block, d_block, row = src[group][pos // BLOCK], dst[group][pos // BLOCK], pos % BLOCK
             for rd, drank in enumerate(decode.ranks):
-                for j in range(hd):
-                    g = rd * hd + j
-                    want = prefill.ranks[g // hp].caches[layer_name(layer)][s_block, g % hp, row]
+                for j, rp, hp_local in heads[rd]:
+                    want = prefill.ranks[rp].caches[layer_name(layer)][s_block, hp_local, row]
                     got = drank.caches[layer_name(layer)][d_block, j, row]
                     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (layer, pos, rd, j)
 
