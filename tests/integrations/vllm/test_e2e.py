@@ -56,3 +56,26 @@ def test_mla_latents_are_replicated_across_tp(model, bootstrap, p_tp, d_tp):
     finally:
         decode.close()
         prefill.close()
+
+
+def test_decode_prefix_cache_hit_loads_only_the_missing_tail(model, bootstrap):
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, fill=True)
+    decode = make_server(model, "kv_consumer", {"backend": "memory"})
+    shared = list(range(100, 100 + 2 * BLOCK))
+    try:
+        hand_over(prefill, decode, "a", 0, prompt=shared + list(range(500, 520)))  # decode caches a's blocks
+        loads: dict = {}
+        step = decode.step
+
+        def recording_step():
+            out = step()
+            loads.update(decode.last_output.kv_connector_metadata.to_recv)
+            return out
+
+        decode.step = recording_step
+        hand_over(prefill, decode, "b", 0, prompt=shared + list(range(600, 630)))
+        # b's 62 tokens fill 4 blocks; decode holds the first 2 (a's, same tokens) and loads the other 2.
+        assert len(loads["b"].block_ids) == 2
+    finally:
+        decode.close()
+        prefill.close()

@@ -255,8 +255,11 @@ def check_bytes(prefill: Server, decode: Server, src: list[list[int]], dst: list
                     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (layer, pos, rd, j)
 
 
-def hand_over(prefill: Server, decode: Server, req_id: str, prompt_len: int, hybrid: bool = False) -> None:
-    prompt = [random.randrange(10, 900) for _ in range(prompt_len)]
+def hand_over(prefill: Server, decode: Server, req_id: str, prompt_len: int, hybrid: bool = False,
+              prompt: list[int] | None = None) -> None:
+    """One P/D request end to end, checked at every step a router and vLLM's schedulers go through."""
+    prompt = prompt or [random.randrange(10, 900) for _ in range(prompt_len)]
+    prompt_len = len(prompt)
     free_before = prefill.sched.kv_cache_manager.block_pool.get_num_free_blocks()
     params = prefill_request(prefill, req_id, prompt)
     src = block_ids(prefill.sched, req_id)
