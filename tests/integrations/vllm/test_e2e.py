@@ -79,3 +79,19 @@ def test_decode_prefix_cache_hit_loads_only_the_missing_tail(model, bootstrap):
     finally:
         decode.close()
         prefill.close()
+
+
+def test_kv_both_engines_hand_over_either_way(model, bootstrap):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        other = f"127.0.0.1:{s.getsockname()[1]}"
+    one = make_server(model, "kv_both", {"backend": "memory", "bootstrap": bootstrap}, fill=True, seed=1)
+    two = make_server(model, "kv_both", {"backend": "memory", "bootstrap": other}, fill=True, seed=2)
+    try:
+        hand_over(one, two, "r1", 3 * BLOCK + 1)
+        hand_over(two, one, "r2", 2 * BLOCK + 7)
+    finally:
+        two.close()
+        one.close()
