@@ -7,8 +7,9 @@ rank's request has arrived it sends the request's blocks in one chunk (the
 tail decode asked for); the request is reported ``finished_sending`` (vLLM
 frees its blocks) at SUCCESS or FAILED. Decode: ``start_load_kv`` creates a
 ``Receiver`` per request and tells prefill its blocks; SUCCESS reports
-``finished_recving``; FAILED (only once no byte of the room can land any
-more) reports it too, with its blocks as load errors.
+``finished_recving``; FAILED reports it too, with its blocks as load
+errors, but only once no byte of the room can land any more
+(``Receiver.fenced``): until then vLLM keeps the blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class WorkerSide:
         self.senders: dict[str, tuple[Sender, SendSpec, bool]] = {}  # req -> sender, what, sent yet
         self.receivers: dict[str, tuple[Receiver | None, RecvSpec]] = {}
         self.load_errors: set[int] = set()
+        self.unfenced: set[str] = set()  # FAILED rooms not yet fenced (reported once they are)
 
     def register(self, kvargs: Any) -> None:
         cfg = self.settings.transfer
@@ -96,6 +98,16 @@ class WorkerSide:
             state = Poll.FAILED if recv is None else recv.poll()
             if state not in (Poll.SUCCESS, Poll.FAILED):
                 continue
+            if recv is not None and not recv.fenced:
+                # FAILED at fence_timeout while a prefill rank may still write (frozen, cut off): vLLM
+                # would reuse the blocks once told, so keep them until it confirms or its process is gone.
+                if req_id not in self.unfenced:
+                    self.unfenced.add(req_id)
+                    log.warning("kvbridge: request %s (room %d) failed (%s) but a prefill rank may still write "
+                                "its blocks; they stay held until it confirms or is gone", req_id, spec.room,
+                                recv.failure())
+                continue
+            self.unfenced.discard(req_id)
             del self.receivers[req_id]
             recvd.add(req_id)
             if state == Poll.FAILED:
