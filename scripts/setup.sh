@@ -105,8 +105,11 @@ if cuda:
 PYEOF
 }
 
+# -- integrations: the frameworks' own code for tests/integrations (each needs torch) ------------
+# vLLM 0.33.0 (no CUDA) into this environment; before the check below, so re-runs keep it current.
+[ "$TORCH_MODE" = none ] || bash scripts/setup-vllm.sh
 # On success (a re-run that has nothing to do included): SGLang's test environment, .venv-sglang (scripts/setup-sglang.sh).
-trap 'status=$?; [ "$status" != 0 ] || bash scripts/setup-sglang.sh || status=$?; exit "$status"' EXIT
+[ "$TORCH_MODE" = none ] || trap 'status=$?; [ "$status" != 0 ] || bash scripts/setup-sglang.sh || status=$?; exit "$status"' EXIT
 
 # The inputs of the installation; unchanged inputs and a working environment mean nothing to do.
 stamp="$VENV/.kvbridge-setup"
@@ -167,8 +170,6 @@ pip_ install --progress-bar on -e '.[mooncake,ucx,checksum,dev]' -e examples/kvb
   || die "pip install failed (its message is above)"
 say "installing $NIXL_PIN without its dependencies (it declares torch but does not import it)"
 pip_ install --progress-bar on --no-deps "$NIXL_PIN" || die "pip install $NIXL_PIN failed (its message is above)"
-
-# -- integrations (each adds one line here) -----------------------------------------
 
 installed_ok || die "the installation finished but the check above failed"
 echo "$inputs" >"$stamp"

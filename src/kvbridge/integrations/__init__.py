@@ -1,1 +1,1 @@
-"""Integrations with inference frameworks: each sits above core and imports its framework only when used."""
+"""Integrations with inference frameworks (vLLM, SGLang): each sits above core and imports its framework only when used."""

@@ -1,0 +1,125 @@
+"""vLLM's registered KV cache tensors as kvbridge regions, with their real layout.
+
+vLLM (0.33) hands the worker one view per attention layer
+(``register_kv_caches``), logically ``[blocks, heads, tokens, content]``
+(content: a token's K and V of one head, or an MLA latent) over one backing
+allocation; the physical order is the resolved KV cache layout, read here
+from the strides: ``LBNHC`` (token-major pages, NHD) or ``LBHNC`` (head-major,
+HND). Each layer is one ``kv`` region whose item is a block's page; KV heads
+are sharded across TP (one descriptor per token row or per page under
+heterogeneous TP), MLA latents are replicated.
+
+Layers of different KV cache groups alias the same memory in hybrid models
+(a block id belongs to one group at a time); such views are registered once,
+so every group's blocks address one ``kv_page`` index space.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvbridge import KVArgs, IndexSpace, Region, Shard
+
+__all__ = ["describe_vllm_caches", "ordered_layers"]
+
+log = logging.getLogger(__name__)
+
+
+def ordered_layers(kv_cache_config: Any) -> list[str]:
+    """Every layer name of the KV cache groups, in group order (the same on prefill and decode)."""
+    seen: dict[str, None] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            seen.setdefault(name, None)
+    return list(seen)
+
+
+def _spec_of(kv_cache_config: Any) -> dict[str, Any]:
+    return {name: g.kv_cache_spec for g in kv_cache_config.kv_cache_groups for name in g.layer_names}
+
+
+def _mem(t: Any) -> tuple[str, int]:
+    return ("vram", t.device.index or 0) if t.is_cuda else ("dram", 0)
+
+
+def _attention_region(name: str, layer: int, t: Any, num_blocks: int, total_heads: int, mla: bool) -> Region:
+    """The region of one attention layer's ``[blocks, heads, tokens, content]`` view, checked dense."""
+    if t.ndim != 4 or t.shape[0] % num_blocks:
+        raise ValueError(f"layer {name!r}: expected a 4-d [blocks, heads, tokens, content] KV cache view with "
+                         f"a multiple of {num_blocks} blocks, got shape {tuple(t.shape)}")
+    elt = t.element_size()
+    ratio = t.shape[0] // num_blocks  # kernel blocks per vLLM block (a block split for the attention kernel)
+    _, H, N, C = (int(x) for x in t.shape)
+    s_b, s_h, s_n, s_c = t.stride()
+    if s_c == 1 and s_n == H * C and s_h == C:
+        head_major = False  # [tokens][heads][content] pages (NHD)
+    elif s_c == 1 and s_h == N * C and s_n == C:
+        head_major = True  # [heads][tokens][content] pages (HND)
+    else:
+        raise ValueError(f"layer {name!r}: strides {t.stride()} of shape {tuple(t.shape)} are neither dense "
+                         "[tokens][heads][content] nor dense [heads][tokens][content] pages; use a layer-compact "
+                         "KV cache layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)")
+    page = H * N * C * elt
+    if s_b * elt != page:
+        raise ValueError(
+            f"layer {name!r}: blocks are {s_b * elt} bytes apart but hold {page} bytes: a layout that interleaves "
+            "layers or heads across blocks is not supported; use a layer-compact KV cache layout "
+            "(VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)"
+        )
+    if mla:
+        shard = Shard()  # one latent per token, the same on every TP rank
+    elif head_major:
+        shard = Shard(kind="split", outer=ratio, totals=(total_heads,), unit_nbytes=N * C * elt)
+    else:
+        shard = Shard(kind="split", outer=ratio * N, totals=(total_heads,), unit_nbytes=C * elt)
+    mem, device = _mem(t)
+    return Region(name=f"{name}.kv", addr=t.data_ptr(), nbytes=num_blocks * ratio * page, stride=ratio * page,
+                  role="kv", index_space="kv_page", layer=layer, mem=mem, device=device, shard=shard)  # type: ignore[arg-type]
+
+
+def describe_vllm_caches(
+    kv_caches: Mapping[str, Any], kv_cache_config: Any, *, total_kv_heads: int, tp_rank: int, tp_size: int,
+) -> KVArgs:
+    """One rank's KVArgs for the tensors vLLM registered (``layer name -> tensor``)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+    specs = _spec_of(kv_cache_config)
+    num_blocks = kv_cache_config.num_blocks
+    regions: list[Region] = []
+    aliased: dict[tuple[int, int, int], str] = {}  # (addr, stride, nbytes) -> the layer that registered it
+    dtypes: set[str] = set()
+    block_sizes: set[int] = set()
+    unknown = sorted(set(kv_caches) - set(specs))
+    if unknown:
+        raise ValueError(f"register_kv_caches got layers {unknown[:5]} that no KV cache group names")
+    for layer, name in enumerate(ordered_layers(kv_cache_config)):
+        if name not in kv_caches:
+            continue
+        spec, t = specs[name], kv_caches[name]
+        if isinstance(spec, AttentionSpec):
+            new = [_attention_region(name, layer, t, num_blocks, total_kv_heads, isinstance(spec, MLAAttentionSpec))]
+        else:
+            raise ValueError(
+                f"layer {name!r} has a {type(spec).__name__} KV cache: KVBridgeConnector moves attention KV "
+                "(full, sliding window, MLA) only; Mamba / linear-attention state is not supported yet"
+            )
+        dtypes.add(str(spec.dtype).removeprefix("torch."))
+        block_sizes.add(spec.block_size)
+        for r in new:
+            key = (r.addr, r.stride, r.nbytes)
+            if key in aliased:  # another group's layer over the same bytes: one block pool, one region
+                log.debug("layer %s aliases %s's memory; registered once", name, aliased[key])
+                continue
+            aliased[key] = name
+            regions.append(r)
+    if len(block_sizes) != 1:
+        raise ValueError(f"KV cache groups use block sizes {sorted(block_sizes)}; KVBridgeConnector needs one block size")
+    try:
+        return KVArgs(regions=tuple(regions), index_spaces=(IndexSpace("kv_page", num_blocks, block_sizes.pop()),),
+                      dtype="+".join(sorted(dtypes)), page_size=kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
+                      tp_rank=tp_rank, tp_size=tp_size)
+    except ValueError as exc:
+        raise ValueError(f"vLLM's KV cache tensors cannot be registered with kvbridge: {exc} (layers that alias memory "
+                         "with different shapes, e.g. Mamba state over attention pages, are not supported)") from None

@@ -1,0 +1,38 @@
+"""What the scheduler-side connector tells the workers each step (picklable: vLLM ships it to worker processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+__all__ = ["KVBridgeMetadata", "RecvSpec", "SendSpec"]
+
+
+@dataclass
+class SendSpec:
+    """Prefill: send a finished request's blocks in ``room`` (blocks per KV cache group, nulls dropped)."""
+
+    room: int
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class RecvSpec:
+    """Decode: receive ``room`` from ``bootstrap`` into ``block_ids``.
+
+    ``error`` set: nothing is asked for; the worker reports every block of
+    ``block_ids`` as failed (a bad ``kv_transfer_params``, a block prefill
+    no longer holds).
+    """
+
+    room: int
+    bootstrap: str
+    block_ids: tuple[int, ...]
+    error: str | None = None
+
+
+@dataclass
+class KVBridgeMetadata(KVConnectorMetadata):
+    to_send: dict[str, SendSpec] = field(default_factory=dict)
+    to_recv: dict[str, RecvSpec] = field(default_factory=dict)

@@ -1,0 +1,122 @@
+"""KVBridgeConnector's failures: a killed prefill and bad kv_transfer_params end in load errors, per policy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from vllm_harness import BLOCK, block_ids, hand_over, make_request, make_server, prefill_request, status, step_until
+from vllm.v1.request import RequestStatus
+
+FAST_FAILURE = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "fence_timeout": 1.0}
+
+
+class Seen:
+    """Everything decode's workers reported through vLLM's KVConnectorOutput, across steps."""
+
+    def __init__(self, server) -> None:
+        self.invalid: set[int] = set()
+        self.finished: dict = {}
+        step = server.step
+
+        def recording_step():
+            outs = step()
+            self.finished.update({k: v for k, v in outs.items() if v.finished})
+            return outs
+
+        server.step = recording_step
+        original = server.aggregator.aggregate
+
+        def aggregate(outputs, output_rank=0):
+            merged = original(outputs, output_rank)
+            if merged is not None and merged.kv_connector_output is not None:
+                self.invalid |= set(merged.kv_connector_output.invalid_block_ids or ())
+            return merged
+
+        server.aggregator.aggregate = aggregate
+
+
+def test_killed_prefill_reports_exactly_the_requests_blocks_and_decode_recomputes(model, bootstrap, tmp_path):
+    model_dir = Path(model.model)
+    prompt_len = 4 * BLOCK + 2
+    child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("prefill_child.py")), str(model_dir),
+                              bootstrap, "r1", str(prompt_len)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    decode = make_server(model, "kv_consumer", {"backend": "memory", **FAST_FAILURE}, policy="recompute")
+    seen = Seen(decode)
+    try:
+        line = child.stdout.readline()
+        assert line, f"the prefill process exited with {child.wait(30)} before printing kv_transfer_params"
+        params = json.loads(line)
+        decode.sched.add_request(make_request("r1", list(range(10, 10 + prompt_len)), 4, params))
+        decode.step()
+        assert status(decode.sched, "r1") == RequestStatus.WAITING_FOR_REMOTE_KVS
+        dst = set(block_ids(decode.sched, "r1")[0])
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # decode finds prefill and asks; prefill's sender is never polled
+            decode.step()
+            time.sleep(0.05)
+        assert status(decode.sched, "r1") == RequestStatus.WAITING_FOR_REMOTE_KVS and not seen.invalid
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        step_until([decode], lambda: status(decode.sched, "r1") != RequestStatus.WAITING_FOR_REMOTE_KVS)
+        assert seen.invalid == dst  # exactly the blocks the room was to fill
+        assert status(decode.sched, "r1") == RequestStatus.RUNNING
+        assert decode.last_output.num_scheduled_tokens["r1"] == prompt_len  # recomputed from scratch, not garbage
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        decode.close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_bad_params_fail_that_request_only(model, bootstrap, caplog, policy):
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, fill=True)
+    decode = make_server(model, "kv_consumer", {"backend": "memory"}, policy=policy)
+    seen = Seen(decode)
+    bad = {"do_remote_prefill": True, "kvbridge_room": 5, "kvbridge_bootstrap": "no-port-here",
+           "kvbridge_block_ids": [[1, 2]], "kvbridge_num_tokens": 40}
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvbridge"):
+            decode.sched.add_request(make_request("bad", list(range(10, 50)), 2, bad))
+            step_until([decode], lambda: "bad" in seen.finished or status(decode.sched, "bad") == RequestStatus.RUNNING)
+        assert "kvbridge_bootstrap must be HOST:PORT, got 'no-port-here'" in caplog.text
+        assert seen.invalid  # the request's blocks were reported, never loaded
+        if policy == "fail":
+            assert seen.finished["bad"].finish_reason is not None and "bad" not in decode.sched.requests
+            assert str(seen.finished["bad"].finish_reason).lower().endswith("error")
+        else:
+            assert status(decode.sched, "bad") == RequestStatus.RUNNING
+            assert decode.last_output.num_scheduled_tokens["bad"] == 40
+        hand_over(prefill, decode, "good", 3 * BLOCK)  # the scheduler keeps serving others
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_request_aborted_while_loading_frees_its_blocks_once_the_room_is_fenced(model, bootstrap):
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, fill=True)
+    decode = make_server(model, "kv_consumer", {"backend": "memory", **FAST_FAILURE})
+    seen = Seen(decode)
+    pool = decode.sched.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    try:
+        params = prefill_request(prefill, "r1", list(range(10, 10 + 3 * BLOCK)))  # prefill is not stepped again
+        decode.sched.add_request(make_request("r1", list(range(10, 10 + 3 * BLOCK)), 4, params))
+        decode.step()
+        assert status(decode.sched, "r1") == RequestStatus.WAITING_FOR_REMOTE_KVS
+        decode.sched.finish_requests({"r1"}, RequestStatus.FINISHED_ABORTED)
+        assert pool.get_num_free_blocks() < free_before  # vLLM holds them until the load reports finished
+        step_until([decode], lambda: pool.get_num_free_blocks() == free_before)
+        assert "r1" not in decode.sched.requests
+    finally:
+        decode.close()
+        prefill.close()
