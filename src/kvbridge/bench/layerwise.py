@@ -620,13 +620,13 @@ def _environment_problem(args: argparse.Namespace) -> str | None:
     """Why this run cannot happen here (a usage error), or None."""
     if args.device == "cpu" and args.model == "synthetic":
         return None
+    if args.device == "cuda" and common.cuda_problem() is not None:  # names the device, with or without torch
+        return common.cuda_problem()
     try:
         import torch
     except ImportError:
         why = "--device cuda" if args.device == "cuda" else "--model tiny"
         return f"{why} needs PyTorch: install it (pip install 'kvbridge[torch]', or torch itself)"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        return common.cuda_problem()
     if args.chunk_size % 16:
         return f"argument --chunk-size: must be a multiple of the page size 16, got {args.chunk_size}"
     return None
