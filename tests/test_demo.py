@@ -131,14 +131,23 @@ def test_a_signal_stops_every_process_the_demo_started(sig, processes):
         proc.wait(30)
         expected = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -signal.SIGKILL}[sig]
         assert proc.returncode == expected, proc.stderr.read()[-2000:]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in started):
-            time.sleep(0.05)
-        assert not [p for p in started if _alive(p)]
+        _none_left(started)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
+
+
+def _none_left(started: set[int]) -> None:
+    """Every process the demo started is gone within 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in started):
+        time.sleep(0.05)
+    assert not [p for p in started if _alive(p)]
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize("after_s", [0.1, 0.4, 0.8, 1.5, 3.0])
@@ -157,14 +166,9 @@ def test_ctrl_c_at_any_moment_of_the_start_up_exits_130_and_leaves_no_process(af
         _, err = proc.communicate(timeout=60)
         # -SIGINT: the signal came before kvbridge's code had loaded (Python's own ending; the shell shows 130 too)
         assert proc.returncode in (130, -signal.SIGINT) and "terminate called" not in err, (proc.returncode, err[-2000:])
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in started):
-            time.sleep(0.05)
-        assert not [p for p in started if _alive(p)]
+        _none_left(started)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
 
 
 def test_unknown_backend_is_a_usage_error_listing_the_choices():
