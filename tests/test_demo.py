@@ -8,7 +8,6 @@ The whole matrix (every backend x 2->1, 1->2, 2->4 x draft on/off) is ``scripts/
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
