@@ -245,3 +245,25 @@ def handler_name() -> str:
 
     publish_server_args()
     return get_registry().state_resolver().resolve(make_pool()).name
+
+
+def describe_with_ratio_2_layer() -> str:
+    """SGLang's pool with a ratio-2 kv-source layer (a layout kvbridge does not move): what describe() says."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvbridge.core import describe
+
+    publish_server_args()
+    with get_parallel().override(attn_dcp_size=1, attn_tp_size=1, attn_tp_rank=0):
+        pool = DeepSeekV4TokenToKVPool(
+            max_num_reqs=4, swa_size=512, c4_size=256, c128_size=256, c4_state_pool_size=24, c128_state_pool_size=8,
+            page_size=256, swa_page_size=256, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
+            c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=4,
+            device="cpu", enable_memory_saver=False, compression_ratios=[0, 4, 128, 2], sliding_window=128,
+            kv_source_layers=[3], full_size=512)
+    try:
+        describe([pool], dtype="fp8_e4m3", page_size=256)
+    except ValueError as exc:
+        return str(exc)
+    return "described"

@@ -52,3 +52,10 @@ def test_a_request_at_a_c128_block_boundary_sends_no_c128_state():
 
 def test_the_oracle_reports_a_decode_rank_that_received_nothing():
     assert forked.run(dsv4.untouched_decode_problems, _ENV, 7, timeout=120) == 0
+
+
+def test_a_layout_kvbridge_does_not_move_is_refused_by_name():
+    """A ratio-2 kv-source layer (SGLang's low-ratio layout): describe() names the ratio and what to do."""
+    text = forked.run(dsv4.describe_with_ratio_2_layer, _ENV, timeout=120)
+    assert text == ("DeepSeekV4TokenToKVPool with compression ratios [2]: only ratios 4 and 128 are described by kvbridge's "
+                    "SGLang integration; use SGLang's own transfer backend for this model"), text

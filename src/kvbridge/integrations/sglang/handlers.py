@@ -268,7 +268,7 @@ class DSV4Handler:
         odd = sorted({r for r in pool.kv_pools} - {4, 128})
         if odd:
             raise ValueError(f"{name} with compression ratios {odd}: only ratios 4 and 128 are described by kvbridge's "
-                             "SGLang integration")
+                             "SGLang integration; use SGLang's own transfer backend for this model")
         regions: list[Region] = []
         common = {"draft": ctx.draft}
         for ratio, kv_pool in pool.kv_pools.items():
