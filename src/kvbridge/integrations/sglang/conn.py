@@ -20,7 +20,7 @@ the ``KVArgs`` SGLang filled (:mod:`.crosscheck`). Poll values are kvbridge's
 
 Not supported (a clear error, never a silent fallback): decode prefix reuse
 (``decode_prefix_len > 0``), prefill DP ranks other than 0, host destinations,
-state types other than SWA, DSA and Mamba, replicated KV heads (TP > KV heads).
+state types other than SWA, DSA, Mamba and DeepSeek-V4's ``c128_state``, replicated KV heads (TP > KV heads).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from .crosscheck import compare
-from .handlers import SLOT_SPACE, SWA_PAGE_SPACE
+from .handlers import C128_SPACE, C128_STATE, SLOT_SPACE, SWA_PAGE_SPACE
 from .settings import transfer_config
 
 __all__ = ["KVBridgeKVBootstrapServer", "KVBridgeKVManager", "KVBridgeKVReceiver", "KVBridgeKVSender", "sglang_pools"]
@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 
 #: The kvbridge index space each SGLang state component's index list addresses (None: it rides on
 #: the KV pages, which kvbridge sends chunk by chunk with the indexer pages of the same KV page).
-_SPACES = {"swa": SWA_PAGE_SPACE, "dsa": None, "mamba": SLOT_SPACE}
+#: DeepSeek-V4's ``c128_state`` list names the request's pending C128 ring page (empty at a 128-token boundary).
+_SPACES = {"swa": SWA_PAGE_SPACE, "dsa": None, "mamba": SLOT_SPACE, C128_STATE: C128_SPACE}
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,16 @@ from typing import Any
 
 from kvbridge.core.layout import KVArgs, Region
 
-from .handlers import DSA_STATE
+from .handlers import C128_STATE, DSA_STATE
 
 __all__ = ["STATE_TYPES", "compare"]
 
 #: SGLang ``StateType`` values kvbridge moves, and the kvbridge state type of their regions.
-STATE_TYPES = {"swa": "swa", "dsa": DSA_STATE, "mamba": "mamba"}
-_ROLE_ORDER = {"k": 0, "kv": 0, "indexer": 0, "conv": 0, "v": 1, "temporal": 1}
+STATE_TYPES = {"swa": "swa", "dsa": DSA_STATE, "mamba": "mamba", C128_STATE: C128_STATE}
+#: SGLang's order inside one list: by role (this rank), then by layer. DeepSeek-V4's kv_data lists
+#: C4 KV, C4 indexer, C128 KV; its SWA component the window latents, then the C4 state, then the C4 indexer state.
+_ROLE_ORDER = {"k": 0, "kv": 0, "indexer": 0, "conv": 0, "c4": 0, "v": 1, "temporal": 1, "c4_indexer": 1,
+               "c4_state": 1, "c128": 2, "c4_indexer_state": 2}
 
 
 def compare(sglang: Any, ours: KVArgs) -> list[str]:

@@ -24,6 +24,17 @@ What each describes, in kvbridge's terms (every buffer a region, paired by
   space ``slot``) -- SGLang's ``StateType.MAMBA``;
 - ``HybridLinearKVPool``: its full-attention sub-pool (MHA or MLA) at the
   model's full-attention layer ids, and its ``MambaPool``;
+- ``DeepSeekV4TokenToKVPool`` (a ``BaseSWAKVPool``, not an ``SWAKVPool``):
+  in SGLang's ``get_contiguous_buf_infos`` order, per compression ratio the
+  compressed KV of each layer of that ratio (role ``c4`` / ``c128``, one item
+  per full KV page) and the ratio's indexer pages (``c4_indexer``); as
+  SGLang's ``StateType.SWA`` (``swa_page``, the window's own pages) the
+  sliding-window latents of every layer (role ``kv``) and the page-scoped
+  compression state rings (``c4_state``, ``c4_indexer_state``: one item is
+  ``ring_size`` rows); as ``StateType.DSV4_REQUEST_STATE`` (``c128_state``,
+  index space ``c128_slot``) the request-scoped C128 rings. All replicated
+  across TP. Unified-KV, request-window, ring-SWA, DSpark-draft and ratio-1/2
+  layouts are refused by name.
 - ``MetadataBuffers``: the per-request metadata rows, in SGLang's
   ``get_buf_infos`` order (the commit point, written last).
 
@@ -39,9 +50,10 @@ from typing import Any
 
 from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
 from kvbridge.core.describe import DescribeContext, Description, buffer_region, item_count, paged_kv
-from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, Shard
+from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, Region, Shard
 
-__all__ = ["DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE", "kvbridge_register_state_handlers"]
+__all__ = ["C128_SPACE", "C128_STATE", "DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE",
+           "kvbridge_register_state_handlers"]
 
 #: SGLang's sliding-window pages (the window's own page list), as kvbridge's swa handler names them.
 SWA_PAGE_SPACE = "swa_page"
@@ -49,6 +61,11 @@ SWA_PAGE_SPACE = "swa_page"
 DSA_STATE = "dsa"
 #: Request slots of the Mamba state (kvbridge's mamba handler's index space).
 SLOT_SPACE = "slot"
+#: DeepSeek-V4's request-scoped C128 state rings (SGLang's ``StateType.DSV4_REQUEST_STATE``, wire value
+#: ``c128_state``), by the ring page SGLang's ``request_state_transfer_indices`` names (kvbridge's
+#: dsv4_hisparse handler's ``c128_slot`` space).
+C128_SPACE = "c128_slot"
+C128_STATE = "c128_state"
 
 _POOLS = "sglang.srt.mem_cache.memory_pool"
 #: Every SGLang class a handler here serves, by handler name.
@@ -59,8 +76,11 @@ POOL_TYPES: dict[str, tuple[str, ...]] = {
     "sglang_swa": ("sglang.srt.mem_cache.swa_memory_pool:SWAKVPool",),
     "sglang_mamba": (f"{_POOLS}:MambaPool",),
     "sglang_hybrid_linear": (f"{_POOLS}:HybridLinearKVPool",),
+    "sglang_dsv4": ("sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool",),
     "sglang_metadata": ("sglang.srt.disaggregation.utils:MetadataBuffers",),
 }
+#: Roles of DeepSeek-V4 regions beyond core's (per compression ratio; SGLang 0.5.23 has ratios 4 and 128).
+DSV4_ROLES = ("c4", "c128", "c4_indexer", "c4_state", "c4_indexer_state")
 
 
 def _pages(buf: Any, page_size: int, what: str) -> Any:
@@ -206,6 +226,95 @@ class HybridLinearHandler:
         return desc
 
 
+def _rows_region(t: Any, *, stride: int, name: str, role: str, index_space: str, layer: int, state_type: str,
+                 draft: bool) -> Region:
+    """A replicated region over the whole 2-D ``t`` whose items are ``stride`` bytes (SGLang's item_len)."""
+    if not t.is_contiguous():
+        raise ValueError(f"DeepSeekV4TokenToKVPool buffer {name!r} is not contiguous; kvbridge registers whole buffers")
+    nbytes = t.numel() * t.element_size()
+    return Region(name=f"draft.{name}" if draft else name, addr=t.data_ptr(), nbytes=nbytes, stride=int(stride),
+                  role=role, index_space=index_space, layer=layer, state_type=state_type, draft=draft,
+                  mem="vram" if t.is_cuda else "dram", device=(t.device.index or 0) if t.is_cuda else 0)
+
+
+def _space(name: str, regions: Sequence[Region], tokens: int, kind: str) -> IndexSpace | None:
+    """The index space ``name`` as large as its smallest region (items past it are padding SGLang never addresses)."""
+    mine = [r for r in regions if r.index_space == name]
+    if not mine:
+        return None
+    return IndexSpace(name, min(r.nbytes // r.stride for r in mine), tokens, kind)  # type: ignore[arg-type]
+
+
+class DSV4Handler:
+    """``DeepSeekV4TokenToKVPool``: compressed KV by page, window and page-scoped state by SWA page, C128 state by ring page.
+
+    Mirrors SGLang 0.5.23's ``get_contiguous_buf_infos``, ``get_state_buf_infos``
+    and ``get_request_state_buf_infos`` entry by entry (same buffers, same item
+    sizes, same order); the layer ids are the model's global ones.
+    """
+
+    def describe(self, pool: Any, ctx: DescribeContext) -> Description:
+        name = type(pool).__name__
+        for flag, why in (("_unified_kv", "unified KV (SGLANG_DSV4 unified_kv / triton)"),
+                          ("request_window", "encoder-replay request windows"),
+                          ("swa_req_ring_size", "a per-request SWA ring"), ("swa_valid_from", "a DSpark draft's SWA mark"),
+                          ("uniform_fp8", "the trtllm uniform-FP8 layout")):
+            if getattr(pool, flag, None):
+                raise ValueError(f"{name} with {why}: not described by kvbridge's SGLang integration "
+                                 "(it moves the paged layout only); use SGLang's own transfer backend")
+        ratios = [int(r) for r in pool.compression_ratios]
+        start, end = int(pool._stage_start), int(pool._stage_end)
+        stage = ratios[start:end]
+        odd = sorted({r for r in pool.kv_pools} - {4, 128})
+        if odd:
+            raise ValueError(f"{name} with compression ratios {odd}: only ratios 4 and 128 are described by kvbridge's "
+                             "SGLang integration; use SGLang's own transfer backend for this model")
+        regions: list[Region] = []
+        common = {"draft": ctx.draft}
+        for ratio, kv_pool in pool.kv_pools.items():
+            layers = [start + i for i, r in enumerate(stage) if r == ratio]
+            if kv_pool is not None:
+                for layer, buf in zip(layers, kv_pool.kv_buffer):
+                    regions.append(_rows_region(buf, stride=buf[0].nbytes, name=f"dsv4.c{ratio}.{layer}", role=f"c{ratio}",
+                                                index_space=KV_PAGE_SPACE, layer=layer, state_type="kv", **common))
+            index_pool = pool.index_pools.get(ratio)
+            if index_pool is not None:
+                for layer, buf in zip(layers, index_pool.contiguous_page_row_buffers()):
+                    regions.append(_rows_region(buf, stride=buf[0].nbytes, name=f"dsv4.c{ratio}_indexer.{layer}",
+                                                role=f"c{ratio}_indexer", index_space=KV_PAGE_SPACE, layer=layer,
+                                                state_type="kv", **common))
+        swa = pool.swa_kv_pool
+        per_logical = int(pool.swa_page_size) // int(swa.page_size)  # SGLang's physical pages per logical SWA page
+        for i, buf in enumerate(swa.kv_buffer):
+            regions.append(_rows_region(buf, stride=buf[0].nbytes * per_logical, name=f"dsv4.swa.{start + i}", role="kv",
+                                        index_space=SWA_PAGE_SPACE, layer=start + i, state_type="swa", **common))
+        for what, pools in (("", pool.compress_state_pools), ("_indexer", pool.indexer_compress_state_pools)):
+            for layer, p in enumerate(pools):
+                if p is None or p.request_scoped:
+                    continue
+                t = p.kv_score_buffer.kv_score
+                regions.append(_rows_region(t, stride=t[0].nbytes * int(p.ring_size), name=f"dsv4.c{p.ratio}{what}_state.{layer}",
+                                            role=f"c{p.ratio}{what}_state", index_space=SWA_PAGE_SPACE, layer=layer,
+                                            state_type="swa", **common))
+        for layer, p in enumerate(pool.compress_state_pools):
+            if p is None or not p.request_scoped:
+                continue
+            if int(p.ratio) != 128:
+                raise ValueError(f"{name}: request-scoped ratio-{p.ratio} state (layer {layer}) is not described by "
+                                 "kvbridge's SGLang integration (ratio 128 only)")
+            t = p.kv_score_buffer.kv_score
+            rows = 1 if p.online else 128  # SGLang's item: the online row, or one 128-token ring page
+            regions.append(_rows_region(t, stride=t[0].nbytes * rows, name=f"dsv4.c128_state.{layer}", role="state",
+                                        index_space=C128_SPACE, layer=layer, state_type=C128_STATE, **common))
+        desc = Description(regions=regions)
+        for space, tokens, kind in ((KV_PAGE_SPACE, int(pool.page_size), "page"),
+                                    (SWA_PAGE_SPACE, int(pool.swa_page_size), "page"), (C128_SPACE, 1, "slot")):
+            declared = _space(space, regions, tokens, kind)
+            if declared is not None:
+                desc.index_spaces.append(declared)
+        return desc
+
+
 #: ``MetadataBuffers`` attributes in the order of SGLang's ``get_buf_infos`` (absent ones are None there too).
 METADATA_FIELDS = (
     "output_ids", "cached_tokens", "output_token_logprobs_val", "output_token_logprobs_idx",
@@ -257,6 +366,11 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
                          capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, SLOT_SPACE), layouts=("nhd",), draft=True,
                                                           hetero_tp="slice KV heads; conv sub-blocks and SSM heads"),
                          description="SGLang HybridLinearKVPool: full-attention KV by page, Mamba state by slot"),
+        StateHandlerSpec(name="sglang_dsv4", factory=f"{here}:DSV4Handler", pool_types=POOL_TYPES["sglang_dsv4"],
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, SWA_PAGE_SPACE, C128_SPACE),
+                                                          roles=DSV4_ROLES, hetero_tp="replicated"),
+                         description="SGLang DeepSeekV4TokenToKVPool: C4/C128 KV by page, window and state by SWA page, "
+                                     "C128 rings by request"),
         StateHandlerSpec(name="sglang_metadata", factory=f"{here}:MetadataHandler", pool_types=POOL_TYPES["sglang_metadata"],
                          capabilities=HandlerCapabilities(index_spaces=(METADATA_SPACE,), hetero_tp="replicated"),
                          description="SGLang MetadataBuffers: per-request metadata rows, written last"),
