@@ -33,11 +33,11 @@ def states(rank, layer: int, block: int, spec: MambaSpec) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_mamba_hybrid_state_moves_byte_exact(model, bootstrap, tp):
-    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, tp=tp, mamba=True,
+@pytest.mark.parametrize("backend,tp", [("memory", 1), ("memory", 2), ("nixl", 1)])
+def test_mamba_hybrid_state_moves_byte_exact(model, bootstrap, backend, tp):
+    prefill = make_server(model, "kv_producer", {"backend": backend, "bootstrap": bootstrap}, tp=tp, mamba=True,
                           fill=True, seed=3)
-    decode = make_server(model, "kv_consumer", {"backend": "memory"}, tp=tp, mamba=True)
+    decode = make_server(model, "kv_consumer", {"backend": backend}, tp=tp, mamba=True)
     try:
         groups = prefill.sched.kv_cache_config.kv_cache_groups
         assert [type(g.kv_cache_spec) for g in groups] == [FullAttentionSpec, MambaSpec]
@@ -93,3 +93,23 @@ def test_mamba_hybrid_between_different_tp_fails_the_load_clearly(model, bootstr
 
 
 assert LAYERS == 4  # ATTENTION / MAMBA above name the harness's layers
+
+
+def test_pure_mamba_model_is_refused_at_registration(model):
+    """Mamba pages no attention layer shares: refused with an error saying so (not moved half-described)."""
+    from vllm.v1.core import kv_cache_planning
+    from vllm.v1.worker.utils import allocate_kv_cache
+    from vllm_harness import kv_cache_config, mamba_shapes, vllm_config
+
+    from kvbridge.integrations.vllm.layout import describe_vllm_caches
+
+    cfg = vllm_config(model, "kv_consumer", {"backend": "memory"}, hybrid=True, mamba=True)
+    hybrid = kv_cache_config(cfg, 1, False, 64, mamba=True)  # the spec the hybrid's Mamba layers use
+    spec = hybrid.kv_cache_groups[1].kv_cache_spec
+    assert spec.shapes == mamba_shapes(1)
+    specs = {layer_name(i): spec for i in range(LAYERS)}
+    groups = kv_cache_planning.get_global_kv_cache_groups(cfg, [specs])
+    kcc = kv_cache_planning.get_kv_cache_configs(cfg, [specs], [64 * spec.page_size_bytes * LAYERS], groups)[0]
+    caches = allocate_kv_cache(kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
+    with pytest.raises(ValueError, match="share no attention layer's memory"):
+        describe_vllm_caches(caches, kcc, total_kv_heads=4, tp_rank=0, tp_size=1)

@@ -20,7 +20,7 @@ vLLM's ``MambaBase.bind_kv_cache`` unpacks them), in a page padded to the
 attention page. vLLM overlays each Mamba layer's pages on an attention
 layer's (the same bytes, another group's block ids), and kvbridge's regions
 may not overlap, so a Mamba page is moved whole as an item of that shared
-region: the request's state block(s) travel in ``kv_page`` next to its
+region (a Mamba layer over memory of its own is refused): the request's state block(s) travel in ``kv_page`` next to its
 attention blocks. Slicing the conv state per sub-block and the SSM state by
 heads (kvbridge's mamba handler, for heterogeneous TP) would need regions
 inside a page that other regions also cover; it is not done, and the
@@ -93,8 +93,8 @@ def _attention_region(name: str, layer: int, t: Any, num_blocks: int, total_head
                   role="kv", index_space="kv_page", layer=layer, mem=mem, device=device, shard=shard)  # type: ignore[arg-type]
 
 
-def _mamba_region(name: str, layer: int, t: Any, num_blocks: int, spec: Any, tp_size: int) -> Region:
-    """A Mamba layer's raw ``[blocks, 1, 1, state bytes]`` view as whole pages, this rank's own state."""
+def _mamba_region(name: str, layer: int, t: Any, num_blocks: int, spec: Any) -> Region:
+    """A Mamba layer's raw ``[blocks, 1, 1, state bytes]`` view as whole pages (checked against its spec)."""
 
     state = sum(math.prod(shape) * _itemsize(dt) for shape, dt in zip(spec.shapes, spec.dtypes))
     if t.ndim != 4 or int(t.shape[0]) != num_blocks or t.shape[1] != 1 or t.shape[2] != 1 or t.stride()[3] != 1 \
@@ -104,12 +104,9 @@ def _mamba_region(name: str, layer: int, t: Any, num_blocks: int, spec: Any, tp_
     page = t.stride()[0] * t.element_size()
     if page < state:
         raise ValueError(f"Mamba layer {name!r}: blocks are {page} bytes apart but a state is {state} bytes")
-    # Rank i's page pairs with the peer's rank i (equal TP only: the scheduler side refuses others). A
-    # tp_replicated state (every rank the same) is sent by the same-numbered rank too, which holds it as well.
-    shard = Shard(kind="split", outer=1, totals=(tp_size,), unit_nbytes=page) if tp_size > 1 else Shard()
     mem, device = _mem(t)
     return Region(name=f"{name}.mamba", addr=t.data_ptr(), nbytes=num_blocks * page, stride=page, role="state",
-                  index_space="kv_page", layer=layer, state_type="mamba", mem=mem, device=device, shard=shard)  # type: ignore[arg-type]
+                  index_space="kv_page", layer=layer, state_type="mamba", mem=mem, device=device)  # type: ignore[arg-type]
 
 
 def _itemsize(dtype: Any) -> int:
@@ -145,7 +142,16 @@ def describe_vllm_caches(
             block_sizes.add(spec.block_size)
         elif isinstance(spec, MambaSpec):
             # Mamba blocks hold a state, not block_size tokens: their block size is no page size here.
-            new = [_mamba_region(name, layer, t, num_blocks, spec, tp_size)]
+            r = _mamba_region(name, layer, t, num_blocks, spec)
+            if (r.addr, r.stride, r.nbytes) not in aliased:
+                # vLLM 0.33's planning overlays every Mamba layer on an attention layer; a page of its own would
+                # need a region whose TP pairing kvbridge's mamba handler conventions do not describe whole.
+                raise ValueError(
+                    f"Mamba layer {name!r}: its state pages share no attention layer's memory ({r.nbytes} bytes at "
+                    f"{r.addr:#x}, {r.stride} per block); KVBridgeConnector moves Mamba state only inside the block "
+                    "pool pages vLLM overlays on attention layers (hybrid models; pure Mamba models are not supported)"
+                )
+            new = [r]
             dtypes.update(f"mamba:{str(d).removeprefix('torch.')}" for d in spec.dtypes)
         else:
             raise ValueError(
