@@ -20,11 +20,11 @@ vLLM's ``MambaBase.bind_kv_cache`` unpacks them), in a page padded to the
 attention page. vLLM overlays each Mamba layer's pages on an attention
 layer's (the same bytes, another group's block ids), and kvbridge's regions
 may not overlap, so a Mamba page is moved whole as an item of that shared
-region (a Mamba layer over memory of its own is refused): the request's state block(s) travel in ``kv_page`` next to its
-attention blocks. Slicing the conv state per sub-block and the SSM state by
-heads (kvbridge's mamba handler, for heterogeneous TP) would need regions
-inside a page that other regions also cover; it is not done, and the
-scheduler side refuses a Mamba model's transfer between different TP sizes.
+region (a Mamba layer over memory of its own is refused): the request's
+state block(s) travel in ``kv_page`` next to its attention blocks. Slicing
+the conv state per sub-block and the SSM state by heads (kvbridge's mamba
+handler, for heterogeneous TP) would need regions inside a page that other
+regions also cover; it is not done, and the scheduler side refuses a Mamba model's transfer between different TP sizes.
 """
 
 from __future__ import annotations
@@ -95,7 +95,6 @@ def _attention_region(name: str, layer: int, t: Any, num_blocks: int, total_head
 
 def _mamba_region(name: str, layer: int, t: Any, num_blocks: int, spec: Any) -> Region:
     """A Mamba layer's raw ``[blocks, 1, 1, state bytes]`` view as whole pages (checked against its spec)."""
-
     state = sum(math.prod(shape) * _itemsize(dt) for shape, dt in zip(spec.shapes, spec.dtypes))
     if t.ndim != 4 or int(t.shape[0]) != num_blocks or t.shape[1] != 1 or t.shape[2] != 1 or t.stride()[3] != 1 \
             or int(t.shape[3]) * t.element_size() != state:
