@@ -33,9 +33,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import sha256
 from vllm.v1.core import kv_cache_planning
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -47,6 +48,14 @@ HEAD = 16
 KV_HEADS = 4  # the model's total; TP 2 holds 2 per rank, TP 4 one
 LAYERS = 4
 WINDOW = 32  # the hybrid model's sliding window (layers 1 and 3)
+# The Mamba hybrid's Mamba2 layers (1 and 3), as vLLM's mamba2_state_shape sizes them: 4 heads of 16, one group,
+# state 16, conv kernel 4 -> conv state (x|B|C = 64 + 16 + 16 channels / TP, 3 rows) DS, SSM state (heads/TP, 16, 16).
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 4, 16, 16, 1, 4
+
+
+def mamba_shapes(tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    conv_dim = MAMBA_HEADS * MAMBA_HEAD_DIM + 2 * MAMBA_GROUPS * MAMBA_STATE
+    return (conv_dim // tp, MAMBA_CONV - 1), (MAMBA_HEADS // tp, MAMBA_HEAD_DIM, MAMBA_STATE)
 EOS = 2
 TOKEN = 7
 
@@ -64,10 +73,16 @@ def model_config(folder: Path) -> ModelConfig:
 
 
 def vllm_config(model: ModelConfig, role: str, extra: dict[str, Any], *, policy: str = "fail", tp: int = 1,
-                hybrid: bool = False, layout: str = "LBNHC") -> VllmConfig:
+                hybrid: bool = False, layout: str = "LBNHC", mamba: bool = False) -> VllmConfig:
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
-    cache = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
+    # A Mamba hybrid without prefix caching: vLLM's "none" Mamba cache mode (one state block per request, Mamba
+    # block size = max_model_len), as vLLM's HybridAttentionMambaModelConfig sets it up.
+    cache = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
+                        enable_prefix_caching=not mamba)
+    if mamba:
+        cache.mamba_cache_mode = "none"
+        cache.mamba_block_size = model.max_model_len
     cache.kv_cache_layout = layout
     kt = KVTransferConfig(kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.integrations.vllm",
                           kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy=policy)
@@ -79,11 +94,22 @@ def vllm_config(model: ModelConfig, role: str, extra: dict[str, Any], *, policy:
     return cfg
 
 
-def kv_cache_config(cfg: VllmConfig, tp: int, hybrid: bool, num_blocks: int, mla: bool = False) -> Any:
-    """vLLM's own planning for this rank's layer specs (what the model runner would report)."""
+def kv_cache_config(cfg: VllmConfig, tp: int, hybrid: bool, num_blocks: int, mla: bool = False,
+                    mamba: bool = False) -> Any:
+    """vLLM's own planning for this rank's layer specs (what the model runner would report).
+
+    ``mamba``: layers 1 and 3 are Mamba2 layers (``MambaSpec`` as ``MambaBase.get_kv_cache_spec`` builds it,
+    its page padded to the attention page as vLLM's platform config pads it).
+    """
     specs: dict[str, Any] = {}
     for i in range(LAYERS):
         kw = dict(block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=torch.float16)
+        if mamba and i % 2:
+            specs[layer_name(i)] = MambaSpec(block_size=cfg.model_config.max_model_len, shapes=mamba_shapes(tp),
+                                             dtypes=(torch.float16, torch.float16),
+                                             page_size_padded=2 * BLOCK * (KV_HEADS // tp) * HEAD * 2,
+                                             mamba_type=MambaAttentionBackendEnum.MAMBA2)
+            continue
         if mla:  # one latent of 2 * HEAD per token, the same on every TP rank
             specs[layer_name(i)] = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=2 * HEAD,
                                                     dtype=torch.float16)
@@ -161,12 +187,14 @@ class Server:
 
 def make_server(model: ModelConfig, role: str, extra: dict[str, Any], *, tp: int = 1, policy: str = "fail",
                 hybrid: bool = False, num_blocks: int = 64, fill: bool = False, seed: int = 0,
-                layout: str = "LBNHC", mla: bool = False) -> Server:
-    cfg = vllm_config(model, role, extra, policy=policy, tp=tp, hybrid=hybrid, layout=layout)
-    kcc = kv_cache_config(cfg, tp, hybrid, num_blocks, mla)
+                layout: str = "LBNHC", mla: bool = False, mamba: bool = False) -> Server:
+    cfg = vllm_config(model, role, extra, policy=policy, tp=tp, hybrid=hybrid or mamba, layout=layout, mamba=mamba)
+    kcc = kv_cache_config(cfg, tp, hybrid, num_blocks, mla, mamba)
     cfg.cache_config.num_gpu_blocks = kcc.num_blocks
+    # The scheduler's block sizes as vLLM's engine core resolves them (the LCM of the groups' with Mamba groups).
+    sched_block, hash_block = resolve_kv_cache_block_sizes(kcc, cfg) if mamba else (BLOCK, BLOCK)
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(cfg),
-                      block_size=BLOCK, log_stats=True)
+                      block_size=sched_block, hash_block_size=hash_block, log_stats=True)
     ranks = []
     gen = torch.Generator().manual_seed(seed)
     for r in range(tp):

@@ -12,11 +12,25 @@ heterogeneous TP), MLA latents are replicated.
 Layers of different KV cache groups alias the same memory in hybrid models
 (a block id belongs to one group at a time); such views are registered once,
 so every group's blocks address one ``kv_page`` index space.
+
+Mamba / linear-attention layers (``MambaSpec``) get a raw ``[blocks, 1, 1,
+state bytes]`` int8 view over the same block pool: a block holds one
+request's whole state (conv state, then the SSM / temporal state, packed as
+vLLM's ``MambaBase.bind_kv_cache`` unpacks them), in a page padded to the
+attention page. vLLM overlays each Mamba layer's pages on an attention
+layer's (the same bytes, another group's block ids), and kvbridge's regions
+may not overlap, so a Mamba page is moved whole as an item of that shared
+region (a Mamba layer over memory of its own is refused): the request's
+state block(s) travel in ``kv_page`` next to its attention blocks. Slicing
+the conv state per sub-block and the SSM state by heads (kvbridge's mamba
+handler, for heterogeneous TP) would need regions inside a page that other
+regions also cover; it is not done, and the scheduler side refuses a Mamba model's transfer between different TP sizes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,11 +93,32 @@ def _attention_region(name: str, layer: int, t: Any, num_blocks: int, total_head
                   role="kv", index_space="kv_page", layer=layer, mem=mem, device=device, shard=shard)  # type: ignore[arg-type]
 
 
+def _mamba_region(name: str, layer: int, t: Any, num_blocks: int, spec: Any) -> Region:
+    """A Mamba layer's raw ``[blocks, 1, 1, state bytes]`` view as whole pages (checked against its spec)."""
+    state = sum(math.prod(shape) * _itemsize(dt) for shape, dt in zip(spec.shapes, spec.dtypes))
+    if t.ndim != 4 or int(t.shape[0]) != num_blocks or t.shape[1] != 1 or t.shape[2] != 1 or t.stride()[3] != 1 \
+            or int(t.shape[3]) * t.element_size() != state:
+        raise ValueError(f"Mamba layer {name!r}: expected vLLM's raw [{num_blocks}, 1, 1, {state}-byte] state view "
+                         f"(conv + SSM state of shapes {spec.shapes}), got shape {tuple(t.shape)} strides {t.stride()}")
+    page = t.stride()[0] * t.element_size()
+    if page < state:
+        raise ValueError(f"Mamba layer {name!r}: blocks are {page} bytes apart but a state is {state} bytes")
+    mem, device = _mem(t)
+    return Region(name=f"{name}.mamba", addr=t.data_ptr(), nbytes=num_blocks * page, stride=page, role="state",
+                  index_space="kv_page", layer=layer, state_type="mamba", mem=mem, device=device)  # type: ignore[arg-type]
+
+
+def _itemsize(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def describe_vllm_caches(
     kv_caches: Mapping[str, Any], kv_cache_config: Any, *, total_kv_heads: int, tp_rank: int, tp_size: int,
 ) -> KVArgs:
     """One rank's KVArgs for the tensors vLLM registered (``layer name -> tensor``)."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec
 
     specs = _spec_of(kv_cache_config)
     num_blocks = kv_cache_config.num_blocks
@@ -94,32 +129,48 @@ def describe_vllm_caches(
     unknown = sorted(set(kv_caches) - set(specs))
     if unknown:
         raise ValueError(f"register_kv_caches got layers {unknown[:5]} that no KV cache group names")
-    for layer, name in enumerate(ordered_layers(kv_cache_config)):
+    # Attention layers first: a Mamba layer over an attention layer's bytes rides in that layer's region.
+    order = sorted(enumerate(ordered_layers(kv_cache_config)), key=lambda e: isinstance(specs[e[1]], MambaSpec))
+    for layer, name in order:
         if name not in kv_caches:
             continue
         spec, t = specs[name], kv_caches[name]
         if isinstance(spec, AttentionSpec):
             new = [_attention_region(name, layer, t, num_blocks, total_kv_heads, isinstance(spec, MLAAttentionSpec))]
+            dtypes.add(str(spec.dtype).removeprefix("torch."))
+            block_sizes.add(spec.block_size)
+        elif isinstance(spec, MambaSpec):
+            # Mamba blocks hold a state, not block_size tokens: their block size is no page size here.
+            r = _mamba_region(name, layer, t, num_blocks, spec)
+            if (r.addr, r.stride, r.nbytes) not in aliased:
+                # vLLM 0.33's planning overlays every Mamba layer on an attention layer; a page of its own would
+                # need a region whose TP pairing kvbridge's mamba handler conventions do not describe whole.
+                raise ValueError(
+                    f"Mamba layer {name!r}: its state pages share no attention layer's memory ({r.nbytes} bytes at "
+                    f"{r.addr:#x}, {r.stride} per block); KVBridgeConnector moves Mamba state only inside the block "
+                    "pool pages vLLM overlays on attention layers (hybrid models; pure Mamba models are not supported)"
+                )
+            new = [r]
+            dtypes.update(f"mamba:{str(d).removeprefix('torch.')}" for d in spec.dtypes)
         else:
             raise ValueError(
                 f"layer {name!r} has a {type(spec).__name__} KV cache: KVBridgeConnector moves attention KV "
-                "(full, sliding window, MLA) only; Mamba / linear-attention state is not supported yet"
+                "(full, sliding window, MLA) and Mamba / linear-attention state (MambaSpec) only"
             )
-        dtypes.add(str(spec.dtype).removeprefix("torch."))
-        block_sizes.add(spec.block_size)
         for r in new:
             key = (r.addr, r.stride, r.nbytes)
-            if key in aliased:  # another group's layer over the same bytes: one block pool, one region
+            if key in aliased:  # another group's layer over the same bytes (Mamba pages too): one region
                 log.debug("layer %s aliases %s's memory; registered once", name, aliased[key])
                 continue
             aliased[key] = name
             regions.append(r)
     if len(block_sizes) != 1:
-        raise ValueError(f"KV cache groups use block sizes {sorted(block_sizes)}; KVBridgeConnector needs one block size")
+        raise ValueError(f"attention KV cache groups use block sizes {sorted(block_sizes)}; KVBridgeConnector needs "
+                         "one block size (and at least one attention group)")
+    block_size = block_sizes.pop()
     try:
-        return KVArgs(regions=tuple(regions), index_spaces=(IndexSpace("kv_page", num_blocks, block_sizes.pop()),),
-                      dtype="+".join(sorted(dtypes)), page_size=kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
-                      tp_rank=tp_rank, tp_size=tp_size)
+        return KVArgs(regions=tuple(regions), index_spaces=(IndexSpace("kv_page", num_blocks, block_size),),
+                      dtype="+".join(sorted(dtypes)), page_size=block_size, tp_rank=tp_rank, tp_size=tp_size)
     except ValueError as exc:
         raise ValueError(f"vLLM's KV cache tensors cannot be registered with kvbridge: {exc} (layers that alias memory "
-                         "with different shapes, e.g. Mamba state over attention pages, are not supported)") from None
+                         "with different page sizes are not supported)") from None

@@ -32,7 +32,7 @@ class SchedulerSide:
     """Scheduler-side state of one connector; ``KVBridgeConnector`` delegates to it."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, bootstrap: str | None, engine_id: str) -> None:
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
         self.kv_cache_config = kv_cache_config
         self.bootstrap = bootstrap
@@ -46,6 +46,8 @@ class SchedulerSide:
             if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0
             for g in groups
         ]
+        # Mamba pages move whole, rank to same-numbered rank (layout.py): only between equal TP sizes.
+        self.has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
         self.to_send: dict[str, SendSpec] = {}
         self.to_recv: dict[str, RecvSpec] = {}
         self.sending: set[str] = set()  # finished prefill requests whose blocks the workers still hold
@@ -81,6 +83,12 @@ class SchedulerSide:
                 raise BadTransferParams(
                     f"request {request.request_id!r}: its prompt has {request.num_prompt_tokens} tokens but prefill "
                     f"computed {remote.num_tokens} (kvbridge_num_tokens); send decode the prompt prefill ran"
+                )
+            remote_tp = params.get("tp_size", self.tp_size)
+            if self.has_mamba and remote_tp != self.tp_size:
+                raise BadTransferParams(
+                    f"request {request.request_id!r}: prefill runs TP {remote_tp}, decode TP {self.tp_size}; "
+                    "KVBridgeConnector moves Mamba / linear-attention state between equal TP sizes only"
                 )
             dst = self._pair(request.request_id, remote.block_ids, local)
             self.to_recv[request.request_id] = RecvSpec(remote.room, remote.bootstrap, dst)

@@ -1,0 +1,115 @@
+"""A full-attention + Mamba2 hybrid: the request's Mamba state moves with its KV, byte-exact.
+
+vLLM's hybrid KV cache manager gives the Mamba layers (1 and 3) a KV cache
+group of their own over the same block pool; a request holds one state block
+in it. The oracle unpacks each state block into conv and SSM state by the
+spec's shapes (the packing ``MambaBase.bind_kv_cache`` reads) and compares
+decode's with prefill's, independently of the connector's regions.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm_harness import (BLOCK, LAYERS, block_ids, layer_name, make_request, make_server, prefill_request,
+                          status, step_until)
+from vllm.v1.request import RequestStatus
+
+ATTENTION, MAMBA = (0, 2), (1, 3)
+
+
+def states(rank, layer: int, block: int, spec: MambaSpec) -> list[torch.Tensor]:
+    """One block's (conv, SSM) state of a Mamba layer, unpacked from the raw page by the spec's shapes."""
+    page = rank.caches[layer_name(layer)][block].reshape(-1)  # int8 [state bytes]
+    out, offset = [], 0
+    for shape, dtype in zip(spec.shapes, spec.dtypes):
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append(page[offset:offset + nbytes].view(dtype).view(*shape))
+        offset += nbytes
+    return out
+
+
+@pytest.mark.parametrize("backend,tp", [("memory", 1), ("memory", 2), ("nixl", 1)])
+def test_mamba_hybrid_state_moves_byte_exact(model, bootstrap, backend, tp):
+    prefill = make_server(model, "kv_producer", {"backend": backend, "bootstrap": bootstrap}, tp=tp, mamba=True,
+                          fill=True, seed=3)
+    decode = make_server(model, "kv_consumer", {"backend": backend}, tp=tp, mamba=True)
+    try:
+        groups = prefill.sched.kv_cache_config.kv_cache_groups
+        assert [type(g.kv_cache_spec) for g in groups] == [FullAttentionSpec, MambaSpec]
+        spec = groups[1].kv_cache_spec
+        prompt = [random.randrange(10, 900) for _ in range(4 * BLOCK + 5)]
+        prefill_request(prefill, "held", prompt[:BLOCK])  # holds prefill's first blocks: m1 gets others than decode
+        params = prefill_request(prefill, "m1", prompt)
+        src = block_ids(prefill.sched, "m1")
+        assert len(src[1]) >= 1 and len(src[0]) == 5  # a state block next to the 5 attention blocks
+
+        decode.sched.add_request(make_request("m1", prompt, 4, params))
+        decode.step()
+        assert status(decode.sched, "m1") == RequestStatus.WAITING_FOR_REMOTE_KVS
+        dst = block_ids(decode.sched, "m1")
+        state_blocks = [(s, d) for s, d in zip(src[1], dst[1]) if s and d]  # 0: vLLM's null block
+        assert state_blocks and src != dst, (src, dst)
+        for layer in MAMBA:  # not there yet: decode's blocks hold zeros, prefill's random bytes
+            assert not torch.equal(states(decode.ranks[0], layer, state_blocks[0][1], spec)[1],
+                                   states(prefill.ranks[0], layer, state_blocks[0][0], spec)[1])
+
+        step_until([prefill, decode], lambda: status(decode.sched, "m1") == RequestStatus.RUNNING)
+        assert decode.sched.requests["m1"].num_computed_tokens == len(prompt)
+        for r in range(tp):  # equal TP: rank r's state and heads come from prefill's rank r
+            p, d = prefill.ranks[r], decode.ranks[r]
+            for layer in MAMBA:
+                for s, t in state_blocks:
+                    for want, got in zip(states(p, layer, s, spec), states(d, layer, t, spec)):
+                        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (r, layer, s, t)
+            for layer in ATTENTION:
+                for s, t in zip(src[0], dst[0]):
+                    want = p.caches[layer_name(layer)][s].view(torch.uint8)
+                    assert torch.equal(d.caches[layer_name(layer)][t].view(torch.uint8), want), (r, layer, s, t)
+        step_until([prefill], lambda: "m1" not in prefill.sched.requests)  # freed once sent
+        step_until([decode], lambda: "m1" not in decode.sched.requests)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_mamba_hybrid_between_different_tp_fails_the_load_clearly(model, bootstrap, caplog):
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, tp=1, mamba=True,
+                          fill=True)
+    decode = make_server(model, "kv_consumer", {"backend": "memory"}, tp=2, mamba=True, policy="fail")
+    try:
+        prompt = list(range(100, 100 + 2 * BLOCK + 3))
+        params = prefill_request(prefill, "m2", prompt)
+        decode.sched.add_request(make_request("m2", prompt, 4, params))
+        step_until([prefill, decode], lambda: status(decode.sched, "m2") in (None, RequestStatus.FINISHED_ERROR))
+        assert "between equal TP sizes only" in caplog.text
+    finally:
+        decode.close()
+        prefill.close()
+
+
+assert LAYERS == 4  # ATTENTION / MAMBA above name the harness's layers
+
+
+def test_pure_mamba_model_is_refused_at_registration(model):
+    """Mamba pages no attention layer shares: refused with an error saying so (not moved half-described)."""
+    from vllm.v1.core import kv_cache_planning
+    from vllm.v1.worker.utils import allocate_kv_cache
+    from vllm_harness import kv_cache_config, mamba_shapes, vllm_config
+
+    from kvbridge.integrations.vllm.layout import describe_vllm_caches
+
+    cfg = vllm_config(model, "kv_consumer", {"backend": "memory"}, hybrid=True, mamba=True)
+    hybrid = kv_cache_config(cfg, 1, False, 64, mamba=True)  # the spec the hybrid's Mamba layers use
+    spec = hybrid.kv_cache_groups[1].kv_cache_spec
+    assert spec.shapes == mamba_shapes(1)
+    specs = {layer_name(i): spec for i in range(LAYERS)}
+    groups = kv_cache_planning.get_global_kv_cache_groups(cfg, [specs])
+    kcc = kv_cache_planning.get_kv_cache_configs(cfg, [specs], [64 * spec.page_size_bytes * LAYERS], groups)[0]
+    caches = allocate_kv_cache(kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
+    with pytest.raises(ValueError, match="share no attention layer's memory"):
+        describe_vllm_caches(caches, kcc, total_kv_heads=4, tp_rank=0, tp_size=1)
