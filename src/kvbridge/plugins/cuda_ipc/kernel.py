@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .ipc import GpuPeer, check_rc, driver, on_device
-from .split import TILE_BYTES, Part, Shape, launches, row_sizes, shape
+from .split import Part, Shape, launches, row_sizes, shape
 
 __all__ = ["copy"]
 
