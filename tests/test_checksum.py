@@ -1,4 +1,4 @@
-"""The optional end-to-end checksum (``SessionConfig.checksum``, ``kvbridge.core.checksum``).
+"""The optional end-to-end checksum (``SessionConfig.checksum``, ``kvbridge.core.sessions.checksum``).
 
 A corrupting link (``kvbridge.testing.faulty``'s ``FlipsByte``: every batch
 written, then one destination byte inverted) must fail the room naming the
@@ -17,13 +17,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.core import checksum as C
-from kvbridge.core import plugins
-from kvbridge.core import protocol as P
-from kvbridge.core.backend import BackendConfig
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
-from kvbridge.core.plan import TransferPlan
+from kvbridge.core.sessions import checksum as C
+from kvbridge.core.description import plugins
+from kvbridge.core.control import protocol as P
+from kvbridge.core.transfer.backend import BackendConfig
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
+from kvbridge.core.planning.plan import TransferPlan
 from kvbridge.testing.e2e import Pools, Scenario, pattern, prefill_pools
 from kvbridge.testing.faulty import FlipsByte
 from kvbridge.testing.harness import START_WAIT, BackendHarness, Child, finished, wait_until

@@ -11,13 +11,13 @@ import textwrap
 import numpy as np
 import pytest
 
-from kvbridge.core.plugins import get_registry
+from kvbridge.core.description.plugins import get_registry
 from kvbridge.cli import TransferConfig, add_transfer_args
 from kvbridge.config import BACKEND_PREFERENCE, ConfigError, available_backends
-from kvbridge.core.layout import KV_PAGE_SPACE, IndexSpace, KVArgs, Region
-from kvbridge.core.plugins import Provider, Registered, Registry
-from kvbridge.core.records import BackendSpec, OptionError, OptionSpec
-from kvbridge.core.session import DecodeManager, SessionConfig
+from kvbridge.core.description.layout import KV_PAGE_SPACE, IndexSpace, KVArgs, Region
+from kvbridge.core.description.plugins import Provider, Registered, Registry
+from kvbridge.core.description.records import BackendSpec, OptionError, OptionSpec
+from kvbridge.core.sessions.session import DecodeManager, SessionConfig
 
 # Built-in backends and the engine module each needs (what "available" means).
 ENGINES = {"nixl": "nixl_cu12", "ucx": "ucxx", "mooncake": "mooncake"}
@@ -284,8 +284,8 @@ def test_core_rejects_bad_options_of_every_builtin_backend_before_importing_its_
     code = textwrap.dedent("""
         import json, sys
         import numpy as np
-        from kvbridge.core.layout import KV_PAGE_SPACE, IndexSpace, KVArgs, Region
-        from kvbridge.core.session import DecodeManager, SessionConfig
+        from kvbridge.core.description.layout import KV_PAGE_SPACE, IndexSpace, KVArgs, Region
+        from kvbridge.core.sessions.session import DecodeManager, SessionConfig
         k = np.zeros((4, 64), np.uint8)
         kv = KVArgs(regions=(Region(name="k0", addr=k.ctypes.data, nbytes=k.nbytes, stride=64, role="k",
                     index_space=KV_PAGE_SPACE, layer=0),), index_spaces=(IndexSpace(KV_PAGE_SPACE, 4, 16),),
@@ -361,7 +361,7 @@ def test_trace_goes_to_the_hosts_logging_configuration():
     code = textwrap.dedent("""
         import logging, sys
         logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(name)s|%(levelname)s|%(message)s")
-        from kvbridge.core.plugins import get_registry
+        from kvbridge.core.description.plugins import get_registry
         get_registry()
     """)
     env = {**os.environ, "KVBRIDGE_TRACE_HOOKS": "1"}

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.core.plugins import get_registry
-from kvbridge.core.records import BackendCapabilities
+from kvbridge.core.description.plugins import get_registry
+from kvbridge.core.description.records import BackendCapabilities
 from kvbridge.testing.requirements import requires, unmet
 
 CHEAP = "registration or lands_byte_exact"  # two tests of the suite, a second or so

@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.core import protocol as P
-from kvbridge.core.layout import KVArgs
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.session import Poll, PrefillManager, Receiver, Sender
+from kvbridge.core.control import protocol as P
+from kvbridge.core.description.layout import KVArgs
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.sessions.session import Poll, PrefillManager, Receiver, Sender
 from kvbridge.testing.e2e import SENTINEL, Pools, meta_row_for, prefill_pools, schedule
 from kvbridge.testing.harness import START_WAIT, BackendHarness, finished, send_all, wait_until
 
@@ -434,7 +434,7 @@ def test_messages_sent_just_before_the_io_loop_stops_still_leave() -> None:
     still queued: the last rooms of a 4,096-room CI run failed at decode by heartbeat)."""
     import zmq
 
-    from kvbridge.core.channel import IOLoop
+    from kvbridge.core.control.channel import IOLoop
 
     ctx = zmq.Context.instance()
     sink = ctx.socket(zmq.PULL)
@@ -472,7 +472,7 @@ def test_a_call_after_the_io_loop_stopped_writes_into_no_other_file() -> None:
     not go to the file that reused the closed wake pipe's descriptor number."""
     import os
 
-    from kvbridge.core.channel import IOLoop
+    from kvbridge.core.control.channel import IOLoop
 
     loop = IOLoop("test-stopped-wake")
     loop.start()
@@ -499,7 +499,7 @@ def test_a_prefill_rank_counts_as_gone_only_when_its_connection_closed_and_recon
     reconnects: gone, after GONE_GRACE for what its kernel still delivers."""
     import zmq
 
-    from kvbridge.core.decode import GONE_GRACE, PrefillRank
+    from kvbridge.core.sessions.decode import GONE_GRACE, PrefillRank
 
     info = P.RankInfo(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, control_addr="127.0.0.1:1", backend="memory")
     rank = PrefillRank(info)

@@ -11,7 +11,7 @@ import pytest
 # Only where scripts/setup.sh ran with KVBRIDGE_TORCH=none: the demo's model is a torch model.
 torch = pytest.importorskip("torch", reason="torch is not installed (KVBRIDGE_TORCH=none); the demo's model needs it")
 
-from kvbridge.core.pairing import pair_layouts
+from kvbridge.core.planning.pairing import pair_layouts
 from kvbridge.demo.cache import Caches, Sizes
 from kvbridge.demo.generate import colocated, generate, prefill_chunks
 from kvbridge.demo.model import LAYERS, TP, Model, ModelConfig

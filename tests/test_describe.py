@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from kvbridge.core.describe import describe
-from kvbridge.core.pools import KVPool, MetadataPool
-from kvbridge.core.state import UnknownPoolTypeError
+from kvbridge.core.description.describe import describe
+from kvbridge.core.description.pools import KVPool, MetadataPool
+from kvbridge.core.description.state import UnknownPoolTypeError
 from kvbridge.state_handlers.dsv4_hisparse import DSV4HiSparsePool
 from kvbridge.state_handlers.swa import SWAPool
 
@@ -93,7 +93,7 @@ def latent(tmp_path, monkeypatch):
     import importlib.metadata as md
     import sys
 
-    from kvbridge.core.plugins import build_registry
+    from kvbridge.core.description.plugins import build_registry
 
     (tmp_path / "kvb_roles_plugin.py").write_text(ROLES_PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -113,7 +113,7 @@ def latent_pool(module, rng=None, typo=False):
 def test_a_handler_names_several_buffers_per_layer_with_roles_it_declares_and_they_pair_and_move(latent):
     import ctypes
 
-    from kvbridge.core.pairing import pair_layouts
+    from kvbridge.core.planning.pairing import pair_layouts
 
     registry, module = latent
     src_pool, dst_pool = latent_pool(module, np.random.default_rng(0)), latent_pool(module)
@@ -138,7 +138,7 @@ def test_a_role_its_handler_did_not_declare_is_rejected_where_it_is_made(latent)
 
 
 def test_declared_roles_must_be_lowercase_words():
-    from kvbridge.core.records import HandlerCapabilities
+    from kvbridge.core.description.records import HandlerCapabilities
 
     with pytest.raises(ValueError, match="HandlerCapabilities.roles: role 'WKV' is not a lowercase word"):
         HandlerCapabilities(index_spaces=("kv_page",), roles=("WKV",))

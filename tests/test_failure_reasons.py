@@ -3,7 +3,7 @@
 import numpy as np
 
 from kvbridge import BootstrapServer, DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig, describe
-from kvbridge.core.pools import KVPool, MetadataPool
+from kvbridge.core.description.pools import KVPool, MetadataPool
 
 
 def _kvargs(pages: int = 8):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.core.plugins import get_registry
+from kvbridge.core.description.plugins import get_registry
 from kvbridge.testing.faults import BOUND, run_cell, table
 
 SAMPLE = [

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kvbridge.plugins.cuda_ipc import ipc, kernel, split
-from kvbridge.core.layout import Region
-from kvbridge.core.transport import Transport
+from kvbridge.core.description.layout import Region
+from kvbridge.core.transfer.transport import Transport
 from kvbridge.testing.harness import BackendHarness, Child, all_succeeded
 from kvbridge.testing.requirements import requires
 
@@ -122,7 +122,7 @@ def test_a_large_part_goes_first_as_a_smaller_slice_then_the_rest(cut, monkeypat
 def outer_plans(src_base: int, dst_base: int):
     """Plans the planner keeps as outer sums: NHD rows of 4 heads into 8-head pages (heterogeneous TP 2 -> 1,
     rank 1), and scattered whole pages; each over 3 regions of 16 items, 4 indices."""
-    from kvbridge.core.plan import plan_pages, plan_segments
+    from kvbridge.core.planning.plan import plan_pages, plan_segments
 
     rng = np.random.default_rng(3)
     s_idx, d_idx = rng.choice(16, 4, replace=False), rng.choice(16, 4, replace=False)
@@ -228,8 +228,8 @@ def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():
 
 
 def test_the_copy_kernel_is_a_lane_put_before_one_named_backend_unless_switched_off(monkeypatch):
-    from kvbridge.core.plugins import Registry
-    from kvbridge.core.transport import lane_names
+    from kvbridge.core.description.plugins import Registry
+    from kvbridge.core.transfer.transport import lane_names
 
     monkeypatch.setattr(Registry, "same_host_lanes", lambda self: ["cuda_ipc"])
     assert lane_names("memory", fast_path=True) == ["cuda_ipc", "memory"]
@@ -335,7 +335,7 @@ def test_layer_ready_with_a_cuda_event_waits_for_the_slow_kernel_before_moving_t
 def test_the_planners_hints_give_the_shape_the_columns_would(pattern):
     # The GPU copy trusts TransferPlan.hints() instead of reducing a request's columns: they must
     # describe every column (an alignment dividing all offsets and sizes; the one size when all are one).
-    from kvbridge.core.plan import plan_pages
+    from kvbridge.core.planning.plan import plan_pages
 
     rng = np.random.default_rng(7)
     item = {"scattered": 16 << 10, "runs": 3 << 12, "mixed sizes": 24}[pattern]

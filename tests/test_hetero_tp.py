@@ -13,10 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.core.layout import IndexSpace, KVArgs, Region, Shard
-from kvbridge.core.pairing import IncompatibleLayoutError, pair_layouts
-from kvbridge.core.records import BackendCapabilities
-from kvbridge.core.transport import Transport, open_transport
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region, Shard
+from kvbridge.core.planning.pairing import IncompatibleLayoutError, pair_layouts
+from kvbridge.core.description.records import BackendCapabilities
+from kvbridge.core.transfer.transport import Transport, open_transport
 
 PAGES, TOKENS, HEAD_DIM = 12, 4, 2  # small: every combination runs in milliseconds
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (4, 4)]
@@ -202,7 +202,7 @@ def test_decode_pp_above_one_is_rejected_at_handshake():
         pair_layouts(a, b)
 
 
-# -- host staging (kvbridge.core.staging): the same oracle, written through Transport over the
+# -- host staging (kvbridge.core.transfer.staging): the same oracle, written through Transport over the
 #    engine-less memory backend (the conformance suite runs the hybrid model across TP pairs on
 #    every backend, in processes) ------------------------------------------------------------------
 STAGE_HEADS = 8

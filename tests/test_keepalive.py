@@ -10,8 +10,8 @@ import weakref
 import numpy as np
 
 from kvbridge import BootstrapServer, DecodeManager, Poll, PrefillManager, Receiver, Sender, describe
-from kvbridge.core.describe import held_by
-from kvbridge.core.pools import KVPool, MetadataPool
+from kvbridge.core.description.describe import held_by
+from kvbridge.core.description.pools import KVPool, MetadataPool
 
 PAGES, PAGE_TOKENS, HEAD_BYTES = 64, 16, 256  # 4 KiB pages: one token row is HEAD_BYTES
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from kvbridge.core import BackendCapabilities, Region, TransferPlan, checkpoint
-from kvbridge.core.plan import Memory
-from kvbridge.core.backend import Backend, BackendConfig, TransferCancelled, TransferError
-from kvbridge.core.transport import FENCE_BATCH_DESCRIPTORS, Lane, Transport
+from kvbridge.core.planning.plan import Memory
+from kvbridge.core.transfer.backend import Backend, BackendConfig, TransferCancelled, TransferError
+from kvbridge.core.transfer.transport import FENCE_BATCH_DESCRIPTORS, Lane, Transport
 
 PAGE = 256
 PAGES = 64

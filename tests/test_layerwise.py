@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 
 from kvbridge.plugins.cuda_ipc import ipc, kernel, split
-from kvbridge.core.describe import describe
-from kvbridge.core.layers import LayerIndex, layer_list
-from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, KVArgs
-from kvbridge.core.pairing import pair_layouts
-from kvbridge.core.plan import TransferPlan
-from kvbridge.core.prefill import DecodePeer, PrefillManager
-from kvbridge.core.session import Poll, Sender
+from kvbridge.core.description.describe import describe
+from kvbridge.core.planning.layers import LayerIndex, layer_list
+from kvbridge.core.description.layout import KV_PAGE_SPACE, METADATA_SPACE, KVArgs
+from kvbridge.core.planning.pairing import pair_layouts
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.sessions.prefill import DecodePeer, PrefillManager
+from kvbridge.core.sessions.session import Poll, Sender
 from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, c4_token_indices
 from kvbridge.state_handlers.mamba import SLOT_SPACE
 from kvbridge.state_handlers.swa import SWA_PAGE_SPACE
@@ -162,7 +162,7 @@ def test_writes_of_one_large_size_cannot_tell_a_writes_cost_from_its_bytes() -> 
 def test_the_hosts_pace_is_its_fastest_recent_gap_whatever_a_stall_took() -> None:
     # A stall (a garbage collection, a transfer thread holding the GIL) only lengthens a gap: it must not
     # make the workers stop waiting for the next layer, which would slow the host and keep the pace slow.
-    from kvbridge.core.prefill import GAP_WINDOW
+    from kvbridge.core.sessions.prefill import GAP_WINDOW
 
     pace = SimpleNamespace(_gaps=collections.deque(maxlen=GAP_WINDOW), layer_gap=None)
     for gap in (60e-6, 50e-6, 2e-3, 70e-6):

@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from kvbridge.core.layout import IndexSpace, KVArgs, Region, Shard
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region, Shard
 
 
 def region(name="k0", addr=0x10000, nbytes=0x1000, stride=0x100, role="k", layer=0, **kw):

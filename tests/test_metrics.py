@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.core import metrics
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, KVArgs, Region
-from kvbridge.core.pairing import pair_layouts
-from kvbridge.core.plan import PlanError
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+from kvbridge.core.control import metrics
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, KVArgs, Region
+from kvbridge.core.planning.pairing import pair_layouts
+from kvbridge.core.planning.plan import PlanError
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 
 BACKEND = "memory"  # metrics are core's: any backend records the same
 LAYERS = 2

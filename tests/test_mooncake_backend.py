@@ -19,13 +19,13 @@ import pytest
 pytest.importorskip("mooncake.engine")
 
 from kvbridge.plugins.tcpfence import seal, unseal
-from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
-from kvbridge.core.layout import Region  # noqa: E402
-from kvbridge.core.plugins import get_registry  # noqa: E402
-from kvbridge.core.transport import Transport  # noqa: E402
+from kvbridge.core.transfer.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
+from kvbridge.core.description.layout import Region  # noqa: E402
+from kvbridge.core.description.plugins import get_registry  # noqa: E402
+from kvbridge.core.transfer.transport import Transport  # noqa: E402
 from kvbridge.testing import pair  # noqa: E402
 from kvbridge.testing.pair import ROWS, SENTINEL, Destination, pattern_buffers, standard_layout  # noqa: E402
-from kvbridge.core.plan import TransferPlan  # noqa: E402
+from kvbridge.core.planning.plan import TransferPlan  # noqa: E402
 from kvbridge.plugins.mooncake import CAPABILITIES  # noqa: E402
 from kvbridge.plugins.mooncake.backend import MooncakeBackend  # noqa: E402
 
@@ -196,8 +196,8 @@ def test_listing_the_plugin_does_not_import_the_engine():
 # -- the engine's own log lines ---------------------------------------------------------------------
 STARTS_ONE = """
 import logging, sys
-from kvbridge.core.backend import BackendConfig
-from kvbridge.core.plugins import get_registry
+from kvbridge.core.transfer.backend import BackendConfig
+from kvbridge.core.description.plugins import get_registry
 from kvbridge.plugins.mooncake.backend import MooncakeBackend
 if sys.argv[1] != "default":
     logging.basicConfig(level=getattr(logging, sys.argv[1]), format="LOG %(levelname)s %(name)s: %(message)s")

@@ -24,14 +24,14 @@ import pytest
 pytest.importorskip("nixl_cu12")
 
 from kvbridge.plugins.tcpfence import seal
-from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
-from kvbridge.core.layout import Region  # noqa: E402
-from kvbridge.core.plugins import get_registry  # noqa: E402
-from kvbridge.core.records import OptionError  # noqa: E402
-from kvbridge.core.transport import FENCE_BATCH_BYTES, Transport  # noqa: E402
+from kvbridge.core.transfer.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
+from kvbridge.core.description.layout import Region  # noqa: E402
+from kvbridge.core.description.plugins import get_registry  # noqa: E402
+from kvbridge.core.description.records import OptionError  # noqa: E402
+from kvbridge.core.transfer.transport import FENCE_BATCH_BYTES, Transport  # noqa: E402
 from kvbridge.testing import pair  # noqa: E402
 from kvbridge.testing.pair import SENTINEL, Destination, pattern, pattern_buffers, region, standard_layout  # noqa: E402
-from kvbridge.core.plan import TransferPlan, plan_pages  # noqa: E402
+from kvbridge.core.planning.plan import TransferPlan, plan_pages  # noqa: E402
 from kvbridge.plugins.nixl import CAPABILITIES  # noqa: E402
 from kvbridge.plugins.nixl.backend import NixlBackend  # noqa: E402
 
@@ -400,7 +400,7 @@ def test_an_idle_agent_does_not_spin_a_core_and_its_process_exits_cleanly():
     code = (
         "import nixl_cu12  # imported before the backend, as a host might\n"
         "import resource, time\n"
-        "from kvbridge.core.transport import open_transport\n"
+        "from kvbridge.core.transfer.transport import open_transport\n"
         "b = open_transport('nixl', host='127.0.0.1', name='idle', transfer_timeout=5.0, options={})\n"
         "u0 = resource.getrusage(resource.RUSAGE_SELF); time.sleep(2.0)\n"
         "u1 = resource.getrusage(resource.RUSAGE_SELF)\n"

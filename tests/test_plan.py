@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvbridge.core.layout import Region
-from kvbridge.core.plan import PlanError, TransferPlan, coalesce_runs, plan_pages
+from kvbridge.core.description.layout import Region
+from kvbridge.core.planning.plan import PlanError, TransferPlan, coalesce_runs, plan_pages
 
 
 def oracle_runs(src, dst):
@@ -276,7 +276,7 @@ def _segments_by_hand(sb, db, ss, ds, seg, s_idx, d_idx):
 def test_partial_item_plans_are_every_segment_of_every_index_with_neighbours_merged(data):
     # NHD heterogeneous TP: token rows (segments) of a page; kept as an outer sum when nothing merges,
     # expanded and merged otherwise. Either way the descriptors are the hand-written ones.
-    from kvbridge.core.plan import plan_segments
+    from kvbridge.core.planning.plan import plan_segments
 
     rows = data.draw(st.integers(1, 4))
     item = data.draw(st.sampled_from([64, 128]))

@@ -225,7 +225,7 @@ def test_duplicate_backend_name_is_an_error_listing_both_providers(site):
 
 @pytest.fixture
 def registry(site, monkeypatch):
-    from kvbridge.core.plugins import build_registry
+    from kvbridge.core.description.plugins import build_registry
 
     good_dist(site)
     monkeypatch.syspath_prepend(str(site))
@@ -243,14 +243,14 @@ def test_selecting_a_backend_imports_its_factory(registry):
 
 
 def test_missing_engine_names_the_pip_extra(registry):
-    from kvbridge.core.plugins import BackendUnavailableError
+    from kvbridge.core.description.plugins import BackendUnavailableError
 
     with pytest.raises(BackendUnavailableError, match=r"backend 'needs-engine' needs `pip install kvbridge\[nixl\]`"):
         registry.load_backend("needs-engine")
 
 
 def test_unknown_backend_lists_installed_ones(registry):
-    from kvbridge.core.plugins import UnknownBackendError
+    from kvbridge.core.description.plugins import UnknownBackendError
 
     with pytest.raises(UnknownBackendError, match="unknown transfer backend 'rdma9'; installed backends: .*carrier.*plugin may not be installed"):
         registry.backend_spec("rdma9")

@@ -20,9 +20,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvbridge.core import protocol as P
-from kvbridge.core.decode import GONE_GRACE
-from kvbridge.core.session import Poll, Receiver, Sender
+from kvbridge.core.control import protocol as P
+from kvbridge.core.sessions.decode import GONE_GRACE
+from kvbridge.core.sessions.session import Poll, Receiver, Sender
 from kvbridge.testing.e2e import Pools, meta_row_for, pattern, schedule, SENTINEL
 from kvbridge.testing.harness import (
     START_WAIT,

@@ -1,6 +1,6 @@
 """A room records when it ended, so a host that polls once per loop still measures latency exactly."""
 
-from kvbridge.core.room import Poll, Room
+from kvbridge.core.sessions.room import Poll, Room
 
 
 def test_ended_is_stamped_when_the_room_succeeds_and_never_moves_after():

@@ -19,12 +19,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.core.backend import host_id
-from kvbridge.core import auth as A
-from kvbridge.core import protocol as P
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.metrics import metrics
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig
+from kvbridge.core.transfer.backend import host_id
+from kvbridge.core.control import auth as A
+from kvbridge.core.control import protocol as P
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.control.metrics import metrics
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig
 from kvbridge.testing.e2e import Pools, schedule
 from kvbridge.testing.harness import BackendHarness, RawClient, wait_until
 
@@ -183,7 +183,7 @@ class TestSecurity(BackendHarness):
         monkeypatch.delenv(A.ENV_SECRET, raising=False)
         monkeypatch.delenv(A.ENV_SECRET_FILE, raising=False)
         monkeypatch.setattr(A, "_warned_open", False)
-        caplog.set_level(logging.WARNING, logger="kvbridge.core.auth")
+        caplog.set_level(logging.WARNING, logger="kvbridge.core.control.auth")
         sc = self.scenario()
         with pytest.raises(ValueError, match=r"host '0\.0\.0\.0' is not a loopback address and no kvbridge secret is set; set \$KVBRIDGE_SECRET"):
             BootstrapServer("0.0.0.0")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvbridge.core.records import StateHandlerSpec
-from kvbridge.core.state import StateResolver, UnknownPoolTypeError
+from kvbridge.core.description.records import StateHandlerSpec
+from kvbridge.core.description.state import StateResolver, UnknownPoolTypeError
 
 
 class SWAPool:

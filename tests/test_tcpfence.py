@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from kvbridge.plugins import tcpfence
-from kvbridge.core.backend import Backend, BackendConfig, TransferCancelled, TransferError
-from kvbridge.core.layout import Region
-from kvbridge.core.plan import TransferPlan
-from kvbridge.core.records import BackendCapabilities
-from kvbridge.core.transport import Transport
+from kvbridge.core.transfer.backend import Backend, BackendConfig, TransferCancelled, TransferError
+from kvbridge.core.description.layout import Region
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.description.records import BackendCapabilities
+from kvbridge.core.transfer.transport import Transport
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="tcpfence reads /proc and relies on Linux tcp_disconnect")
 

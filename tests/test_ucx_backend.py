@@ -20,15 +20,15 @@ import pytest
 
 pytest.importorskip("ucxx._lib.libucxx")
 
-from kvbridge.core.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
-from kvbridge.core.layout import Region  # noqa: E402
-from kvbridge.core.plan import PlanError  # noqa: E402
-from kvbridge.core.plugins import get_registry  # noqa: E402
-from kvbridge.core.records import OptionError  # noqa: E402
-from kvbridge.core.transport import FENCE_BATCH_DESCRIPTORS, Transport  # noqa: E402
+from kvbridge.core.transfer.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
+from kvbridge.core.description.layout import Region  # noqa: E402
+from kvbridge.core.planning.plan import PlanError  # noqa: E402
+from kvbridge.core.description.plugins import get_registry  # noqa: E402
+from kvbridge.core.description.records import OptionError  # noqa: E402
+from kvbridge.core.transfer.transport import FENCE_BATCH_DESCRIPTORS, Transport  # noqa: E402
 from kvbridge.testing import pair  # noqa: E402
 from kvbridge.testing.pair import SENTINEL, Destination, pattern_buffers, standard_layout  # noqa: E402
-from kvbridge.core.plan import TransferPlan  # noqa: E402
+from kvbridge.core.planning.plan import TransferPlan  # noqa: E402
 from kvbridge.plugins.ucx import CAPABILITIES  # noqa: E402
 from kvbridge.plugins.ucx.backend import UcxBackend  # noqa: E402
 

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.layout import IndexSpace, KVArgs, Region
-from kvbridge.core.session import (
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.sessions.session import (
     KV_PAGE_SPACE,
     METADATA_SPACE,
     DecodeManager,
@@ -22,7 +22,7 @@ from kvbridge.core.session import (
     Sender,
     SessionConfig,
 )
-from kvbridge.core.worker import MAX_GROUP, Group, PeerWorker
+from kvbridge.core.sessions.worker import MAX_GROUP, Group, PeerWorker
 
 WAIT = 20.0
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import kvbridge
 from kvbridge import ui
-from kvbridge.core.plugins import PluginError, get_registry
+from kvbridge.core.description.plugins import PluginError, get_registry
 from kvbridge.config import TransferConfig, add_transfer_args  # noqa: F401  (host servers import these from here)
 
 
@@ -79,7 +79,7 @@ def _backends_table(rows: list[dict[str, Any]]) -> Any:
 
 def _default_lanes() -> str:
     """The lanes a manager gets when it names none, as ``--transfer-backend`` would write them."""
-    from kvbridge.core.plugins import PluginError, get_registry
+    from kvbridge.core.description.plugins import PluginError, get_registry
 
     try:
         return ",".join(get_registry().default_lanes())

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvbridge import ui
-from kvbridge.core.plugins import BACKEND_PREFERENCE, SAME_HOST_LANES, BackendUnavailableError, PluginError, Registry, get_registry
-from kvbridge.core.records import OptionError, assign_options
-from kvbridge.core.session import SessionConfig
+from kvbridge.core.description.plugins import BACKEND_PREFERENCE, SAME_HOST_LANES, BackendUnavailableError, PluginError, Registry, get_registry
+from kvbridge.core.description.records import OptionError, assign_options
+from kvbridge.core.sessions.session import SessionConfig
 
 __all__ = [
     "BACKEND_PREFERENCE",
@@ -107,7 +107,7 @@ class TransferConfig:
     checked against the backend's declared options; ``bootstrap`` is the
     prefill bootstrap endpoint (``HOST:PORT``, needed by prefill managers);
     ``host`` is the address this rank's control and engine endpoints listen
-    on. The rest are :class:`~kvbridge.core.session.SessionConfig` settings.
+    on. The rest are :class:`~kvbridge.core.sessions.session.SessionConfig` settings.
     Raises :class:`ConfigError`.
     """
 

@@ -21,7 +21,7 @@ from string import Template
 
 import kvbridge
 from kvbridge import ui
-from kvbridge.core.plugins import get_registry
+from kvbridge.core.description.plugins import get_registry
 
 __all__ = ["conformance_test_file", "create", "files"]
 

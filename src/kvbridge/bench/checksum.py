@@ -31,8 +31,8 @@ import numpy as np
 from kvbridge import ui
 from kvbridge.bench import common, transfer
 from kvbridge.config import TransferConfig, add_transfer_args
-from kvbridge.core import checksum as C
-from kvbridge.core.plan import TransferPlan
+from kvbridge.core.sessions import checksum as C
+from kvbridge.core.planning.plan import TransferPlan
 
 CASE = "64 KiB pages, scattered"
 

@@ -38,10 +38,10 @@ import numpy as np
 
 from kvbridge import ui
 from kvbridge.bench import common
-from kvbridge.core import metrics
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.layout import IndexSpace, KVArgs, Region
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+from kvbridge.core.control import metrics
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 
 # The decode child asks for the next room while this side still measures raw NIXL and D2D: keep its request.
 CONFIG = SessionConfig(transfer_timeout=300, waiting_timeout=600, heartbeat_timeout=60, heartbeat_interval=1, sender_grace=600)

@@ -72,9 +72,9 @@ import numpy as np
 from kvbridge import ui
 from kvbridge.bench import common
 from kvbridge.config import TransferConfig, add_transfer_args
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.layout import IndexSpace, KVArgs, Region
-from kvbridge.core.session import KV_PAGE_SPACE, METADATA_SPACE, DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.sessions.session import KV_PAGE_SPACE, METADATA_SPACE, DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 
 PAGE = 64 << 10
 CONFIG = SessionConfig(transfer_timeout=120, waiting_timeout=300, heartbeat_timeout=30)

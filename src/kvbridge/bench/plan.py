@@ -31,8 +31,8 @@ import numpy as np
 
 from kvbridge import ui
 from kvbridge.bench import common
-from kvbridge.core.layout import IndexSpace, KVArgs, Region
-from kvbridge.core.pairing import Route, pair_layouts
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.planning.pairing import Route, pair_layouts
 
 SPACE = "kv_page"
 

@@ -1,7 +1,7 @@
 """The "raw engine" column of the transfer benchmark for NIXL.
 
 :func:`raw` takes the agent and the one peer of a connected
-:class:`~kvbridge.core.session.PrefillManager` whose backend is ``nixl`` and
+:class:`~kvbridge.core.sessions.session.PrefillManager` whose backend is ``nixl`` and
 returns a function that moves exactly a plan's descriptors with NIXL's own
 calls, used the fastest way NIXL offers for a repeated transfer: both
 descriptor lists are built and the request is created (``initialize_xfer``)
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.core.plan import TransferPlan
-from kvbridge.core.session import PrefillManager
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.sessions.session import PrefillManager
 
 __all__ = ["raw"]
 

@@ -1,7 +1,7 @@
 """The "raw engine" column of the transfer benchmark for UCX.
 
 :func:`raw` takes the worker, endpoint and unpacked remote keys of a connected
-:class:`~kvbridge.core.session.PrefillManager` whose backend is ``ucx`` and
+:class:`~kvbridge.core.sessions.session.PrefillManager` whose backend is ``ucx`` and
 returns a function that moves exactly a plan's descriptors with bare UCP
 calls: one ``ucp_put_nbx`` per descriptor (requests released at once, as with
 ``put_nbi``), then ``ucp_ep_flush_nbx`` and a spin of
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.core.plan import TransferPlan
-from kvbridge.core.session import PrefillManager
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.sessions.session import PrefillManager
 
 __all__ = ["raw"]
 

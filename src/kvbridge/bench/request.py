@@ -45,10 +45,10 @@ import zmq
 
 from kvbridge import ui
 from kvbridge.bench import common, trace
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.layout import IndexSpace, KVArgs, Region
-from kvbridge.core.room import Room
-from kvbridge.core.session import (
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.sessions.room import Room
+from kvbridge.core.sessions.session import (
     KV_PAGE_SPACE,
     METADATA_SPACE,
     DecodeManager,
@@ -406,7 +406,7 @@ def available(names: Sequence[str]) -> list[str]:
 
 def _backends(value: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
-    from kvbridge.core.plugins import get_registry
+    from kvbridge.core.description.plugins import get_registry
 
     known = set(get_registry().backends)
     bad = [n for n in names if n not in known]

@@ -12,7 +12,7 @@ one per token row of the page.
 With ``--transfer-backend NAME`` it also writes the request for real: rank 0
 of each prefill TP into rank 0 of each decode TP (in a child process), over
 fewer layers (:data:`TRANSFER_LAYERS`), NHD without and with host staging
-(``kvbridge.core.staging``: strided token rows gathered into a registered
+(``kvbridge.core.transfer.staging``: strided token rows gathered into a registered
 buffer, one descriptor per destination run) and HND as the reference; it
 gives the descriptors the engine was handed, GB/s (median of ``--reps``
 writes) and the staged/direct ratio. Every destination byte is checked
@@ -33,8 +33,8 @@ import numpy as np
 
 from kvbridge import ui
 from kvbridge.bench import common
-from kvbridge.core.layout import IndexSpace, KVArgs, Region, Shard
-from kvbridge.core.pairing import pair_layouts
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region, Shard
+from kvbridge.core.planning.pairing import pair_layouts
 
 HEADS, HEAD_DIM, LAYERS, PAGE, TOKENS = 8, 128, 32, 16, 4096
 PAIRS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2), (8, 8), (1, 8), (8, 1)]
@@ -107,7 +107,7 @@ def _kvargs_at(addrs: list[int], tp: int, layout: str, pool_pages: int) -> KVArg
 
 def run_transfers(backend: str, rows: list[dict[str, Any]], reps: int, tracker: ui.Tracker | None = None) -> None:
     """Add transfer columns to the rows of :data:`TRANSFER_PAIRS` (rank 0 -> rank 0 of each)."""
-    from kvbridge.core.transport import open_transport
+    from kvbridge.core.transfer.transport import open_transport
     from kvbridge.testing.pair import SENTINEL, pattern, start_destination
 
     pages = TOKENS // PAGE

@@ -59,7 +59,9 @@ def install(backend_class: type | None = None) -> None:
     if "core" in _wrapped:
         return
     _wrapped.add("core")
-    from kvbridge.core import channel, manager, prefill, receiver, room, sender, transport
+    from kvbridge.core.control import channel
+    from kvbridge.core.sessions import manager, prefill, receiver, room, sender
+    from kvbridge.core.transfer import transport
 
     _wrap(receiver.Receiver, "init", "Receiver.init")
     _wrap(room.Room, "wait", "Room.wait")

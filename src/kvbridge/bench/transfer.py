@@ -39,9 +39,9 @@ import numpy as np
 from kvbridge import ui
 from kvbridge.bench import common
 from kvbridge.config import TransferConfig, add_transfer_args
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.layout import IndexSpace, KVArgs, Region
-from kvbridge.core.session import (
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.sessions.session import (
     KV_PAGE_SPACE,
     METADATA_SPACE,
     DecodeManager,

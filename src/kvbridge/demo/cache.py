@@ -1,7 +1,7 @@
 """The model's memory pools on one rank, the requests' places in them, and how kvbridge sees them.
 
 Every cache is a torch tensor inside a pool class kvbridge knows, so
-:meth:`Caches.kvargs` is one call to :func:`kvbridge.core.describe.describe`,
+:meth:`Caches.kvargs` is one call to :func:`kvbridge.core.description.describe.describe`,
 which resolves each pool to its state handler:
 
 - ``KVPool``: K and V of the full and the sparse attention layer, head-major
@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.core.describe import describe
-from kvbridge.core.layout import KVArgs
-from kvbridge.core.pools import KVPool, MetadataPool
+from kvbridge.core.description.describe import describe
+from kvbridge.core.description.layout import KVArgs
+from kvbridge.core.description.pools import KVPool, MetadataPool
 from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, DSV4HiSparsePool, c4_token_indices
 from kvbridge.state_handlers.mamba import SLOT_SPACE, MambaPool
 from kvbridge.state_handlers.nsa import NSAPool

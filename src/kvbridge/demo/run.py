@@ -32,7 +32,7 @@ import numpy as np
 
 from kvbridge import ui
 from kvbridge.config import TransferConfig, add_transfer_args
-from kvbridge.core.auth import ENV_SECRET, ENV_SECRET_FILE
+from kvbridge.core.control.auth import ENV_SECRET, ENV_SECRET_FILE
 from kvbridge.demo.parent import ENV as PARENT_ENV
 
 __all__ = ["add_arguments", "run_from_args", "prompts"]

@@ -60,9 +60,9 @@ import torch.distributed as dist
 import zmq
 
 from kvbridge.config import TransferConfig, add_transfer_args
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.metrics import snapshot
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.control.metrics import snapshot
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
 from kvbridge.demo.parent import follow_parent
 
 from .cache import META, Caches, Seq, Sizes

@@ -31,8 +31,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
-from kvbridge.core.describe import DescribeContext, Description, buffer_region, item_count, paged_kv
-from kvbridge.core.layout import KV_PAGE_SPACE, IndexSpace
+from kvbridge.core.description.describe import DescribeContext, Description, buffer_region, item_count, paged_kv
+from kvbridge.core.description.layout import KV_PAGE_SPACE, IndexSpace
 
 from .swa import SWA_PAGE_SPACE, SWAPool
 

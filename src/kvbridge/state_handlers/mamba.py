@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
-from kvbridge.core.describe import DescribeContext, Description, buffer_region, element_size, item_count
-from kvbridge.core.layout import IndexSpace, Shard
+from kvbridge.core.description.describe import DescribeContext, Description, buffer_region, element_size, item_count
+from kvbridge.core.description.layout import IndexSpace, Shard
 
 SLOT_SPACE = "slot"
 

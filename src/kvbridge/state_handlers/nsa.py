@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
-from kvbridge.core.describe import DescribeContext, Description, buffer_region, item_count
-from kvbridge.core.layout import IndexSpace
-from kvbridge.core.pools import KV_PAGE_SPACE
+from kvbridge.core.description.describe import DescribeContext, Description, buffer_region, item_count
+from kvbridge.core.description.layout import IndexSpace
+from kvbridge.core.description.pools import KV_PAGE_SPACE
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
-from kvbridge.core.describe import DescribeContext, Description, paged_kv
-from kvbridge.core.pools import KVPool
+from kvbridge.core.description.describe import DescribeContext, Description, paged_kv
+from kvbridge.core.description.pools import KVPool
 
 SWA_PAGE_SPACE = "swa_page"
 
@@ -21,7 +21,7 @@ SWA_PAGE_SPACE = "swa_page"
 @dataclass
 class SWAPool(KVPool):
     """Per SWA layer a K and V buffer (or one MLA buffer with ``v=None``), paged like
-    :class:`~kvbridge.core.pools.KVPool`. It is a KV pool, but served by the ``swa``
+    :class:`~kvbridge.core.description.pools.KVPool`. It is a KV pool, but served by the ``swa``
     handler (the most specific registered class wins) in its own page index space."""
 
 

@@ -19,6 +19,6 @@ __all__ = ["available_backends"]
 
 def available_backends() -> list[str]:
     """Installed backends whose engine is importable, best first (what end-to-end tests run over)."""
-    from kvbridge.core.plugins import get_registry
+    from kvbridge.core.description.plugins import get_registry
 
     return get_registry().available_backends()

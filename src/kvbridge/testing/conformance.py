@@ -46,13 +46,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.core.backend import Backend, TransferError, TransferTimeout
-from kvbridge.core.layout import KVArgs, Region
-from kvbridge.core.plan import TransferPlan, plan_pages
-from kvbridge.core.plugins import get_registry
-from kvbridge.core.records import BackendCapabilities
-from kvbridge.core.session import Poll, Receiver, Sender
-from kvbridge.core.transport import Transport, open_transport
+from kvbridge.core.transfer.backend import Backend, TransferError, TransferTimeout
+from kvbridge.core.description.layout import KVArgs, Region
+from kvbridge.core.planning.plan import TransferPlan, plan_pages
+from kvbridge.core.description.plugins import get_registry
+from kvbridge.core.description.records import BackendCapabilities
+from kvbridge.core.sessions.session import Poll, Receiver, Sender
+from kvbridge.core.transfer.transport import Transport, open_transport
 from kvbridge.testing.e2e import SENTINEL, meta_row_for, pattern, schedule
 from kvbridge.testing.harness import (
     START_WAIT,
@@ -222,7 +222,7 @@ class BackendConformance(BackendHarness):
         spec = get_registry().backend_spec(self.backend)
         factory = get_registry().load_backend(self.backend)
         assert isinstance(factory, type) and issubclass(factory, Backend), (
-            f"BackendSpec.factory {spec.factory!r} must name a subclass of kvbridge.core.backend.Backend, got {factory!r}")
+            f"BackendSpec.factory {spec.factory!r} must name a subclass of kvbridge.core.transfer.backend.Backend, got {factory!r}")
         assert factory.capabilities == spec.capabilities, (
             f"{factory.__qualname__}.capabilities {factory.capabilities} differ from the registration's "
             f"{spec.capabilities}: use one BackendCapabilities object for both")

@@ -31,9 +31,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.layout import IndexSpace, KVArgs, Region
-from kvbridge.core.session import (
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.layout import IndexSpace, KVArgs, Region
+from kvbridge.core.sessions.session import (
     KV_PAGE_SPACE,
     METADATA_SPACE,
     DecodeManager,
@@ -43,7 +43,7 @@ from kvbridge.core.session import (
     Sender,
     SessionConfig,
 )
-from kvbridge.core.transport import open_transport
+from kvbridge.core.transfer.transport import open_transport
 
 SENTINEL = np.uint32(0xEEEEEEEE)
 META_WORDS = 16  # 64-byte metadata rows

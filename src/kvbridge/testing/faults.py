@@ -38,9 +38,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
-from kvbridge.core.transport import FENCE_BATCH_DESCRIPTORS
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
+from kvbridge.core.transfer.transport import FENCE_BATCH_DESCRIPTORS
 from kvbridge.testing.e2e import Pools, Scenario, prefill_pools, schedule
 
 FAULTS = ("decode-kill", "decode-freeze", "prefill-kill", "prefill-freeze", "bootstrap-gone", "net-cut", "net-flap")

@@ -1,6 +1,6 @@
 """Deliberately broken backends: the conformance suite must fail each of them.
 
-Each breaks one clause of the backend contract (:mod:`kvbridge.core.backend`)
+Each breaks one clause of the backend contract (:mod:`kvbridge.core.transfer.backend`)
 the way real adapters have, on top of the ``memory`` backend. They are not
 registered by kvbridge; ``tests/test_faulty_backends.py`` installs this
 module as a plugin (an entry point in a temporary ``*.dist-info``) and runs
@@ -24,9 +24,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvbridge.core.hookspecs import hookimpl
-from kvbridge.core.plan import TransferPlan
-from kvbridge.core.records import BackendCapabilities, BackendSpec
+from kvbridge.core.description.hookspecs import hookimpl
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.description.records import BackendCapabilities, BackendSpec
 from kvbridge.testing.memory import CAPABILITIES, MemoryBackend, state
 
 __all__ = ["BROKEN_CONTRACTS", "kvbridge_register_backends"]

@@ -37,12 +37,12 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvbridge.core import protocol as P
-from kvbridge.core.auth import Sealer, auth_for
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.channel import Channel
-from kvbridge.core.metrics import metrics
-from kvbridge.core.session import DecodeManager, PrefillManager, Receiver
+from kvbridge.core.control import protocol as P
+from kvbridge.core.control.auth import Sealer, auth_for
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.control.channel import Channel
+from kvbridge.core.control.metrics import metrics
+from kvbridge.core.sessions.session import DecodeManager, PrefillManager, Receiver
 from kvbridge.testing.e2e import Pools, Scenario, decode_schedule, prefill_pools, serve
 
 __all__ = ["run", "main"]

@@ -43,16 +43,16 @@ import numpy as np
 import pytest
 import zmq
 
-from kvbridge.core.backend import host_id
-from kvbridge.core import protocol as P
-from kvbridge.core.auth import MAGIC, Auth, auth_for
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.channel import Channel
-from kvbridge.core.layout import KVArgs
-from kvbridge.core.plugins import PluginError, get_registry
-from kvbridge.core.records import BackendCapabilities, BackendSpec
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
-from kvbridge.core.transport import open_transport
+from kvbridge.core.transfer.backend import host_id
+from kvbridge.core.control import protocol as P
+from kvbridge.core.control.auth import MAGIC, Auth, auth_for
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.control.channel import Channel
+from kvbridge.core.description.layout import KVArgs
+from kvbridge.core.description.plugins import PluginError, get_registry
+from kvbridge.core.description.records import BackendCapabilities, BackendSpec
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+from kvbridge.core.transfer.transport import open_transport
 from kvbridge.testing.e2e import SENTINEL, Pools, Request, Scenario, meta_row_for, prefill_pools, schedule, serve
 from kvbridge.testing.hybrid import Spec
 from kvbridge.testing.memory import state as process_state

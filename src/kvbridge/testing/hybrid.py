@@ -26,10 +26,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.describe import describe
-from kvbridge.core.pools import KVPool, MetadataPool
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.describe import describe
+from kvbridge.core.description.pools import KVPool, MetadataPool
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, DSV4HiSparsePool, c4_token_indices
 from kvbridge.state_handlers.mamba import SLOT_SPACE, MambaPool
 from kvbridge.state_handlers.nsa import NSAPool
@@ -279,7 +279,7 @@ def run_prefill(spec: Spec) -> int:
             _wait(senders, deadline)
             states[str(req.room)] = [[s.poll().name, s.failure()] for s in senders]
         time.sleep(0.3)
-        # Windows written through host staging (kvbridge.core.staging), summed over the ranks.
+        # Windows written through host staging (kvbridge.core.transfer.staging), summed over the ranks.
         staged = sum(m.transport.describe().get("staging", {}).get("windows", 0) for _, m in ranks)
         # The lanes (backends) that moved something to a decode peer, over the ranks.
         lanes = sorted({name for _, m in ranks for names in m.transport.describe()["lanes"].values() for name in names})

@@ -27,12 +27,12 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 
-from kvbridge.core.backend import Backend, BackendConfig, TransferError
-from kvbridge.core.backend import host_id
-from kvbridge.core.hookspecs import hookimpl
-from kvbridge.core.layout import Region
-from kvbridge.core.plan import TransferPlan
-from kvbridge.core.records import BackendCapabilities, BackendSpec
+from kvbridge.core.transfer.backend import Backend, BackendConfig, TransferError
+from kvbridge.core.transfer.backend import host_id
+from kvbridge.core.description.hookspecs import hookimpl
+from kvbridge.core.description.layout import Region
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.description.records import BackendCapabilities, BackendSpec
 
 __all__ = ["CAPABILITIES", "MemoryBackend", "kvbridge_register_backends"]
 

@@ -42,8 +42,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
 from kvbridge.testing.e2e import SENTINEL, Pools, Scenario, prefill_pools, schedule
 
 PREFILL_IP, DECODE_IP = "10.77.0.1", "10.77.0.2"

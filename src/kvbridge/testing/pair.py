@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.core.layout import Region
-from kvbridge.core.transport import open_transport
+from kvbridge.core.description.layout import Region
+from kvbridge.core.transfer.transport import open_transport
 
 __all__ = ["Layout", "SENTINEL", "Destination", "region", "start_destination", "standard_layout", "pattern",
            "pattern_buffers", "page_plan", "expected"]
@@ -125,7 +125,7 @@ def pattern_buffers(layout: Layout) -> tuple[list[np.ndarray], list[Region]]:
 
 def page_plan(src: list[Region], dst: list[Region], src_idx: Any, dst_idx: Any, which: slice = slice(0, 3)) -> Any:
     """A validated plan moving items ``src_idx`` -> ``dst_idx`` of the regions ``which`` on both sides."""
-    from kvbridge.core.plan import plan_pages
+    from kvbridge.core.planning.plan import plan_pages
 
     s, d = src[which], dst[which]
     plan = plan_pages([r.addr for r in s], [r.addr for r in d], [r.stride for r in s], src_idx, dst_idx)

@@ -1,7 +1,7 @@
 """What a conformance test needs from a backend, read from its registration record.
 
 A test names its needs with :func:`requires`; a backend whose
-:class:`~kvbridge.core.records.BackendCapabilities` do not declare one is
+:class:`~kvbridge.core.description.records.BackendCapabilities` do not declare one is
 skipped with a reason naming the missing capability. Capabilities are never
 inferred: a backend that declares one and then fails the test fails.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvbridge.core.records import BackendCapabilities
+from kvbridge.core.description.records import BackendCapabilities
 
 __all__ = ["REQUIREMENTS", "Requirement", "requires", "unmet"]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from kvbridge import ui
 from kvbridge.config import _backend_type, _option_type, available_backends
-from kvbridge.core.plugins import get_registry
-from kvbridge.core.records import OptionError
+from kvbridge.core.description.plugins import get_registry
+from kvbridge.core.description.records import OptionError
 
 
 def _add_own_options(parser: argparse.ArgumentParser) -> None:

@@ -241,7 +241,7 @@ def untouched_decode_problems(seed: int) -> int:
 
 def handler_name() -> str:
     """The kvbridge state handler SGLang's DeepSeekV4TokenToKVPool resolves to (by its class hierarchy)."""
-    from kvbridge.core.plugins import get_registry
+    from kvbridge.core.description.plugins import get_registry
 
     publish_server_args()
     return get_registry().state_resolver().resolve(make_pool()).name

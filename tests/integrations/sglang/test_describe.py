@@ -5,7 +5,7 @@ import sglang_rig as rig
 
 
 from kvbridge.core import describe
-from kvbridge.core.plugins import get_registry
+from kvbridge.core.description.plugins import get_registry
 from kvbridge.integrations.sglang.crosscheck import compare
 
 

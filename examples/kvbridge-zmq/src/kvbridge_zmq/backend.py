@@ -32,9 +32,9 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
-from kvbridge.core.backend import Backend, BackendConfig, TransferError, TransferTimeout
-from kvbridge.core.layout import Region
-from kvbridge.core.plan import PlanError, TransferPlan
+from kvbridge.core.transfer.backend import Backend, BackendConfig, TransferError, TransferTimeout
+from kvbridge.core.description.layout import Region
+from kvbridge.core.planning.plan import PlanError, TransferPlan
 
 from . import CAPABILITIES
 

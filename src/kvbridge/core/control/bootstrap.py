@@ -2,8 +2,8 @@
 
 One :class:`BootstrapServer` runs per prefill server (typically in its rank 0
 process, or stand-alone). It is a zmq ROUTER on ``tcp://HOST:PORT``; messages
-are the typed structs of :mod:`kvbridge.core.protocol`, authenticated like
-every control message (:mod:`kvbridge.core.auth`).
+are the typed structs of :mod:`kvbridge.core.control.protocol`, authenticated like
+every control message (:mod:`kvbridge.core.control.auth`).
 
 The table holds one entry per (TP rank, PP stage). A registration is checked
 (:func:`check_rank`) and must agree with the live entries (TP and PP sizes,
@@ -78,7 +78,7 @@ class _Entry:
 class BootstrapServer:
     """Keeps the table of registered prefill ranks; answers lookups.
 
-    ``secret_file`` as in :class:`~kvbridge.core.session.SessionConfig`; without
+    ``secret_file`` as in :class:`~kvbridge.core.sessions.session.SessionConfig`; without
     a secret ``host`` must be a loopback address.
     """
 
@@ -89,7 +89,7 @@ class BootstrapServer:
         self.lease = lease
         auth = auth_for(secret_file)
         check_host(host, auth, "kvbridge bootstrap endpoint")
-        from .plugins import get_registry
+        from ..description.plugins import get_registry
 
         self._known = frozenset(get_registry().backends)
         self._ranks: dict[tuple[int, int], _Entry] = {}

@@ -6,7 +6,7 @@ poller through a pipe; :meth:`IOLoop.call` runs a function on the I/O thread.
 A periodic ``tick`` runs timeouts and heartbeats.
 
 Every control socket is a :class:`Channel`: it seals what it sends and opens
-what it receives with the process's :class:`~kvbridge.core.auth.Auth` (the
+what it receives with the process's :class:`~kvbridge.core.control.auth.Auth` (the
 one place control messages are authenticated), caps the size of a frame
 (zmq drops a longer one before allocating it) and turns anything refused
 into a counted, logged, and where possible answered rejection.
@@ -275,7 +275,7 @@ class Channel:
         """``(identity or None, message)`` of a received message, or None if it was refused.
 
         Refusals are counted (``metrics().rejected``), logged at most every few
-        seconds per kind, and on a ROUTER answered with a :class:`~kvbridge.core.protocol.Reject`
+        seconds per kind, and on a ROUTER answered with a :class:`~kvbridge.core.control.protocol.Reject`
         saying why: sealed, or plain to a sender that may not hold the secret.
         """
         routed = self.kind == zmq.ROUTER

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .layout import KVArgs
+from ..description.layout import KVArgs
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -100,7 +100,7 @@ class Hello(_Msg, tag="hello", frozen=True):
     #: Each of decode's lanes (backends, in order) and its connection metadata, opaque to core.
     lanes: Annotated[dict[str, bytes], msgspec.Meta(max_length=MAX_LANES)]
     kvargs: KVArgs
-    #: Decode's host (``kvbridge.core.backend.host_id``): lanes that reach one host only are used
+    #: Decode's host (``kvbridge.core.transfer.backend.host_id``): lanes that reach one host only are used
     #: only between ranks that send the same.
     host: str = ""
 
@@ -140,7 +140,7 @@ class ChunkDone(_Msg, tag="chunk_done", frozen=True):
 
 
 class Checksum(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What one prefill rank wrote for a room, for decode to check (``kvbridge.core.checksum``).
+    """What one prefill rank wrote for a room, for decode to check (``kvbridge.core.sessions.checksum``).
 
     ``digest`` is ``algorithm`` over the source bytes in destination-address
     order; ``ranges`` the destination ranges written, in that order, as
@@ -153,7 +153,7 @@ class Checksum(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class MetadataRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Decode's metadata row, carried in ``Done`` instead of written by the engine (``kvbridge.core.row``).
+    """Decode's metadata row, carried in ``Done`` instead of written by the engine (``kvbridge.core.sessions.row``).
 
     ``row`` is the row decode asked for; ``pieces`` one ``(destination
     address, bytes)`` per metadata region, each exactly one row of it.

@@ -1,4 +1,4 @@
-"""From a host's pool objects to one :class:`~kvbridge.core.layout.KVArgs`.
+"""From a host's pool objects to one :class:`~kvbridge.core.description.layout.KVArgs`.
 
 The host passes its pools (and the draft / MTP model's pools); each is
 resolved to its state handler through the registry by class hierarchy
@@ -17,7 +17,7 @@ into a region whose item ``i`` is ``buffer[i]``.
 Lifetime: the KVArgs :func:`describe` returns keeps the pool objects it was
 given (and through them their buffers) alive for as long as it lives, and a
 manager holds its KVArgs, so pools passed as objects cannot be freed under a
-registration. A :class:`~kvbridge.core.layout.Region` built from a raw address
+registration. A :class:`~kvbridge.core.description.layout.Region` built from a raw address
 (or by :func:`buffer_region` alone) holds nothing: that memory is the host's to
 keep until the managers are closed.
 """

@@ -156,7 +156,7 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``addr`` is a raw address: a Region holds no reference to the memory, so
     the host keeps it allocated until every manager that registered it is
     closed (memory freed under a registration is written or read as garbage,
-    or fails the engine's write). :func:`~kvbridge.core.describe.describe`,
+    or fails the engine's write). :func:`~kvbridge.core.description.describe.describe`,
     given pool objects, holds them for you.
 
     Regions pair between prefill and decode by :attr:`key` (state type, role,

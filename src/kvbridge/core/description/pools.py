@@ -66,11 +66,11 @@ class MetadataHandler:
 @hookimpl
 def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
     return [
-        StateHandlerSpec(name="kv", factory="kvbridge.core.pools:KVHandler", pool_types=(KVPool,),
+        StateHandlerSpec(name="kv", factory="kvbridge.core.description.pools:KVHandler", pool_types=(KVPool,),
                          capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE,), layouts=("nhd", "hnd"), draft=True,
                                                            hetero_tp="slice heads (MHA/GQA), replicate (MLA)"),
                          description="full-attention KV cache (core)"),
-        StateHandlerSpec(name="metadata", factory="kvbridge.core.pools:MetadataHandler", pool_types=(MetadataPool,),
+        StateHandlerSpec(name="metadata", factory="kvbridge.core.description.pools:MetadataHandler", pool_types=(MetadataPool,),
                          capabilities=HandlerCapabilities(index_spaces=(METADATA_SPACE,), hetero_tp="replicated"),
                          description="per-request metadata rows, written last (core)"),
     ]

@@ -67,11 +67,11 @@ class BackendCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     cross_host: bool = True
     #: Core may post some descriptors from a staging buffer of its own (host memory,
     #: registered with the rank's regions): heterogeneous-TP token rows gathered into
-    #: contiguous runs (``kvbridge.core.staging``). ``False`` opts out: every
+    #: contiguous runs (``kvbridge.core.transfer.staging``). ``False`` opts out: every
     #: descriptor is posted as planned, and only the rank's own regions are registered.
     host_staging: bool = True
     #: ``Backend.write`` takes a whole plan (still within the declared limits, unexpanded where the
-    #: planner left it so: ``TransferPlan.factors``) and calls ``kvbridge.core.backend.checkpoint()``
+    #: planner left it so: ``TransferPlan.factors``) and calls ``kvbridge.core.transfer.backend.checkpoint()``
     #: between its own posts, instead of core cutting it into fence-sized batches and checking
     #: between those. For a copy kernel that moves a plan in a few launches (``cuda_ipc``).
     whole_plans: bool = False
@@ -297,7 +297,7 @@ class HandlerCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     draft: bool = False
     #: Some of its destinations may be decode host memory while the source is device memory.
     host_destination: bool = False
-    #: Region roles it uses besides core's (:data:`~kvbridge.core.layout.ROLES`), e.g.
+    #: Region roles it uses besides core's (:data:`~kvbridge.core.description.layout.ROLES`), e.g.
     #: ``("wkv_a", "wkv_b")`` for several buffers per layer; ``describe()`` rejects any other.
     roles: tuple[str, ...] = ()
 

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .indices import IntArray
-from .layout import METADATA_SPACE, KVArgs
+from ..description.layout import METADATA_SPACE, KVArgs
 from .plan import RegionTable, TransferPlan
 
 __all__ = ["LayerIndex", "LayeredPlan", "layer_list"]

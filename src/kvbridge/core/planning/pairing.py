@@ -3,7 +3,7 @@
 :func:`pair_layouts` checks that a prefill rank (source) and a decode rank
 (destination) can exchange data and precomputes what moves between them. A
 :class:`Route` then turns a request's index lists into a bounds-checked
-:class:`~kvbridge.core.plan.TransferPlan` with no per-request pairing work.
+:class:`~kvbridge.core.planning.plan.TransferPlan` with no per-request pairing work.
 
 Regions pair by key (state type, role, layer, draft), never by position. A
 prefill pipeline stage holds a subset of the layers; the decode side (PP 1)
@@ -13,7 +13,7 @@ decode side may hold more.
 Heterogeneous TP reduces to one question per region pair: which byte ranges
 of a source item land where in the destination item? The answer, a short
 list of **segments** ``(src_offset, dst_offset, nbytes)``, is computed here
-from the two regions' :class:`~kvbridge.core.layout.Shard` and TP positions:
+from the two regions' :class:`~kvbridge.core.description.layout.Shard` and TP positions:
 
 - equal TP: one whole-item segment (pages coalesce into runs);
 - split regions (MHA/GQA heads, Mamba channels, each conv sub-block on its
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .layout import KVArgs, Region
+from ..description.layout import KVArgs, Region
 from .plan import Indices, PlanError, TransferPlan, _plan_pages, _plan_segments
 
 __all__ = ["IncompatibleLayoutError", "Route", "pair_layouts", "item_segments"]
@@ -103,7 +103,7 @@ class Route:
     ) -> TransferPlan:
         """Descriptors for the given index lists, per index space, validated.
 
-        Lists that are already :class:`~kvbridge.core.plan.Indices` (checked
+        Lists that are already :class:`~kvbridge.core.planning.plan.Indices` (checked
         where they entered kvbridge) are trusted; others are checked here.
         Raises :class:`PlanError` (out-of-range or duplicate destination
         index, unequal list lengths, an index space this route lacks) before

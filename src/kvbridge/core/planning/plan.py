@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .indices import Indices, IntArray, PlanError, _as_index_array, check_indices
-from .layout import Region
+from ..description.layout import Region
 
 __all__ = [
     "Indices",

@@ -31,9 +31,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from . import protocol as P
-from .layout import Region
-from .plan import RegionTable, TransferPlan
+from ..control import protocol as P
+from ..description.layout import Region
+from ..planning.plan import RegionTable, TransferPlan
 
 __all__ = ["ALGORITHMS", "ChecksumError", "default_algorithm", "digest_ranges", "summarise", "verify", "vram_problem"]
 

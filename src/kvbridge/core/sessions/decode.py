@@ -11,16 +11,16 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import protocol as P
-from .bootstrap import MAX_RANKS, check_rank
-from .channel import Channel
+from ..control import protocol as P
+from ..control.bootstrap import MAX_RANKS, check_rank
+from ..control.channel import Channel
 from .checksum import verify
-from .layout import KVArgs
+from ..description.layout import KVArgs
 from .manager import SessionConfig, TransferManager
 from .receiver import Receiver
 from .room import Poll, Room
 from .row import RowError, check_row, place_row
-from .transport import BackendChoice
+from ..transfer.transport import BackendChoice
 
 __all__ = ["DecodeManager", "PrefillServer"]
 

@@ -9,14 +9,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
-from . import protocol as P
-from .auth import auth_for, check_host
-from .channel import IOLoop, SocketGetter
+from ..control import protocol as P
+from ..control.auth import auth_for, check_host
+from ..control.channel import IOLoop, SocketGetter
 from .checksum import vram_problem
-from .layout import KVArgs
-from .metrics import metrics
+from ..description.layout import KVArgs
+from ..control.metrics import metrics
 from .room import Poll, Room
-from .transport import BackendChoice, open_transport
+from ..transfer.transport import BackendChoice, open_transport
 
 __all__ = ["SessionConfig", "TransferManager"]
 
@@ -27,7 +27,7 @@ R = TypeVar("R", bound=Room)
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """Timeouts (seconds) and settings of a manager; see :mod:`kvbridge.core.session`."""
+    """Timeouts (seconds) and settings of a manager; see :mod:`kvbridge.core.sessions.session`."""
 
     bootstrap_timeout: float = 30.0
     waiting_timeout: float = 300.0
@@ -66,12 +66,12 @@ class SessionConfig:
     #: creates it slightly later) before it tells decode the room failed.
     sender_grace: float = 5.0
     #: Verify every room end to end: prefill hashes the bytes it wrote, decode
-    #: the bytes it holds, a difference fails the room (kvbridge.core.checksum).
+    #: the bytes it holds, a difference fails the room (kvbridge.core.sessions.checksum).
     #: Either side may ask. CPU memory only: refused with a GPU region.
     checksum: bool = False
     #: Prefill: a metadata row of at most this many bytes (all metadata regions together)
     #: in host memory on both sides travels inside ``Done`` instead of as an engine write
-    #: (kvbridge.core.row); 0: always an engine write.
+    #: (kvbridge.core.sessions.row); 0: always an engine write.
     inline_row_bytes: int = 4096
 
     @property

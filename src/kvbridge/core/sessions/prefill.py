@@ -11,19 +11,19 @@ from collections.abc import Iterable
 import numpy.typing as npt
 import zmq
 
-from . import protocol as P
-from .bootstrap import HELD, RENEW, register_rank
-from .channel import Channel, quiet
+from ..control import protocol as P
+from ..control.bootstrap import HELD, RENEW, register_rank
+from ..control.channel import Channel, quiet
 from .checksum import vram_problem
-from .layers import LayerIndex
-from .layout import KVArgs, METADATA_SPACE
+from ..planning.layers import LayerIndex
+from ..description.layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
-from .pairing import IncompatibleLayoutError, Route, pair_layouts
-from .plan import Indices, PlanError
+from ..planning.pairing import IncompatibleLayoutError, Route, pair_layouts
+from ..planning.plan import Indices, PlanError
 from .room import Poll, Room
 from .row import inline_row
 from .sender import DecodeRequest, Sender
-from .transport import BackendChoice
+from ..transfer.transport import BackendChoice
 from .worker import PeerWorker
 
 __all__ = ["DecodePeer", "PrefillManager"]
@@ -44,7 +44,7 @@ class DecodePeer:
 
     ``lease_until``: this rank may write to the peer until then (this rank's
     clock). The handshake grants ``lease`` seconds; a heartbeat renews it to
-    ``lease`` after the clock it echoes (:class:`~kvbridge.core.protocol.Heartbeat`),
+    ``lease`` after the clock it echoes (:class:`~kvbridge.core.control.protocol.Heartbeat`),
     so a ping that arrives late but echoes a recent clock still renews it, and
     pings queued while this rank was frozen or cut off do not.
     ``last_seen``: when anything last arrived from it (it is forgotten after
@@ -55,7 +55,7 @@ class DecodePeer:
         self.peer_id = peer_id
         self.ident = peer_id.encode()
         self.route = route
-        #: The metadata row goes to this peer inside ``Done`` (small, host memory on both sides: kvbridge.core.row).
+        #: The metadata row goes to this peer inside ``Done`` (small, host memory on both sides: kvbridge.core.sessions.row).
         self.inline_row = inline_row(route, inline_row_bytes)
         self.last_seen = time.monotonic()
         self.lease_until = self.last_seen + lease
@@ -464,7 +464,7 @@ class PrefillManager(TransferManager[Sender]):
 
     # -- the bootstrap lease (I/O thread) ----------------------------------------------
     def _renew(self, now: float) -> None:
-        """Renew this rank's registration with the bootstrap endpoint (see :mod:`kvbridge.core.bootstrap`)."""
+        """Renew this rank's registration with the bootstrap endpoint (see :mod:`kvbridge.core.control.bootstrap`)."""
         if now - self._renewed < RENEW:
             return
         self._renewed = now

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from . import protocol as P
-from .layout import KV_PAGE_SPACE, METADATA_SPACE
-from .metrics import metrics
-from .plan import Indices, PlanError
+from ..control import protocol as P
+from ..description.layout import KV_PAGE_SPACE, METADATA_SPACE
+from ..control.metrics import metrics
+from ..planning.plan import Indices, PlanError
 from .room import Poll, Room
 
 if TYPE_CHECKING:

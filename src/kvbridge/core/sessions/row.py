@@ -20,10 +20,10 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-from . import protocol as P
-from .layout import METADATA_SPACE, Region
-from .pairing import Route
-from .plan import TransferPlan
+from ..control import protocol as P
+from ..description.layout import METADATA_SPACE, Region
+from ..planning.pairing import Route
+from ..planning.plan import TransferPlan
 
 __all__ = ["RowError", "check_row", "inline_row", "place_row", "read_row"]
 

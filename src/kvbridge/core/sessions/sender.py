@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
-from . import protocol as P
-from .backend import TransferCancelled, TransferTimeout
+from ..control import protocol as P
+from ..transfer.backend import TransferCancelled, TransferTimeout
 from .checksum import ChecksumError, default_algorithm, summarise
-from .layers import LayeredPlan, layer_list
-from .layout import KV_PAGE_SPACE, METADATA_SPACE
-from .metrics import metrics
-from .pairing import Route
-from .plan import Indices, PlanError, TransferPlan
+from ..planning.layers import LayeredPlan, layer_list
+from ..description.layout import KV_PAGE_SPACE, METADATA_SPACE
+from ..control.metrics import metrics
+from ..planning.pairing import Route
+from ..planning.plan import Indices, PlanError, TransferPlan
 from .room import Poll, Room
 from .row import read_row
 from .worker import Group
@@ -564,7 +564,7 @@ class _ChunkWrite:
 def _write_chunks(writes: list[_ChunkWrite]) -> None:
     """Chunks queued back to back for one peer (on its worker): every chunk's bytes in one write, then
     every metadata row (inside each room's ``Done`` when the peer takes rows that way,
-    :mod:`kvbridge.core.row`; else in a second write), so each row still lands after its pages,
+    :mod:`kvbridge.core.sessions.row`; else in a second write), so each row still lands after its pages,
     then decode is told with one hand-off to the I/O thread.
 
     With many small requests in flight this is one backend write (and one NIXL request) for many

@@ -24,7 +24,7 @@ Decode side::
 
 A manager's backend is a registered name, a ``BackendSpec``, a ready
 ``Backend`` instance, or None: the default, the first available of nixl, ucx
-and mooncake (``kvbridge.core.plugins.BACKEND_PREFERENCE``).
+and mooncake (``kvbridge.core.description.plugins.BACKEND_PREFERENCE``).
 
 ``poll()`` never blocks and is monotone: BOOTSTRAPPING < WAITING_FOR_INPUT <
 TRANSFERRING < SUCCESS, with FAILED sticky; ``failure()`` gives the reason.
@@ -39,7 +39,7 @@ metadata row, and only then sends ``Done``; decode reaches SUCCESS on ``Done``
 from every prefill rank, so SUCCESS means the metadata row (written last) has landed.
 A small row in host memory on both sides (``SessionConfig.inline_row_bytes``)
 travels inside ``Done`` instead of as a write of its own; decode checks it and
-copies it into place before it counts that ``Done`` (kvbridge.core.row).
+copies it into place before it counts that ``Done`` (kvbridge.core.sessions.row).
 
 Timeouts (:class:`SessionConfig`, seconds):
 
@@ -55,19 +55,19 @@ Timeouts (:class:`SessionConfig`, seconds):
   prefill rank it uses; either side declares the other dead after
   ``heartbeat_timeout`` of silence and fails every room shared with it.
 
-The parts, one concern each: :mod:`~kvbridge.core.room` (the state machine),
-:mod:`~kvbridge.core.manager` (what both roles share),
-:mod:`~kvbridge.core.prefill` and :mod:`~kvbridge.core.sender` (the prefill
-side and its chunk planning), :mod:`~kvbridge.core.worker` (per-peer transfer
-threads), :mod:`~kvbridge.core.decode` and :mod:`~kvbridge.core.receiver`
-(the decode side), :mod:`~kvbridge.core.transport` (the policy around every
+The parts, one concern each: :mod:`~kvbridge.core.sessions.room` (the state machine),
+:mod:`~kvbridge.core.sessions.manager` (what both roles share),
+:mod:`~kvbridge.core.sessions.prefill` and :mod:`~kvbridge.core.sessions.sender` (the prefill
+side and its chunk planning), :mod:`~kvbridge.core.sessions.worker` (per-peer transfer
+threads), :mod:`~kvbridge.core.sessions.decode` and :mod:`~kvbridge.core.sessions.receiver`
+(the decode side), :mod:`~kvbridge.core.transfer.transport` (the policy around every
 backend). This module gathers the public names.
 """
 
 from __future__ import annotations
 
 from .decode import DecodeManager
-from .layout import KV_PAGE_SPACE, METADATA_SPACE
+from ..description.layout import KV_PAGE_SPACE, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
 from .prefill import PrefillManager
 from .receiver import Receiver

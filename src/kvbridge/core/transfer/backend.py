@@ -2,10 +2,10 @@
 
 A backend only moves bytes it is told to move. It registers memory, exports
 its metadata for peers and imports theirs, writes one batch of a validated
-:class:`~kvbridge.core.plan.TransferPlan` into a peer (prefill pushes), and
-closes. Everything else is core's (:class:`~kvbridge.core.transport.Transport`),
+:class:`~kvbridge.core.planning.plan.TransferPlan` into a peer (prefill pushes), and
+closes. Everything else is core's (:class:`~kvbridge.core.transfer.transport.Transport`),
 identical for every backend and driven by the backend's declared
-:class:`~kvbridge.core.records.BackendCapabilities`:
+:class:`~kvbridge.core.description.records.BackendCapabilities`:
 
 - memory kinds are checked before :meth:`Backend.register` and before
   :meth:`Backend.add_peer` (a region of an undeclared kind is refused, naming it);
@@ -44,9 +44,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .layout import Region
-from .plan import TransferPlan
-from .records import BackendCapabilities
+from ..description.layout import Region
+from ..planning.plan import TransferPlan
+from ..description.records import BackendCapabilities
 
 __all__ = [
     "Backend", "BackendConfig", "TransferCancelled", "TransferError", "TransferTimeout", "checkpoint", "expired", "host_id",

@@ -20,10 +20,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .backend import Backend, TransferError
-from .layout import Region
-from .plan import Memory, RegionTable, TransferPlan
-from .plugins import SAME_HOST_LANES, get_registry
-from .records import BackendCapabilities, BackendSpec
+from ..description.layout import Region
+from ..planning.plan import Memory, RegionTable, TransferPlan
+from ..description.plugins import SAME_HOST_LANES, get_registry
+from ..description.records import BackendCapabilities, BackendSpec
 from .staging import Staging
 
 __all__ = [
@@ -50,7 +50,7 @@ class Lane:
     capabilities: BackendCapabilities
     #: The local regions it registered (those of the memory kinds it moves).
     regions: list[Region] = field(default_factory=list)
-    #: Host staging of strided sources (core/staging.py), on the first lane that moves host memory.
+    #: Host staging of strided sources (core/transfer/staging.py), on the first lane that moves host memory.
     staging: Staging | None = None
 
     def __post_init__(self) -> None:

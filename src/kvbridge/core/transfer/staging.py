@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .layout import Region
-from .plan import RegionTable, TransferPlan
+from ..description.layout import Region
+from ..planning.plan import RegionTable, TransferPlan
 
 __all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "MAX_PIECE"]
 

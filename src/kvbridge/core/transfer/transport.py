@@ -1,8 +1,8 @@
 """Core's half of the backend contract: one policy around every backend.
 
-A :class:`Transport` holds an ordered list of lanes (:mod:`kvbridge.core.lanes`:
+A :class:`Transport` holds an ordered list of lanes (:mod:`kvbridge.core.transfer.lanes`:
 which backend moves which pair of regions to a peer) and does, from each
-backend's declared :class:`~kvbridge.core.records.BackendCapabilities`, what no
+backend's declared :class:`~kvbridge.core.description.records.BackendCapabilities`, what no
 adapter repeats: memory kinds checked at registration and at handshake, a
 write's descriptors located once (where a peer's regions need it) and grouped
 by lane and memory kind, plans cut and split into batches within the declared
@@ -10,7 +10,7 @@ limits, the deadline and the room's liveness checked before every batch, and
 the connections of a peer whose write failed reset (``Backend.abort_peer``).
 
 :func:`open_transport` is the one place core creates backends: from a name or a
-comma-separated list of names (:func:`~kvbridge.core.lanes.lane_names`), a
+comma-separated list of names (:func:`~kvbridge.core.transfer.lanes.lane_names`), a
 :class:`BackendSpec`, a ready :class:`Backend` instance, or ``None`` for the
 default lanes.
 """
@@ -29,10 +29,10 @@ import numpy as np
 from . import staging
 from .lanes import FENCE_BATCH_BYTES, FENCE_BATCH_DESCRIPTORS, Lane, Route, backend_name, lane_names, make_route, route_peer
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, host_id
-from .layout import Region
-from .plan import Memory, RegionTable, TransferPlan
-from .plugins import PluginError, get_registry, import_object
-from .records import BackendCapabilities, BackendSpec, assign_options
+from ..description.layout import Region
+from ..planning.plan import Memory, RegionTable, TransferPlan
+from ..description.plugins import PluginError, get_registry, import_object
+from ..description.records import BackendCapabilities, BackendSpec, assign_options
 
 __all__ = [
     "FENCE_BATCH_BYTES", "FENCE_BATCH_DESCRIPTORS", "BackendChoice", "Lane", "Transport", "lane_names", "open_transport",
@@ -116,7 +116,7 @@ class Transport:
     def register(self, regions: Sequence[Region], *, sends: bool = True) -> None:
         """Register with each lane the regions of the kinds it moves; a rank that ``sends`` strided host
         pieces also registers a staging buffer with the first lane moving host memory
-        (``core/staging.py``), unless that backend opts out."""
+        (``core/transfer/staging.py``), unless that backend opts out."""
         self.check_memory(regions, "local")
         staged = False
         for lane in self.lanes:
@@ -140,7 +140,7 @@ class Transport:
         self, peer: str, metadata: Mapping[str, bytes] | bytes, regions: Sequence[Region], host: str | None = None,
     ) -> None:
         """Prepare writes to ``peer``: every lane it runs too and can reach (``host``: its
-        :func:`~kvbridge.core.backend.host_id`; None: this host) adds it; each pair of regions goes to
+        :func:`~kvbridge.core.transfer.backend.host_id`; None: this host) adds it; each pair of regions goes to
         the first lane holding both. Raises :class:`TransferError` if some pair has none, naming what
         each lane said. ``metadata``: the peer's :meth:`metadata` (plain bytes: the one lane's, for a
         transport of one)."""
@@ -364,7 +364,7 @@ def open_transport(
     ``backend`` is a registered name or names separated by commas (the lanes, in order), a
     :class:`BackendSpec` (its factory is imported; it need not be registered), a :class:`Backend`
     instance (used as it is: ``options`` must then be empty) or ``None`` (the default lanes:
-    :meth:`~kvbridge.core.plugins.Registry.default_lanes`). Each option goes to the lane that
+    :meth:`~kvbridge.core.description.plugins.Registry.default_lanes`). Each option goes to the lane that
     declares it. ``fast_path=False`` drops lanes that only reach this host (``cross_host=False``)
     from the default lanes (``SessionConfig.gpu_fast_path``).
     """

@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
-from kvbridge.core.describe import DescribeContext, Description, buffer_region, item_count, paged_kv
-from kvbridge.core.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, Region, Shard
+from kvbridge.core.description.describe import DescribeContext, Description, buffer_region, item_count, paged_kv
+from kvbridge.core.description.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, Region, Shard
 
 __all__ = ["C128_SPACE", "C128_STATE", "DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE",
            "kvbridge_register_state_handlers"]

@@ -14,7 +14,7 @@ from kvbridge.core import BackendCapabilities, BackendSpec, hookimpl
 __all__ = ["CAPABILITIES", "kvbridge_register_backends"]
 
 #: One write is the whole plan (a kernel reads it unexpanded, a launch per slice of about 1 GiB);
-#: the fence is checked between slices (``kvbridge.core.backend.checkpoint``). Core's host staging
+#: the fence is checked between slices (``kvbridge.core.transfer.backend.checkpoint``). Core's host staging
 #: gathers host memory only, and this lane moves none.
 CAPABILITIES = BackendCapabilities(memory_kinds=("vram",), cross_host=False, host_staging=False, whole_plans=True)
 

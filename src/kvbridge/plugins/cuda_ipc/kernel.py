@@ -154,7 +154,7 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
     between slices (the caller checks before the first) and may raise to stop there (a failed room's
     fence); the slices already launched are still waited for, so nothing is
     left running when this returns or raises. ``hints``: per part, what
-    :meth:`~kvbridge.core.plan.TransferPlan.hints` says of its columns.
+    :meth:`~kvbridge.core.planning.plan.TransferPlan.hints` says of its columns.
 
     Before the first launch: one table copy and one launch. A later slice's table is copied on a side
     stream while the slices before it run, and its launch waits for that copy alone.

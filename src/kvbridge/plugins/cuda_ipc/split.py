@@ -1,6 +1,6 @@
 """How the copy kernel splits a plan into launches and programs, in numpy (tested on CPU).
 
-A plan arrives unexpanded (:meth:`~kvbridge.core.plan.TransferPlan.factors`:
+A plan arrives unexpanded (:meth:`~kvbridge.core.planning.plan.TransferPlan.factors`:
 rows x columns, a descriptor being formed on the GPU); :func:`shape` picks a
 launch's element width and pieces, :func:`slices` cuts a part into launches,
 and :func:`execute_on_host` runs the kernel's split, masks and address
@@ -37,7 +37,7 @@ TILE_BYTES = 4096
 
 
 # -- the work split (numpy; tested on CPU) ------------------------------------------------------------
-#: One part of a plan as an outer sum (:meth:`kvbridge.core.plan.TransferPlan.factors`): descriptor
+#: One part of a plan as an outer sum (:meth:`kvbridge.core.planning.plan.TransferPlan.factors`): descriptor
 #: ``(r, c)`` moves ``nbytes`` bytes from ``src_rows[r] + src_cols[c]`` to ``dst_rows[r] + dst_cols[c]``;
 #: ``nbytes`` is per column, or per row where there is one column (a part given as arrays).
 Part = tuple[IntArray, IntArray, IntArray, IntArray, IntArray]
@@ -80,7 +80,7 @@ def shape(part: Part, hint: tuple[int, int] = (0, 0)) -> Shape:
     """The launch shape of a part: the widest element every address and size is a multiple of.
 
     A sum of multiples of 2**k is one, so rows and columns are reduced apart: no descriptor is formed.
-    ``hint`` (:meth:`~kvbridge.core.plan.TransferPlan.hints`): a power of two dividing every column
+    ``hint`` (:meth:`~kvbridge.core.planning.plan.TransferPlan.hints`): a power of two dividing every column
     offset and size, and the one column size, where known (0: not), which are then not reduced.
     """
     src_rows, dst_rows, src_cols, dst_cols, nbytes = part

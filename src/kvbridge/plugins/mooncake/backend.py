@@ -43,11 +43,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
-from kvbridge.core.backend import expired
+from kvbridge.core.transfer.backend import expired
 from .enginelog import engine_level, routed_stderr
-from kvbridge.core.layout import Region
-from kvbridge.core.plan import TransferPlan
-from kvbridge.core.records import BackendCapabilities
+from kvbridge.core.description.layout import Region
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.description.records import BackendCapabilities
 
 from ..tcpfence import TcpFence
 from . import CAPABILITIES
@@ -78,7 +78,7 @@ def _engine_env(transfer_timeout: float) -> None:
     read when an engine is created.
     """
     # A second beyond the write's deadline: a write still running at its deadline has its TCP
-    # connections reset by core first (core/transport.py, RESET_GRACE), which drops what they hold;
+    # connections reset by core first (core/transfer/transport.py, RESET_GRACE), which drops what they hold;
     # the engine timing out first would close them itself, and the kernel would still deliver
     # their queued bytes later (docs/failures.md).
     secs = max(1, math.ceil(transfer_timeout)) + 1

@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
-from kvbridge.core.backend import wait_until
-from kvbridge.core.layout import Region
-from kvbridge.core.plan import RegionTable, TransferPlan, memory_of
-from kvbridge.core.records import BackendCapabilities
+from kvbridge.core.transfer.backend import wait_until
+from kvbridge.core.description.layout import Region
+from kvbridge.core.planning.plan import RegionTable, TransferPlan, memory_of
+from kvbridge.core.description.records import BackendCapabilities
 
 from ..tcpfence import TcpFence
 from . import CAPABILITIES

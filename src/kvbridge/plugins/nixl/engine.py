@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.core.auth import is_loopback
+from kvbridge.core.control.auth import is_loopback
 
 if TYPE_CHECKING:
     from nixl_cu12 import nixl_agent  # or nixl_cu13: same API

@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.core.layout import Region
-from kvbridge.core.plan import TransferPlan
+from kvbridge.core.description.layout import Region
+from kvbridge.core.planning.plan import TransferPlan
 
 if TYPE_CHECKING:
     from nixl_cu12 import nixl_prepped_dlist_handle  # or nixl_cu13: same API

@@ -39,11 +39,11 @@ import msgspec
 import numpy as np
 
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
-from kvbridge.core.auth import is_loopback
-from kvbridge.core.backend import wait_until
-from kvbridge.core.layout import Region
-from kvbridge.core.plan import TransferPlan
-from kvbridge.core.records import BackendCapabilities
+from kvbridge.core.control.auth import is_loopback
+from kvbridge.core.transfer.backend import wait_until
+from kvbridge.core.description.layout import Region
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.description.records import BackendCapabilities
 
 from ..tcpfence import TcpFence
 from . import CAPABILITIES

@@ -1,0 +1,8 @@
+"""Planning: index lists and two memory descriptions -> a checked list of copies.
+
+Rule: pure computation over numpy arrays, no I/O, no threads, no backend; may
+import the description layer only. ``indices`` (the checked index-list type),
+``plan`` (``TransferPlan`` and the planners), ``regions`` (``RegionTable``:
+which region holds an address), ``pairing`` (regions paired once per peer,
+``Route.plan`` per request) and ``layers`` (a plan cut by layer).
+"""
