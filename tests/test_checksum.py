@@ -23,7 +23,7 @@ from kvbridge.core.control import protocol as P
 from kvbridge.core.transfer.backend import BackendConfig
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 from kvbridge.testing.e2e import Pools, Scenario, pattern, prefill_pools
 from kvbridge.testing.faulty import FlipsByte
 from kvbridge.testing.harness import START_WAIT, BackendHarness, Child, finished, wait_until

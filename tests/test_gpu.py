@@ -122,15 +122,15 @@ def test_a_large_part_goes_first_as_a_smaller_slice_then_the_rest(cut, monkeypat
 def outer_plans(src_base: int, dst_base: int):
     """Plans the planner keeps as outer sums: NHD rows of 4 heads into 8-head pages (heterogeneous TP 2 -> 1,
     rank 1), and scattered whole pages; each over 3 regions of 16 items, 4 indices."""
-    from kvbridge.core.planning.plan import plan_pages, plan_segments
+    from kvbridge.core.planning.plan import RegionPairs, plan_pages, plan_segments
 
     rng = np.random.default_rng(3)
     s_idx, d_idx = rng.choice(16, 4, replace=False), rng.choice(16, 4, replace=False)
     rows, head = 8, 64  # 8 token rows; 4 heads of 64 B at the source, 8 at the destination
     seg = np.array([(t * 4 * head, t * 8 * head + 4 * head, 4 * head) for t in range(rows)], np.int64)
     item_s, item_d = rows * 4 * head, rows * 8 * head
-    nhd = plan_segments(src_base + np.arange(3) * 16 * item_s, dst_base + np.arange(3) * 16 * item_d,
-                        [item_s] * 3, [item_d] * 3, seg, s_idx, d_idx)
+    nhd = plan_segments(RegionPairs.of(src_base + np.arange(3) * 16 * item_s, dst_base + np.arange(3) * 16 * item_d,
+                                       [item_s] * 3, [item_d] * 3), seg, s_idx, d_idx)
     pages = plan_pages(src_base + np.arange(3) * 16 * item_s, dst_base + np.arange(3) * 16 * item_s,
                        [item_s] * 3, s_idx, d_idx)
     return {"nhd": nhd, "pages": pages}, 3 * 16 * item_s, 3 * 16 * item_d

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvbridge.core import BackendCapabilities, Region, TransferPlan, checkpoint
-from kvbridge.core.planning.plan import Memory
+from kvbridge.core.planning.transferplan import Memory
 from kvbridge.core.transfer.backend import Backend, BackendConfig, TransferCancelled, TransferError
 from kvbridge.core.transfer.transport import FENCE_BATCH_DESCRIPTORS, Lane, Transport
 

@@ -26,7 +26,7 @@ from kvbridge.core.description.describe import describe
 from kvbridge.core.planning.layers import LayerIndex, layer_list
 from kvbridge.core.description.layout import KV_PAGE_SPACE, METADATA_SPACE, KVArgs
 from kvbridge.core.planning.pairing import pair_layouts
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 from kvbridge.core.sessions.prefill import DecodePeer, PrefillManager
 from kvbridge.core.sessions.session import Poll, Sender
 from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, c4_token_indices

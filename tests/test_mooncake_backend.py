@@ -25,7 +25,7 @@ from kvbridge.core.description.plugins import get_registry  # noqa: E402
 from kvbridge.core.transfer.transport import Transport  # noqa: E402
 from kvbridge.testing import pair  # noqa: E402
 from kvbridge.testing.pair import ROWS, SENTINEL, Destination, pattern_buffers, standard_layout  # noqa: E402
-from kvbridge.core.planning.plan import TransferPlan  # noqa: E402
+from kvbridge.core.planning.transferplan import TransferPlan  # noqa: E402
 from kvbridge.plugins.mooncake import CAPABILITIES  # noqa: E402
 from kvbridge.plugins.mooncake.backend import MooncakeBackend  # noqa: E402
 

@@ -276,7 +276,7 @@ def _segments_by_hand(sb, db, ss, ds, seg, s_idx, d_idx):
 def test_partial_item_plans_are_every_segment_of_every_index_with_neighbours_merged(data):
     # NHD heterogeneous TP: token rows (segments) of a page; kept as an outer sum when nothing merges,
     # expanded and merged otherwise. Either way the descriptors are the hand-written ones.
-    from kvbridge.core.planning.plan import plan_segments
+    from kvbridge.core.planning.plan import RegionPairs, plan_segments
 
     rows = data.draw(st.integers(1, 4))
     item = data.draw(st.sampled_from([64, 128]))
@@ -290,7 +290,7 @@ def test_partial_item_plans_are_every_segment_of_every_index_with_neighbours_mer
     sb = (np.arange(rows, dtype=np.int64) * 16 * item) + (1 << 20)
     db = (np.arange(rows, dtype=np.int64) * 16 * item) + (1 << 30)
     ss = ds = np.full(rows, item, np.int64)
-    plan = plan_segments(sb, db, ss, ds, seg, s_idx, d_idx)
+    plan = plan_segments(RegionPairs.of(sb, db, ss, ds), seg, s_idx, d_idx)
     got = list(zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.nbytes.tolist()))
     assert got == _segments_by_hand(sb.tolist(), db.tolist(), ss.tolist(), ds.tolist(), seg.tolist(), s_idx.tolist(),
                                     d_idx.tolist())

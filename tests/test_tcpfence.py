@@ -24,7 +24,7 @@ import pytest
 from kvbridge.plugins import tcpfence
 from kvbridge.core.transfer.backend import Backend, BackendConfig, TransferCancelled, TransferError
 from kvbridge.core.description.layout import Region
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 from kvbridge.core.description.records import BackendCapabilities
 from kvbridge.core.transfer.transport import Transport
 

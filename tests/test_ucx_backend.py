@@ -28,7 +28,7 @@ from kvbridge.core.description.records import OptionError  # noqa: E402
 from kvbridge.core.transfer.transport import FENCE_BATCH_DESCRIPTORS, Transport  # noqa: E402
 from kvbridge.testing import pair  # noqa: E402
 from kvbridge.testing.pair import SENTINEL, Destination, pattern_buffers, standard_layout  # noqa: E402
-from kvbridge.core.planning.plan import TransferPlan  # noqa: E402
+from kvbridge.core.planning.transferplan import TransferPlan  # noqa: E402
 from kvbridge.plugins.ucx import CAPABILITIES  # noqa: E402
 from kvbridge.plugins.ucx.backend import UcxBackend  # noqa: E402
 

@@ -32,7 +32,7 @@ from kvbridge import ui
 from kvbridge.bench import common, transfer
 from kvbridge.config import TransferConfig, add_transfer_args
 from kvbridge.core.sessions import checksum as C
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 
 CASE = "64 KiB pages, scattered"
 

@@ -98,7 +98,8 @@ def sglang_layers(route: Route, src_idx: np.ndarray, dst_idx: np.ndarray) -> Ite
     """SGLang's plan path, one layer's ``(src, dst, length)`` list at a time."""
     src_groups, dst_groups = _group_concurrent_contiguous(src_idx, dst_idx)
     (group,) = route.spaces[SPACE].groups
-    for src_ptr, dst_ptr, item_len in zip(group.src_bases.tolist(), group.dst_bases.tolist(), group.src_strides.tolist()):
+    for src_ptr, dst_ptr, item_len in zip(group.pairs.src_bases.tolist(), group.pairs.dst_bases.tolist(),
+                                             group.pairs.src_strides.tolist()):
         blocks = []
         for prefill_run, decode_run in zip(src_groups, dst_groups):
             blocks.append((src_ptr + int(prefill_run[0]) * item_len, dst_ptr + int(decode_run[0]) * item_len,

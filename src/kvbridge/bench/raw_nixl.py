@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 from kvbridge.core.sessions.session import PrefillManager
 
 __all__ = ["raw"]

@@ -25,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 
 from kvbridge.core.description.hookspecs import hookimpl
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 from kvbridge.core.description.records import BackendCapabilities, BackendSpec
 from kvbridge.testing.memory import CAPABILITIES, MemoryBackend, state
 

@@ -31,7 +31,7 @@ from kvbridge.core.transfer.backend import Backend, BackendConfig, TransferError
 from kvbridge.core.transfer.backend import host_id
 from kvbridge.core.description.hookspecs import hookimpl
 from kvbridge.core.description.layout import Region
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 from kvbridge.core.description.records import BackendCapabilities, BackendSpec
 
 __all__ = ["CAPABILITIES", "MemoryBackend", "kvbridge_register_backends"]

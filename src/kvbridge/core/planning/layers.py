@@ -20,7 +20,8 @@ import numpy.typing as npt
 
 from .indices import IntArray
 from ..description.layout import METADATA_SPACE, KVArgs
-from .plan import RegionTable, TransferPlan
+from .regions import RegionTable
+from .transferplan import TransferPlan
 
 __all__ = ["LayerIndex", "LayeredPlan", "layer_list"]
 

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..description.layout import KVArgs, Region
-from .plan import Indices, PlanError, TransferPlan, _plan_pages, _plan_segments
+from .plan import Indices, PlanError, RegionPairs, TransferPlan, _plan_pages, _plan_segments
 
 __all__ = ["IncompatibleLayoutError", "Route", "pair_layouts", "item_segments"]
 
@@ -48,25 +48,20 @@ class _Group:
     """Region pairs of one index space and state type that share strides and segments."""
 
     state_type: str
-    src_bases: npt.NDArray[np.int64]
-    dst_bases: npt.NDArray[np.int64]
-    src_strides: npt.NDArray[np.int64]
-    dst_strides: npt.NDArray[np.int64]
+    pairs: RegionPairs
     segments: npt.NDArray[np.int64]  # (S, 3): src_offset, dst_offset, nbytes
     whole_items: bool  # one segment covering equal-sized items: plan by coalesced runs
 
     @functools.cached_property
     def index_nbytes(self) -> int:
         """Bytes one index moves across the group's regions (coalescing never changes it)."""
-        return int(self.src_bases.size * self.segments[:, 2].sum())
+        return int(len(self.pairs) * self.segments[:, 2].sum())
 
     def plan(self, src_idx: npt.NDArray[np.int64], dst_idx: npt.NDArray[np.int64]) -> TransferPlan:
         """Descriptors for checked, equally long index arrays."""
         if self.whole_items:
-            return _plan_pages(self.src_bases, self.dst_bases, self.src_strides, src_idx, dst_idx)
-        return _plan_segments(
-            self.src_bases, self.dst_bases, self.src_strides, self.dst_strides, self.segments, src_idx, dst_idx
-        )
+            return _plan_pages(self.pairs.src_bases, self.pairs.dst_bases, self.pairs.src_strides, src_idx, dst_idx)
+        return _plan_segments(self.pairs, self.segments, src_idx, dst_idx)
 
 
 @dataclass(frozen=True)
@@ -84,7 +79,7 @@ class SpaceRoute:
 
     @property
     def regions(self) -> int:
-        return sum(g.src_bases.size for g in self.groups)
+        return sum(len(g.pairs) for g in self.groups)
 
 
 @dataclass(frozen=True)
@@ -271,10 +266,8 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
         groups[space].append(
             _Group(
                 state_type=state_type,
-                src_bases=np.array([s.addr for s, _, _ in pairs], np.int64),
-                dst_bases=np.array([d.addr for _, d, _ in pairs], np.int64),
-                src_strides=np.full(len(pairs), s_stride, np.int64),
-                dst_strides=np.full(len(pairs), d_stride, np.int64),
+                pairs=RegionPairs.of([s.addr for s, _, _ in pairs], [d.addr for _, d, _ in pairs],
+                                     np.full(len(pairs), s_stride, np.int64), np.full(len(pairs), d_stride, np.int64)),
                 segments=seg,
                 whole_items=whole,
             )

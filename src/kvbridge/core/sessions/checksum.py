@@ -33,7 +33,8 @@ import numpy.typing as npt
 
 from ..control import protocol as P
 from ..description.layout import Region
-from ..planning.plan import RegionTable, TransferPlan
+from ..planning.regions import RegionTable
+from ..planning.transferplan import TransferPlan
 
 __all__ = ["ALGORITHMS", "ChecksumError", "default_algorithm", "digest_ranges", "summarise", "verify", "vram_problem"]
 

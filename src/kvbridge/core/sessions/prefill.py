@@ -19,7 +19,7 @@ from ..planning.layers import LayerIndex
 from ..description.layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
 from ..planning.pairing import IncompatibleLayoutError, Route, pair_layouts
-from ..planning.plan import Indices, PlanError
+from ..planning.indices import Indices, PlanError
 from .room import Poll, Room
 from .row import inline_row
 from .sender import DecodeRequest, Sender

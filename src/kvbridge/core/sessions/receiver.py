@@ -12,7 +12,7 @@ import numpy.typing as npt
 from ..control import protocol as P
 from ..description.layout import KV_PAGE_SPACE, METADATA_SPACE
 from ..control.metrics import metrics
-from ..planning.plan import Indices, PlanError
+from ..planning.indices import Indices, PlanError
 from .room import Poll, Room
 
 if TYPE_CHECKING:

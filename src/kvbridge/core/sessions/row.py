@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from ..control import protocol as P
 from ..description.layout import METADATA_SPACE, Region
 from ..planning.pairing import Route
-from ..planning.plan import TransferPlan
+from ..planning.transferplan import TransferPlan
 
 __all__ = ["RowError", "check_row", "inline_row", "place_row", "read_row"]
 

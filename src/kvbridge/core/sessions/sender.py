@@ -19,7 +19,8 @@ from ..planning.layers import LayeredPlan, layer_list
 from ..description.layout import KV_PAGE_SPACE, METADATA_SPACE
 from ..control.metrics import metrics
 from ..planning.pairing import Route
-from ..planning.plan import Indices, PlanError, TransferPlan
+from ..planning.indices import Indices, PlanError
+from ..planning.transferplan import TransferPlan
 from .room import Poll, Room
 from .row import read_row
 from .worker import Group

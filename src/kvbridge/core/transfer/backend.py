@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..description.layout import Region
-from ..planning.plan import TransferPlan
+from ..planning.transferplan import TransferPlan
 from ..description.records import BackendCapabilities
 
 __all__ = [

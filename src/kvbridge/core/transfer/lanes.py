@@ -21,7 +21,8 @@ import numpy.typing as npt
 
 from .backend import Backend, TransferError
 from ..description.layout import Region
-from ..planning.plan import Memory, RegionTable, TransferPlan
+from ..planning.regions import RegionTable
+from ..planning.transferplan import Memory, TransferPlan
 from ..description.plugins import SAME_HOST_LANES, get_registry
 from ..description.records import BackendCapabilities, BackendSpec
 from .staging import Staging

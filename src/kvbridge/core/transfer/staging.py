@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from ..description.layout import Region
-from ..planning.plan import RegionTable, TransferPlan
+from ..planning.regions import RegionTable
+from ..planning.transferplan import TransferPlan
 
 __all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "MAX_PIECE"]
 

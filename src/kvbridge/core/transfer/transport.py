@@ -30,7 +30,8 @@ from . import staging
 from .lanes import FENCE_BATCH_BYTES, FENCE_BATCH_DESCRIPTORS, Lane, Route, backend_name, lane_names, make_route, route_peer
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, host_id
 from ..description.layout import Region
-from ..planning.plan import Memory, RegionTable, TransferPlan
+from ..planning.regions import RegionTable
+from ..planning.transferplan import Memory, TransferPlan
 from ..description.plugins import PluginError, get_registry, import_object
 from ..description.records import BackendCapabilities, BackendSpec, assign_options
 

@@ -46,7 +46,7 @@ from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferErr
 from kvbridge.core.transfer.backend import expired
 from .enginelog import engine_level, routed_stderr
 from kvbridge.core.description.layout import Region
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 from kvbridge.core.description.records import BackendCapabilities
 
 from ..tcpfence import TcpFence

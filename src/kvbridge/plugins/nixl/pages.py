@@ -58,7 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.core.description.layout import Region
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 
 if TYPE_CHECKING:
     from nixl_cu12 import nixl_prepped_dlist_handle  # or nixl_cu13: same API

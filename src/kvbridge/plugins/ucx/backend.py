@@ -42,7 +42,7 @@ from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferErr
 from kvbridge.core.control.auth import is_loopback
 from kvbridge.core.transfer.backend import wait_until
 from kvbridge.core.description.layout import Region
-from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.planning.transferplan import TransferPlan
 from kvbridge.core.description.records import BackendCapabilities
 
 from ..tcpfence import TcpFence

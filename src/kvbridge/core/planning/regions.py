@@ -1,0 +1,58 @@
+"""``RegionTable``: which registered region holds each address of a whole array (one ``searchsorted``).
+
+Used wherever descriptors meet regions: bounds checks (:meth:`TransferPlan.validate`), a write's
+lane and memory place per descriptor (the transport), host staging and checksums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from ..description.layout import Region
+from .indices import IntArray
+
+__all__ = ["RegionTable", "nearest_region"]
+
+
+class RegionTable:
+    """Regions sorted by address, to find which one holds each address of a whole array.
+
+    Regions do not overlap (KVArgs checks), so the only candidate for an
+    address is the last region starting at or before it: one
+    ``searchsorted`` per array. ``vram`` and ``device`` give each region's
+    memory kind and device, in the same (sorted) order.
+    """
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        ordered = sorted(regions, key=lambda r: r.addr)
+        self.starts = np.array([r.addr for r in ordered], np.int64)
+        self.ends = np.array([r.end for r in ordered], np.int64)
+        self.vram = np.array([r.mem == "vram" for r in ordered], bool)
+        self.device = np.array([r.device for r in ordered], np.int64)
+        #: The (memory kind, device) pairs of the regions, and each region's index into them.
+        places = [(r.mem, r.device) for r in ordered]
+        self.places: list[tuple[str, int]] = sorted(set(places))
+        self.place = np.array([self.places.index(p) for p in places], np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts.shape[0])
+
+    def locate(self, addrs: IntArray, nbytes: IntArray) -> tuple[IntArray, npt.NDArray[np.bool_]]:
+        """Per descriptor: the index of its region (0 where none) and whether it lies wholly inside it."""
+        if not len(self):
+            return np.zeros(addrs.shape, np.int64), np.zeros(addrs.shape, bool)
+        pos = np.searchsorted(self.starts, addrs, side="right") - 1
+        ok = pos >= 0
+        pos = np.where(ok, pos, 0)
+        return pos, ok & (addrs + nbytes <= self.ends[pos])
+
+
+def nearest_region(addr: int, regions: Sequence[Region]) -> str:
+    """`` (nearest: NAME [start, end))``: for an error about an address outside every region."""
+    if not regions:
+        return " (no regions registered)"
+    r = min(regions, key=lambda r: min(abs(addr - r.addr), abs(addr - r.end)))
+    return f" (nearest: {r.name!r} [{r.addr:#x}, {r.end:#x}))"
