@@ -499,7 +499,7 @@ def test_a_prefill_rank_counts_as_gone_only_when_its_connection_closed_and_recon
     reconnects: gone, after GONE_GRACE for what its kernel still delivers."""
     import zmq
 
-    from kvbridge.core.sessions.decode import GONE_GRACE, PrefillRank
+    from kvbridge.core.sessions.servers import GONE_GRACE, PrefillRank
 
     info = P.RankInfo(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, control_addr="127.0.0.1:1", backend="memory")
     rank = PrefillRank(info)

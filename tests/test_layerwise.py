@@ -27,7 +27,8 @@ from kvbridge.core.planning.layers import LayerIndex, layer_list
 from kvbridge.core.description.layout import KV_PAGE_SPACE, METADATA_SPACE, KVArgs
 from kvbridge.core.planning.pairing import pair_layouts
 from kvbridge.core.planning.transferplan import TransferPlan
-from kvbridge.core.sessions.prefill import DecodePeer, PrefillManager
+from kvbridge.core.sessions.peers import DecodePeer
+from kvbridge.core.sessions.prefill import PrefillManager
 from kvbridge.core.sessions.session import Poll, Sender
 from kvbridge.state_handlers.dsv4_hisparse import C4_SPACE, C128_SPACE, c4_token_indices
 from kvbridge.state_handlers.mamba import SLOT_SPACE

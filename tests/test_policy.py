@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvbridge.core.control import protocol as P
-from kvbridge.core.sessions.decode import GONE_GRACE
+from kvbridge.core.sessions.servers import GONE_GRACE
 from kvbridge.core.sessions.session import Poll, Receiver, Sender
 from kvbridge.testing.e2e import Pools, meta_row_for, pattern, schedule, SENTINEL
 from kvbridge.testing.harness import (

@@ -60,7 +60,7 @@ def install(backend_class: type | None = None) -> None:
         return
     _wrapped.add("core")
     from kvbridge.core.control import channel
-    from kvbridge.core.sessions import manager, prefill, receiver, room, sender
+    from kvbridge.core.sessions import manager, prefill, receiver, room, sender, writes
     from kvbridge.core.transfer import transport
 
     _wrap(receiver.Receiver, "init", "Receiver.init")
@@ -70,7 +70,7 @@ def install(backend_class: type | None = None) -> None:
     _wrap(channel.Channel, "send", "zmq send")
     _wrap(sender.Sender, "send", "Sender.send")
     _wrap(sender.Sender, "_plan_chunk", "plan")
-    _wrap(sender, "_write_chunks", "transfer worker")
+    _wrap(writes, "write_chunks", "transfer worker")
     _wrap(transport.Transport, "write", "Transport.write")
     _wrap(prefill.PrefillManager, "notify", "Done handed to I/O")
 

@@ -20,84 +20,16 @@ from .manager import SessionConfig, TransferManager
 from .receiver import Receiver
 from .room import Poll, Room
 from .row import RowError, check_row, place_row
+from .servers import PrefillRank, PrefillServer
 from ..transfer.transport import BackendChoice
 
-__all__ = ["DecodeManager", "PrefillServer"]
+__all__ = ["DecodeManager"]
 
 log = logging.getLogger(__name__)
 
 LOOKUP_RETRY = 0.2  # seconds between bootstrap lookups while prefill ranks are still registering
 MAX_QUEUED = 1024  # messages kept for a server until its handshake completes
-#: Seconds a prefill rank's control connection must have been closed, with reconnecting refused, before
-#: its process counts as gone: what its engine had already sent (a dead process's kernel still delivers
-#: its sockets' queued bytes) lands within it on a working link.
-GONE_GRACE = 0.5
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-
-
-class PrefillRank:
-    """One prefill rank of a server: its control socket and liveness."""
-
-    def __init__(self, info: P.RankInfo) -> None:
-        self.info = info
-        self.chan: Channel | None = None
-        self.acked = False
-        self.last_seen = time.monotonic()
-        self.last_ping = 0.0
-        #: The latest clock this rank put in a heartbeat reply: echoed in the next ping (its lease).
-        self.clock: float | None = None
-        #: zmq's events of ``chan``'s connection (a PAIR socket), to tell a dead process from a silent one.
-        self.monitor: zmq.Socket | None = None
-        self.dropped_at: float | None = None  # when the connection closed (None: connected, or never was)
-        self.retries = 0  # reconnects zmq scheduled since then (the first when it closed)
-        self.gone = False  # its process is gone: it writes nothing more
-
-    def on_event(self, event: int) -> None:
-        """A zmq monitor event of the control connection."""
-        if event == zmq.EVENT_DISCONNECTED:
-            if self.dropped_at is None:
-                self.dropped_at, self.retries = time.monotonic(), 0
-        elif event == zmq.EVENT_CONNECT_RETRIED:
-            self.retries += self.dropped_at is not None
-        elif event == zmq.EVENT_CONNECTED:
-            # A listener took the connection back (the process had dropped it: prefill's ROUTER hands an
-            # identity to its newest connection), or a new process on the port: not known gone.
-            self.dropped_at, self.retries = None, 0
-
-    def is_gone(self, now: float) -> bool:
-        """Whether the process is gone: its connection closed, reconnecting failed since (zmq schedules
-        one retry as it closes, then one per failed attempt: two or more) and no reconnect succeeded
-        within :data:`GONE_GRACE`. A frozen process keeps its connections (its kernel even accepts new
-        ones); a cut link closes none."""
-        return self.dropped_at is not None and self.retries >= 2 and now - self.dropped_at >= GONE_GRACE
-
-    def socket(self) -> Channel | None:
-        """The control channel, looked up on the I/O thread when a message goes out."""
-        return self.chan
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.info.tp_rank, self.info.pp_rank)
-
-    @property
-    def label(self) -> str:
-        return f"prefill tp{self.info.tp_rank}/pp{self.info.pp_rank} at {self.info.control_addr}"
-
-
-class PrefillServer:
-    """Decode's view of one prefill server (found through its bootstrap endpoint)."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.created = time.monotonic()
-        self.lookup: Channel | None = None
-        self.next_lookup = 0.0
-        self.ranks: dict[tuple[int, int], PrefillRank] = {}
-        self.ready = False
-        self.failed: str | None = None
-        self.queued: list[P.Message] = []  # for every rank once the handshake completes
-        #: Once given up on: its sockets stay open at least until then, so the Aborts sent last get out.
-        self.linger_until = 0.0
 
 
 class DecodeManager(TransferManager[Receiver]):

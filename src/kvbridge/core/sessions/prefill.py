@@ -18,83 +18,21 @@ from .checksum import vram_problem
 from ..planning.layers import LayerIndex
 from ..description.layout import KVArgs, METADATA_SPACE
 from .manager import SessionConfig, TransferManager
-from ..planning.pairing import IncompatibleLayoutError, Route, pair_layouts
+from ..planning.pairing import IncompatibleLayoutError, pair_layouts
 from ..planning.indices import Indices, PlanError
 from .room import Poll, Room
-from .row import inline_row
-from .sender import DecodeRequest, Sender
+from .peers import DecodePeer, DecodeRequest
+from .sender import Sender
 from ..transfer.transport import BackendChoice
-from .worker import PeerWorker
 
-__all__ = ["DecodePeer", "PrefillManager"]
+__all__ = ["PrefillManager"]
 
 log = logging.getLogger(__name__)
 
 MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
 LEASE_POLL = 0.005  # seconds between lease checks while a transfer worker waits for a renewal
-COST_WINDOW = 16  # writes kept per size class to measure a peer's write cost (DecodePeer.note_write)
-COST_SAMPLES = 3  # writes a size class needs before it counts (the first write to a peer is a cold one)
-SMALL_WRITE = 64 << 10  # a write this small costs mostly what any write does: its fixed cost
 GAP_WINDOW = 64  # layer-wise announcements whose fastest gap is the host's pace (PrefillManager.note_layer_gap)
 FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
-
-
-class DecodePeer:
-    """A decode rank that completed the handshake with this prefill rank, and its transfer worker.
-
-    ``lease_until``: this rank may write to the peer until then (this rank's
-    clock). The handshake grants ``lease`` seconds; a heartbeat renews it to
-    ``lease`` after the clock it echoes (:class:`~kvbridge.core.control.protocol.Heartbeat`),
-    so a ping that arrives late but echoes a recent clock still renews it, and
-    pings queued while this rank was frozen or cut off do not.
-    ``last_seen``: when anything last arrived from it (it is forgotten after
-    long silence).
-    """
-
-    def __init__(self, peer_id: str, route: Route, lease: float, inline_row_bytes: int = 0) -> None:
-        self.peer_id = peer_id
-        self.ident = peer_id.encode()
-        self.route = route
-        #: The metadata row goes to this peer inside ``Done`` (small, host memory on both sides: kvbridge.core.sessions.row).
-        self.inline_row = inline_row(route, inline_row_bytes)
-        self.last_seen = time.monotonic()
-        self.lease_until = self.last_seen + lease
-        self.worker = PeerWorker(peer_id)
-        #: What one write to it costs whatever its size (seconds), and what each byte adds (seconds);
-        #: None until measured (see :meth:`note_write`). Layer-wise sending coalesces layers while
-        #: their bytes cost less than a write.
-        self.write_cost: float | None = None
-        self.byte_time: float | None = None
-        self._classes: dict[int, collections.deque[tuple[float, int]]] = {}  # see note_write
-
-    def note_write(self, nbytes: int, seconds: float) -> None:
-        """A write of ``nbytes`` took ``seconds``: update :attr:`write_cost` and :attr:`byte_time`.
-
-        Writes are kept by size class (a power of two), the last ``COST_WINDOW``
-        of each; a class's measure is its fastest write, since contention (a
-        host computing on the same cores while a layer is written, a cold first
-        write) only ever adds to a write's time, and a class counts once it
-        holds ``COST_SAMPLES`` writes. The line through the smallest and the
-        largest class's measures gives the fixed cost and each byte's time.
-        With one class only: writes of at most ``SMALL_WRITE`` cost what the
-        fastest took; larger ones cannot tell the cost from the bytes (None).
-        """
-        window = self._classes.setdefault(max(1, nbytes).bit_length(), collections.deque(maxlen=COST_WINDOW))
-        window.append((seconds, nbytes))
-        counted = [k for k, w in self._classes.items() if len(w) >= COST_SAMPLES]
-        if not counted:
-            return
-        t_lo, n_lo = min(self._classes[min(counted)])
-        t_hi, n_hi = min(self._classes[max(counted)])
-        if n_hi > n_lo:
-            self.byte_time = max(0.0, (t_hi - t_lo) / (n_hi - n_lo))
-            self.write_cost = max(0.0, t_lo - n_lo * self.byte_time)
-        elif n_lo <= SMALL_WRITE:
-            self.write_cost, self.byte_time = t_lo, 0.0
-
-    def renew(self, clock: float, lease: float) -> None:
-        """Decode echoed ``clock`` (this rank's, from a heartbeat reply): it was alive after it."""
-        self.lease_until = max(self.lease_until, min(clock, time.monotonic()) + lease)
 
 
 class PrefillManager(TransferManager[Sender]):

@@ -14,9 +14,9 @@ from ..description.layout import KV_PAGE_SPACE, METADATA_SPACE
 from ..control.metrics import metrics
 from ..planning.indices import Indices, PlanError
 from .room import Poll, Room
+from .servers import DecodeSide, PrefillServer
 
 if TYPE_CHECKING:
-    from .decode import DecodeManager, PrefillServer
     from .manager import SessionConfig
 
 __all__ = ["Receiver"]
@@ -39,7 +39,7 @@ class Receiver(Room):
     arrive (a frozen prefill that resumed) or those ranks' processes are gone.
     """
 
-    def __init__(self, manager: DecodeManager, room: int, bootstrap: str) -> None:
+    def __init__(self, manager: DecodeSide, room: int, bootstrap: str) -> None:
         super().__init__(room)
         self.manager = manager
         self._request: P.TransferRequest | None = None

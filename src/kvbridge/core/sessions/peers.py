@@ -1,0 +1,145 @@
+"""Prefill's view of a decode rank: the peer (its route, lease, worker, measured write cost), its
+request for a room, and what the sender and its writes ask of the prefill manager (``PrefillSide``).
+
+Kept apart from ``prefill`` so that ``sender`` and ``writes`` name these without importing the
+manager that imports them.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy.typing as npt
+
+from ..control import protocol as P
+from ..planning.indices import Indices
+from ..planning.layers import LayerIndex
+from ..planning.pairing import Route
+from .room import Poll, Room
+from .row import inline_row
+from .worker import PeerWorker
+
+if TYPE_CHECKING:
+    from ..transfer.transport import Transport
+    from .manager import SessionConfig
+
+__all__ = ["DecodePeer", "DecodeRequest", "PrefillSide"]
+
+COST_WINDOW = 16  # writes kept per size class to measure a peer's write cost (DecodePeer.note_write)
+COST_SAMPLES = 3  # writes a size class needs before it counts (the first write to a peer is a cold one)
+SMALL_WRITE = 64 << 10  # a write this small costs mostly what any write does: its fixed cost
+
+
+class DecodePeer:
+    """A decode rank that completed the handshake with this prefill rank, and its transfer worker.
+
+    ``lease_until``: this rank may write to the peer until then (this rank's
+    clock). The handshake grants ``lease`` seconds; a heartbeat renews it to
+    ``lease`` after the clock it echoes (:class:`~kvbridge.core.control.protocol.Heartbeat`),
+    so a ping that arrives late but echoes a recent clock still renews it, and
+    pings queued while this rank was frozen or cut off do not.
+    ``last_seen``: when anything last arrived from it (it is forgotten after
+    long silence).
+    """
+
+    def __init__(self, peer_id: str, route: Route, lease: float, inline_row_bytes: int = 0) -> None:
+        self.peer_id = peer_id
+        self.ident = peer_id.encode()
+        self.route = route
+        #: The metadata row goes to this peer inside ``Done`` (small, host memory on both sides: kvbridge.core.sessions.row).
+        self.inline_row = inline_row(route, inline_row_bytes)
+        self.last_seen = time.monotonic()
+        self.lease_until = self.last_seen + lease
+        self.worker = PeerWorker(peer_id)
+        #: What one write to it costs whatever its size (seconds), and what each byte adds (seconds);
+        #: None until measured (see :meth:`note_write`). Layer-wise sending coalesces layers while
+        #: their bytes cost less than a write.
+        self.write_cost: float | None = None
+        self.byte_time: float | None = None
+        self._classes: dict[int, collections.deque[tuple[float, int]]] = {}  # see note_write
+
+    def note_write(self, nbytes: int, seconds: float) -> None:
+        """A write of ``nbytes`` took ``seconds``: update :attr:`write_cost` and :attr:`byte_time`.
+
+        Writes are kept by size class (a power of two), the last ``COST_WINDOW``
+        of each; a class's measure is its fastest write, since contention (a
+        host computing on the same cores while a layer is written, a cold first
+        write) only ever adds to a write's time, and a class counts once it
+        holds ``COST_SAMPLES`` writes. The line through the smallest and the
+        largest class's measures gives the fixed cost and each byte's time.
+        With one class only: writes of at most ``SMALL_WRITE`` cost what the
+        fastest took; larger ones cannot tell the cost from the bytes (None).
+        """
+        window = self._classes.setdefault(max(1, nbytes).bit_length(), collections.deque(maxlen=COST_WINDOW))
+        window.append((seconds, nbytes))
+        counted = [k for k, w in self._classes.items() if len(w) >= COST_SAMPLES]
+        if not counted:
+            return
+        t_lo, n_lo = min(self._classes[min(counted)])
+        t_hi, n_hi = min(self._classes[max(counted)])
+        if n_hi > n_lo:
+            self.byte_time = max(0.0, (t_hi - t_lo) / (n_hi - n_lo))
+            self.write_cost = max(0.0, t_lo - n_lo * self.byte_time)
+        elif n_lo <= SMALL_WRITE:
+            self.write_cost, self.byte_time = t_lo, 0.0
+
+    def renew(self, clock: float, lease: float) -> None:
+        """Decode echoed ``clock`` (this rank's, from a heartbeat reply): it was alive after it."""
+        self.lease_until = max(self.lease_until, min(clock, time.monotonic()) + lease)
+
+
+@dataclass
+class DecodeRequest:
+    """One decode rank's destination lists for a room, checked on arrival."""
+
+    peer: str
+    decode_rank: int
+    decode_tp: int
+    indices: dict[str, Indices]
+    metadata_row: int
+    received: float
+    strict: bool = False  # decode asked for strict_index_lengths
+    checksum: bool = False  # either side asked for the end-to-end checksum
+
+    def conflict(self, others: Mapping[str, DecodeRequest]) -> str | None:
+        """Why this request cannot join a room's ``others``, or None."""
+        if self.peer in others:
+            return f"decode {self.peer!r} already sent a request for it"
+        for other in others.values():
+            if other.decode_tp != self.decode_tp:
+                return f"decode ranks disagree on the decode TP size ({other.decode_tp} vs {self.decode_tp})"
+            if other.decode_rank == self.decode_rank:
+                return f"decode TP rank {self.decode_rank} already sent a request for it (from {other.peer!r})"
+        return None
+
+
+class PrefillSide(Protocol):
+    """What a :class:`~.sender.Sender` and its writes (:mod:`.writes`) use of the
+    :class:`~.prefill.PrefillManager` that owns them: its lock, config and transport, the write
+    fence (``begin_write``/``live``/``end_write``) and the calls that end or report a room."""
+
+    lock: threading.RLock
+    config: SessionConfig
+    transport: Transport
+    backend_name: str
+    layer_index: LayerIndex
+    layer_gap: float | None
+
+    def add_room(self, room: Room) -> None: ...
+    def take_pending(self, room: int) -> Iterable[DecodeRequest]: ...
+    def take_aborted(self, room: int) -> str | None: ...
+    def peer(self, peer_id: str) -> DecodePeer | None: ...
+    def source_indices(self, space: str, values: npt.ArrayLike) -> Indices: ...
+    def note_layer_gap(self, seconds: float) -> None: ...
+    def begin_write(self, sender: Room, peer: DecodePeer) -> bool: ...
+    def live(self, sender: Room, peer: DecodePeer, wait: bool = False) -> bool: ...
+    def end_write(self, sender: Room, peer: DecodePeer) -> None: ...
+    def fail_sender(self, sender: Room, reason: str, kind: str) -> None: ...
+    def finish(self, room: Room, state: Poll, reason: str | None = None, kind: str = "transfer_error",
+               wake: bool = True) -> bool: ...
+    def notify(self, peer: DecodePeer, *msgs: P.Message, wake: bool = False) -> None: ...
