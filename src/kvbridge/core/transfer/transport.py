@@ -35,9 +35,8 @@ from ..planning.transferplan import Memory, TransferPlan
 from ..description.plugins import PluginError, get_registry, import_object
 from ..description.records import BackendCapabilities, BackendSpec, assign_options
 
-__all__ = [
-    "FENCE_BATCH_BYTES", "FENCE_BATCH_DESCRIPTORS", "BackendChoice", "Lane", "Transport", "lane_names", "open_transport",
-]
+__all__ = ["FENCE_BATCH_BYTES", "FENCE_BATCH_DESCRIPTORS", "BackendChoice", "Lane", "Transport", "lane_names",
+           "open_transport"]
 
 log = logging.getLogger(__name__)
 
