@@ -10,17 +10,19 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy.typing as npt
 
 from ..control import protocol as P
+from ..description.layout import METADATA_SPACE, Region
 from ..planning.indices import Indices
 from ..planning.layers import LayerIndex
 from ..planning.pairing import Route
 from .room import Poll, Room
+from .checksum import vram_problem
 from .row import inline_row
 from .worker import PeerWorker
 
@@ -105,6 +107,35 @@ class DecodeRequest:
     received: float
     strict: bool = False  # decode asked for strict_index_lengths
     checksum: bool = False  # either side asked for the end-to-end checksum
+
+    @classmethod
+    def check(cls, peer: DecodePeer, msg: P.TransferRequest, regions: Sequence[Region],
+              config: SessionConfig) -> DecodeRequest:
+        """Check a decode rank's destination lists once, on arrival (the planner trusts them after);
+        ``ProtocolError`` or ``PlanError`` naming what is wrong. ``regions``: this rank's own."""
+        indices: dict[str, Indices] = {}
+        for space, packed in msg.indices.items():
+            # Checked before decoding: a list longer than allowed costs nothing to refuse.
+            if len(packed) > 4 * config.max_index_list:
+                raise P.ProtocolError(f"index list {space[:64]!r} has {len(packed) // 4} entries, more than "
+                                      f"max_index_list={config.max_index_list}")
+            # Spaces this rank holds no regions of (another pipeline stage's state) are ignored.
+            sr = peer.route.spaces.get(space)
+            if sr is not None and len(packed) > 4 * sr.dst_count:
+                raise P.ProtocolError(f"index list {space[:64]!r} has {len(packed) // 4} entries but decode "
+                                      f"declared only {sr.dst_count} {space!r} indices")
+            idx = P.unpack_indices(space, packed)
+            if sr is not None:
+                indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True)
+        if METADATA_SPACE in peer.route.spaces:
+            Indices.check("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
+        if msg.checksum or config.checksum:
+            problem = vram_problem(regions, "prefill") or vram_problem(peer.route.dst.regions, "decode")
+            if problem is not None:
+                raise P.ProtocolError(problem)
+        dst = peer.route.dst
+        return cls(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic(), msg.strict,
+                   msg.checksum or config.checksum)
 
     def conflict(self, others: Mapping[str, DecodeRequest]) -> str | None:
         """Why this request cannot join a room's ``others``, or None."""

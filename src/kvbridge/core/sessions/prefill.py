@@ -14,9 +14,9 @@ import zmq
 from ..control import protocol as P
 from ..control.bootstrap import HELD, RENEW, register_rank
 from ..control.channel import Channel, quiet
-from .checksum import vram_problem
 from ..planning.layers import LayerIndex
-from ..description.layout import KVArgs, METADATA_SPACE
+from ..description.layout import KVArgs
+from .fence import WriteFence
 from .manager import SessionConfig, TransferManager
 from ..planning.pairing import IncompatibleLayoutError, pair_layouts
 from ..planning.indices import Indices, PlanError
@@ -30,12 +30,11 @@ __all__ = ["PrefillManager"]
 log = logging.getLogger(__name__)
 
 MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
-LEASE_POLL = 0.005  # seconds between lease checks while a transfer worker waits for a renewal
 GAP_WINDOW = 64  # layer-wise announcements whose fastest gap is the host's pace (PrefillManager.note_layer_gap)
 FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
 
 
-class PrefillManager(TransferManager[Sender]):
+class PrefillManager(TransferManager[Sender], WriteFence):
     """One per prefill rank: control endpoint, decode peers, transfer workers.
 
     Every decode rank of a room sends this rank its destination lists; the
@@ -106,90 +105,6 @@ class PrefillManager(TransferManager[Sender]):
         """Why decode gave up on ``room`` before its sender was created, or None (removed here)."""
         aborted = self._aborted.pop(room, None)
         return aborted[0] if aborted is not None else None
-
-    # -- fencing: no byte of a failed room is written after decode is told it stopped ----------------
-    def _lapsed(self, sender: Sender, peer: DecodePeer, now: float) -> str | None:
-        """Why ``sender``'s room has waited too long for ``peer``'s lease to be renewed, or None.
-
-        A lapsed lease fails a room only ``heartbeat_timeout`` after the lapse
-        (or after the room's request arrived, if later: a decode that resumed
-        after a freeze renews within a heartbeat round trip). Meanwhile no
-        batch starts: the lapse, not the failure, is what fences.
-        """
-        req = sender.request(peer.peer_id)
-        since = max(peer.lease_until, req.received if req is not None else 0.0)
-        if now - since <= self.config.heartbeat_timeout:
-            return None
-        proof = peer.lease_until - self.config.heartbeat_timeout
-        return (f"decode peer {peer.peer_id!r} gave no sign of life for {now - proof:.1f}s "
-                f"(its lease lapsed {now - peer.lease_until:.1f}s ago; heartbeat_timeout={self.config.heartbeat_timeout}s)")
-
-    def live(self, sender: Sender, peer: DecodePeer, wait: bool = False) -> bool:
-        """Whether ``sender`` may start another batch to ``peer`` now (checked before every batch).
-
-        Not once the room has failed, nor while ``peer``'s lease has lapsed
-        (no proof within ``heartbeat_timeout`` that decode is alive and has not
-        given up: see :class:`DecodePeer`). A lapse that outlasts
-        :meth:`_lapsed`'s margin fails the room; with ``wait`` (a transfer
-        worker, not holding the lock) a shorter one is waited out, else it
-        fails the room at once.
-        """
-        while True:
-            if sender.poll() == Poll.FAILED:
-                return False
-            if self._peers.get(peer.peer_id) is not peer:
-                self.fail_sender(sender, f"decode peer {peer.peer_id!r} was dropped", "peer_dead")
-                return False
-            now = time.monotonic()
-            if now < peer.lease_until:
-                return True
-            why = self._lapsed(sender, peer, now)
-            if why is not None or not wait:
-                self.fail_sender(sender, why or f"decode peer {peer.peer_id!r}'s lease lapsed "
-                                 f"{now - peer.lease_until:.1f}s ago", "peer_dead")
-                return False
-            time.sleep(LEASE_POLL)  # bounded: _lapsed fails the room heartbeat_timeout after the lapse
-
-    def begin_write(self, sender: Sender, peer: DecodePeer) -> bool:
-        """Count a write of ``sender`` to ``peer`` as running; False (nothing counted) if the room is not live.
-
-        Waits out a short lapse of the lease first (without the lock: the I/O
-        thread must be free to take the renewal)."""
-        if not self.live(sender, peer, wait=True):
-            return False
-        with self.lock:
-            if not self.live(sender, peer):
-                return False
-            key = (sender.room, peer.peer_id)
-            self._writing[key] = self._writing.get(key, 0) + 1
-            return True
-
-    def end_write(self, sender: Sender, peer: DecodePeer) -> None:
-        """The write has returned: if the room failed meanwhile, it is now fenced towards ``peer``."""
-        with self.lock:
-            key = (sender.room, peer.peer_id)
-            left = self._writing.pop(key, 1) - 1
-            if left > 0:
-                self._writing[key] = left
-            elif sender.poll() == Poll.FAILED:
-                self._fenced(sender.room, peer.peer_id)
-
-    def _tell_failed(self, room: int, peer_id: str, reason: str) -> None:
-        """Send ``Failed``, then ``Fenced`` unless a write to that peer is running (its end sends it)."""
-        ident = peer_id.encode()
-        self.send(lambda: self._chan, P.Failed(room=room, reason=reason), ident)
-        if (room, peer_id) not in self._writing:
-            self._fenced(room, peer_id)
-
-    def _fenced(self, room: int, peer_id: str) -> None:
-        """Tell ``peer_id`` nothing of ``room`` lands any more: now, or once the engine has certainly
-        stopped writing what a failed write to it left behind (``Transport.fence_delay``; sent by the tick)."""
-        delay = self.transport.fence_delay(peer_id)
-        with self.lock:
-            if delay > 0:
-                self._deferred_fenced.append((time.monotonic() + delay, room, peer_id))
-            else:
-                self.send(lambda: self._chan, P.Fenced(room=room), peer_id.encode())
 
     def note_layer_gap(self, seconds: float) -> None:
         """A layer-wise sender announced layers ``seconds`` after its previous announcement (or its send()).
@@ -334,26 +249,7 @@ class PrefillManager(TransferManager[Sender]):
         """Check a decode rank's destination lists once, on arrival; the planner trusts them after."""
         sender = self.rooms.get(msg.room)
         try:
-            indices: dict[str, Indices] = {}
-            for space, packed in msg.indices.items():
-                # Checked before decoding: a list longer than allowed costs nothing to refuse.
-                if len(packed) > 4 * self.config.max_index_list:
-                    raise P.ProtocolError(f"index list {space[:64]!r} has {len(packed) // 4} entries, more than "
-                                          f"max_index_list={self.config.max_index_list}")
-                # Spaces this rank holds no regions of (another pipeline stage's state) are ignored.
-                sr = peer.route.spaces.get(space)
-                if sr is not None and len(packed) > 4 * sr.dst_count:
-                    raise P.ProtocolError(f"index list {space[:64]!r} has {len(packed) // 4} entries but decode "
-                                          f"declared only {sr.dst_count} {space!r} indices")
-                idx = P.unpack_indices(space, packed)
-                if sr is not None:
-                    indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True)
-            if METADATA_SPACE in peer.route.spaces:
-                Indices.check("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
-            if msg.checksum or self.config.checksum:
-                problem = vram_problem(self.kvargs.regions, "prefill") or vram_problem(peer.route.dst.regions, "decode")
-                if problem is not None:
-                    raise P.ProtocolError(problem)
+            req = DecodeRequest.check(peer, msg, self.kvargs.regions, self.config)
         except (P.ProtocolError, PlanError) as exc:
             reason = f"bad transfer request from decode {peer.peer_id!r}: {exc}"
             # Fail the room only if nobody else has a valid request in it: one
@@ -363,9 +259,6 @@ class PrefillManager(TransferManager[Sender]):
             # Reply last: whoever reads the reply must find the room already failed.
             self._reply(peer.ident, P.Failed(room=msg.room, reason=reason))
             return
-        dst = peer.route.dst
-        req = DecodeRequest(peer.peer_id, dst.tp_rank, dst.tp_size, indices, msg.metadata_row, time.monotonic(), msg.strict,
-                            msg.checksum or self.config.checksum)
         if sender is None:
             reqs = self._pending.setdefault(msg.room, {})
             problem = req.conflict(reqs)
