@@ -89,7 +89,7 @@ def _changed(pools: Pools, before: list[np.ndarray]) -> int:
 def _fenced_after(recv: Receiver, timeout: float) -> float | None:
     """Seconds until the FAILED ``recv`` is fenced (waiting at most ``timeout``), or None."""
     try:
-        return _wait(lambda: recv.fenced, timeout, "the room fenced")
+        return wait_for(lambda: recv.fenced, timeout, "the room fenced")
     except TimeoutError:
         return None
 
@@ -201,7 +201,8 @@ class Cell(msgspec.Struct, kw_only=True):
                 and self.served_fresh_peer is not False and self.resumed_peer_served is not False)
 
 
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> float:
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``cond`` until true; the seconds it took, or TimeoutError naming ``what``."""
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:
@@ -213,15 +214,15 @@ def _wait(cond: Callable[[], bool], timeout: float, what: str) -> float:
 def _sender(mgr: PrefillManager, room: int, what: str) -> Sender:
     """The room's sender, created once decode's request is here: a victim process that starts
     slowly (a loaded machine) must not use up the sender's bootstrap_timeout."""
-    _wait(lambda: mgr.requested(room), 30.0, what)
+    wait_for(lambda: mgr.requested(room), 30.0, what)
     return Sender(mgr, room)
 
 
-def _rooms(child: Any, n: int, timeout: float) -> list[dict[str, Any]]:
+def room_lines(child: Any, n: int, timeout: float) -> list[dict[str, Any]]:
     """The first ``n`` per-room JSON lines a victim printed (waiting for them)."""
     def lines() -> list[dict[str, Any]]:
         return [json.loads(x) for x in child.stdout().splitlines() if x.startswith("{")]
-    _wait(lambda: len(lines()) >= n or child.proc.poll() is not None, timeout, f"{child.role}'s room {n}")
+    wait_for(lambda: len(lines()) >= n or child.proc.poll() is not None, timeout, f"{child.role}'s room {n}")
     got = lines()
     if len(got) < n:
         # Engines (UCX) log to stdout: what they printed there besides the JSON lines belongs to the report.
@@ -276,11 +277,11 @@ def _decode_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Call
         n = sizes(sc, big)
         victim = child("decode", server.address, gap=3.0 if phase == "between" else 0.0, big=big)
         sender = _sender(mgr, reqs[0].room, "decode's request")
-        _wait(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "decode's request")
+        wait_for(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "decode's request")
         if phase == "between":
             sender.send(source_pages(n[0]), last=True)
-            _wait(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "first room")
-            _rooms(victim, 1, 30.0)
+            wait_for(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "first room")
+            room_lines(victim, 1, 30.0)
             peer = mgr.peers()[0]
         else:
             sender.send(source_pages(n[0] - 1))  # the host is still prefilling: never the last
@@ -288,10 +289,10 @@ def _decode_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Call
         t0 = time.monotonic()
         victim.freeze() if fault.endswith("freeze") else victim.kill()
         if phase == "between":
-            cell.survivor_failed_s = _wait(lambda: peer not in mgr.peers(), 30.0, "prefill dropping the decode")
+            cell.survivor_failed_s = wait_for(lambda: peer not in mgr.peers(), 30.0, "prefill dropping the decode")
             cell.reason = "peer dropped"
         else:
-            _wait(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "prefill's room")
+            wait_for(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "prefill's room")
             cell.survivor_failed_s = time.monotonic() - t0
             cell.reason = sender.failure() if sender.poll() == Poll.FAILED else "SUCCESS"
             if sender.poll() != Poll.FAILED:
@@ -299,7 +300,7 @@ def _decode_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Call
         if fault.endswith("freeze"):
             victim.thaw()
             if phase == "mid-transfer":
-                (room,) = _rooms(victim, 1, 30.0)
+                (room,) = room_lines(victim, 1, 30.0)
                 cell.late_pages = room.get("late_pages")
                 if "fenced_at_failed" in room:
                     cell.fenced_at_failed = room["fenced_at_failed"]
@@ -307,9 +308,9 @@ def _decode_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Call
                     cell.late_after_fenced = room["late_after_fenced"]
             # The resumed decode's next room: a new sender on this side, served in full.
             nxt = _sender(mgr, reqs[1].room, "the resumed decode's next request")
-            _wait(lambda: nxt.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "the resumed decode's next request")
+            wait_for(lambda: nxt.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "the resumed decode's next request")
             nxt.send(source_pages(n[1]), last=True)
-            _wait(lambda: nxt.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the resumed decode's next room")
+            wait_for(lambda: nxt.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the resumed decode's next room")
             cell.resumed_peer_served = nxt.poll() == Poll.SUCCESS
             victim.kill()
         cell.served_fresh_peer = _serve_fresh_decode(mgr, sc, server.address, child)
@@ -322,10 +323,10 @@ def _serve_fresh_decode(mgr: PrefillManager, sc: Scenario, address: str, child: 
     fresh = child("decode", address)
     req = schedule(sc)[0]  # the fresh decode runs the same schedule: serve its first room
     sender = _sender(mgr, req.room, "the fresh decode's request")
-    _wait(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "the fresh decode's request")
+    wait_for(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "the fresh decode's request")
     sender.send(source_pages(sizes(sc, False)[0]), last=True)
-    _wait(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh decode's room")
-    (room,) = _rooms(fresh, 1, 30.0)
+    wait_for(lambda: sender.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh decode's room")
+    (room,) = room_lines(fresh, 1, 30.0)
     fresh.kill()
     return sender.poll() == Poll.SUCCESS and room["state"] == "SUCCESS"
 
@@ -342,21 +343,21 @@ def _prefill_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Cal
         first = Receiver(mgr, reqs[0].room, bootstrap=address)
         first.init(np.arange(n[0]), metadata_row=0)
         if phase == "between":
-            _wait(lambda: first.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "first room")
+            wait_for(lambda: first.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "first room")
             if first.poll() != Poll.SUCCESS:
                 raise RuntimeError(f"first room failed: {first.failure()}")
             pools.reset()
             recv = Receiver(mgr, reqs[1].room, bootstrap=address)
-            _wait(lambda: recv.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "second handshake")
+            wait_for(lambda: recv.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "second handshake")
         else:
             recv = first
-            _wait(lambda: recv.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "handshake")
+            wait_for(lambda: recv.poll() >= Poll.WAITING_FOR_INPUT, 30.0, "handshake")
             time.sleep(0.05)  # the prefill host has sent its chunk: the write is under way
         t0 = time.monotonic()
         victim.freeze() if fault.endswith("freeze") else victim.kill()
         if phase == "between":
             recv.init(np.arange(n[1]), metadata_row=0)
-        _wait(lambda: recv.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "decode's room")
+        wait_for(lambda: recv.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "decode's room")
         failed, frozen = recv.poll() == Poll.FAILED, fault.endswith("freeze")
         cell.survivor_failed_s = time.monotonic() - t0 if failed else None
         cell.reason = recv.failure() if failed else "SUCCESS"
@@ -371,7 +372,7 @@ def _prefill_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Cal
             cell.fenced_s = None if waited is None else time.monotonic() - t0
             at_fenced = _snapshot(pools)
             done = 2 if phase == "between" else 1
-            lines = _rooms(victim, done, 30.0) if frozen else []
+            lines = room_lines(victim, done, 30.0) if frozen else []
             time.sleep(SETTLE)
             cell.late_pages = _changed(pools, at_failed)
             cell.late_after_fenced = _changed(pools, at_fenced)
@@ -381,7 +382,7 @@ def _prefill_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Cal
                 pools.reset()
                 nxt = Receiver(mgr, reqs[done].room, bootstrap=address)
                 nxt.init(np.arange(n[done]), metadata_row=0)
-                _wait(lambda: nxt.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the resumed prefill's next room")
+                wait_for(lambda: nxt.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the resumed prefill's next room")
                 cell.resumed_peer_served = nxt.poll() == Poll.SUCCESS
         if frozen:
             victim.kill()
@@ -390,7 +391,7 @@ def _prefill_victim(cell: Cell, sc: Scenario, fault: str, phase: str, child: Cal
         pools.reset()
         again = Receiver(mgr, reqs[0].room, bootstrap=fresh.bootstrap)
         again.init(np.arange(sizes(sc, False)[0]), metadata_row=0)
-        _wait(lambda: again.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh prefill's room")
+        wait_for(lambda: again.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh prefill's room")
         cell.served_fresh_peer = again.poll() == Poll.SUCCESS
     finally:
         mgr.close()
@@ -407,13 +408,13 @@ def _bootstrap_gone(cell: Cell, sc: Scenario, child: Callable[..., Any]) -> None
         n = sizes(sc, False)
         recv = Receiver(mgr, schedule(sc)[0].room, bootstrap=address)
         recv.init(np.arange(n[0]), metadata_row=0)
-        _wait(lambda: recv.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "decode's room")
+        wait_for(lambda: recv.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "decode's room")
         cell.survivor_failed_s = time.monotonic() - t0
         cell.reason = recv.failure()
         fresh = child("prefill")
         again = Receiver(mgr, schedule(sc)[0].room, bootstrap=fresh.bootstrap)
         again.init(np.arange(n[0]), metadata_row=0)
-        _wait(lambda: again.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh prefill's room")
+        wait_for(lambda: again.poll() in (Poll.SUCCESS, Poll.FAILED), 30.0, "the fresh prefill's room")
         cell.served_fresh_peer = again.poll() == Poll.SUCCESS
     finally:
         mgr.close()

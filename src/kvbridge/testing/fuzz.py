@@ -125,17 +125,17 @@ class Target:
         if what == "random":
             frames = [mut.random_bytes()]
         elif what == "random-sealed":
-            frames = [self.auth.seal(mut.random_bytes(), chan.to, chan._sealer)]
+            frames = [chan.seal(mut.random_bytes(), chan.to)]
         elif what == "mutated-sealed":
-            frames = [self.auth.seal(mut.mutated(), chan.to, chan._sealer)]
+            frames = [chan.seal(mut.mutated(), chan.to)]
         elif what == "mutated-unsealed":
             frames = [mut.mutated()]
         elif what == "valid-unsealed":
             frames = [rng.choice(mut.valid)]
         elif what == "wrong-type":
-            frames = [self.auth.seal(rng.choice(mut.valid), chan.to, chan._sealer)]
+            frames = [chan.seal(rng.choice(mut.valid), chan.to)]
         elif what == "huge-claim":
-            frames = [self.auth.seal(mut.huge_claim(), chan.to, chan._sealer)]
+            frames = [chan.seal(mut.huge_claim(), chan.to)]
         elif what == "tampered":
             sealed = bytearray(self.auth.seal(rng.choice(mut.valid), chan.to, Sealer()))
             sealed[rng.randrange(len(sealed))] ^= 1 << rng.randrange(8)
@@ -143,7 +143,7 @@ class Target:
         elif what == "replayed" and self.replayable:
             frames = [rng.choice(self.replayable)]
         elif what == "frames":
-            frames = [self.auth.seal(rng.choice(mut.valid), chan.to, chan._sealer)] * rng.choice([2, 3])
+            frames = [chan.seal(rng.choice(mut.valid), chan.to)] * rng.choice([2, 3])
         elif what == "oversize":
             frames = [bytes(MAX_BYTES + 1024)]
         else:
@@ -208,7 +208,7 @@ class FakePrefill:
         ident = self.decode_ident
         if ident is None:
             return False
-        seal = lambda payload: self.auth.seal(payload, ident, self.rank._sealer)  # noqa: E731
+        seal = lambda payload: self.rank.seal(payload, ident)  # noqa: E731
         if what == "random":
             frame = mut.random_bytes()
         elif what == "random-sealed":

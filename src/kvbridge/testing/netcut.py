@@ -203,7 +203,7 @@ def run_decode(sc: Scenario, sizes: list[int], gates: Path, bootstrap: str) -> i
 # -- the parent's side of one cell ---------------------------------------------------------------
 def run_cell(cell: Any, sc: Scenario, workdir: Path) -> None:
     """Fill ``cell`` (a :class:`kvbridge.testing.faults.Cell` with fault net-cut or net-flap)."""
-    from kvbridge.testing.faults import _rooms, _wait, sizes
+    from kvbridge.testing.faults import room_lines, sizes, wait_for
     from kvbridge.testing.harness import Child
 
     why = unavailable()
@@ -241,9 +241,9 @@ def run_cell(cell: Any, sc: Scenario, workdir: Path) -> None:
             def found() -> list[dict[str, Any]]:
                 return [x for x in (json.loads(s) for s in child.stdout().splitlines() if s.startswith("{"))
                         if x.get("room") == want and "state" in x]
-            _wait(lambda: bool(found()) or child.proc.poll() is not None, timeout, f"{child.role}'s room {room}")
+            wait_for(lambda: bool(found()) or child.proc.poll() is not None, timeout, f"{child.role}'s room {room}")
             if not found():
-                _rooms(child, 10**6, 0.0)  # raises with the exit code and stderr
+                room_lines(child, 10**6, 0.0)  # raises with the exit code and stderr
             return found()[0]
 
         if phase == "between":
@@ -253,7 +253,7 @@ def run_cell(cell: Any, sc: Scenario, workdir: Path) -> None:
                 raise RuntimeError(f"room 0 before the cut: {first}")
         if big:
             go(0)
-            _wait(lambda: '"event": "sent"' in pre.stdout() or pre.proc.poll() is not None, 60.0, "prefill's chunk")
+            wait_for(lambda: '"event": "sent"' in pre.stdout() or pre.proc.poll() is not None, 60.0, "prefill's chunk")
             time.sleep(0.02)  # the write is under way
         t0 = link.set(up=False)
         if not big:
@@ -277,13 +277,13 @@ def run_cell(cell: Any, sc: Scenario, workdir: Path) -> None:
                                  else f"{role[0].upper()} {r['state']}" for role, r in got.items())
         if states["decode"] == "FAILED":
             want = schedule(sc)[fault_room].room
-            _wait(lambda: any(json.loads(s).get("late_pages") is not None for s in dec.stdout().splitlines()
+            wait_for(lambda: any(json.loads(s).get("late_pages") is not None for s in dec.stdout().splitlines()
                               if s.startswith("{") and json.loads(s).get("room") == want) or dec.proc.poll() is not None,
                   60.0, "decode's late-write count")
             late = [json.loads(s)["late_pages"] for s in dec.stdout().splitlines()
                     if s.startswith("{") and "late_pages" in s and json.loads(s).get("room") == want]
             if not late:
-                _rooms(dec, 10**6, 0.0)
+                room_lines(dec, 10**6, 0.0)
             cell.late_pages = late[0]
         # Over the restored link, both serve the next room.
         go(fault_room + 1)

@@ -262,10 +262,14 @@ class Channel:
     def connect(self, address: str) -> None:
         self.sock.connect(f"tcp://{address}")
 
+    def seal(self, payload: bytes, to: bytes) -> bytes:
+        """``payload`` sealed for ``to`` as this channel seals what it sends (its replay counter)."""
+        return self.auth.seal(payload, to, self._sealer)
+
     def send(self, payload: bytes, ident: bytes | None = None) -> None:
         """Seal ``payload`` for ``ident`` (ROUTER) or this channel's peer (DEALER) and send it without blocking."""
         to = ident if ident is not None else self.to
-        frame = self.auth.seal(payload, to, self._sealer)
+        frame = self.seal(payload, to)
         _send(self.sock, [ident, frame] if ident is not None else [frame])
 
     def send_msg(self, msg: P.Message, ident: bytes | None = None) -> None:
