@@ -3,7 +3,7 @@
 #
 # Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
-# Writes gpu-tests.log, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, layerwise.txt and demo.txt
+# Writes gpu-tests.log, request.{txt,json}, trace.txt (STEPS=request),, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, layerwise.txt and demo.txt
 # to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
 # (default "tests conformance kernel bench demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
@@ -31,13 +31,24 @@ want tests && python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tes
 # The same-host GPU copy is a backend like any other: the conformance suite, on GPU buffers.
 want conformance && python3 -m kvbridge.cli conformance cuda_ipc -q -p no:cacheprovider -rs \
   2>&1 | tee "$OUT/conformance.log" | tail -15 || rc=1
-# BASELINE=DIR: the same bench first with the kvbridge wheel in DIR (an older version), one call, one machine.
+# BASELINE=DIR: the same bench with the kvbridge wheel in DIR (an older version), interleaved with this
+# checkout's ROUNDS times (default 1) in one call on one machine, so drift shows as drift, not as a change.
 if want bench && [ -n "${BASELINE:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvb-old "$BASELINE"/*.whl .whl/[!k]*.whl \
-    && PYTHONPATH=/tmp/kvb-old python3 -m kvbridge.cli bench transfer --device cuda --json "$@" \
-      > "$OUT/bench-before.json" 2> "$OUT/bench-before.txt" || rc=1
-  tail -30 "$OUT/bench-before.txt"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvb-old "$BASELINE"/*.whl .whl/[!k]*.whl || rc=1
+  for round in $(seq "${ROUNDS:-1}"); do
+    PYTHONPATH=/tmp/kvb-old python3 -m kvbridge.cli bench transfer --device cuda --json "$@" \
+      > "$OUT/bench-before-$round.json" 2> "$OUT/bench-before-$round.txt" || rc=1
+    tail -30 "$OUT/bench-before-$round.txt"
+    python3 -m kvbridge.cli bench transfer --device cuda --json "$@" \
+      > "$OUT/bench-after-$round.json" 2> "$OUT/bench-after-$round.txt" || rc=1
+    tail -30 "$OUT/bench-after-$round.txt"
+  done
 fi
+# Per-request cost on this host's CPU (#27's numbers): small requests through the whole control plane.
+want request && { python3 -m kvbridge.cli bench request --backends nixl,memory --json > "$OUT/request.json" 2> "$OUT/request.txt" || rc=1
+tail -20 "$OUT/request.txt"
+python3 -m kvbridge.cli bench request --backends nixl --trace > "$OUT/trace.txt" 2>&1 || rc=1
+tail -40 "$OUT/trace.txt"; }
 want kernel && { python3 benchmarks/gpu_kernel_bench.py --json ${KERNEL_TUNE:+--tune} > "$OUT/kernel.json" 2> "$OUT/kernel.txt" || rc=1
 tail -20 "$OUT/kernel.txt"; }
 # Where one write's host time goes (copy() vs D2D in one process, step by step); also part of "kernel".

@@ -65,6 +65,7 @@ def test_request_bench_moves_checked_requests_and_reports_latency_and_references
     for c in res["cells"]:
         assert 0 < c["p50_us"] <= c["p99_us"] and c["requests_per_s"] > 0
     assert res["zmq_rtt_p50_us"] > 0 and res["raw_write_p50_us"] is None  # memory has no raw engine
+    assert res["first_us"] > 0 and res["second_us"] > 0  # the cold-start pair of the first cell
 
 
 def test_request_trace_puts_both_processes_steps_on_one_timeline_in_causal_order():
