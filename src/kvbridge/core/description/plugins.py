@@ -27,7 +27,7 @@ from . import hookspecs
 from .records import BackendSpec, StateHandlerSpec
 # The registry's types are defined in .registry; plugins.py builds one. They are also importable from
 # here: kvbridge.core.plugins, this module's old path, is where code written before the split finds them.
-from .registry import (
+from .registry import (  # noqa: F401
     BACKEND_PREFERENCE,
     SAME_HOST_LANES,
     BackendUnavailableError,
@@ -42,23 +42,7 @@ from .registry import (
     import_object,
 )
 
-__all__ = [
-    "BACKEND_PREFERENCE",
-    "SAME_HOST_LANES",
-    "ENTRY_POINT_GROUP",
-    "DISABLE_AUTOLOAD_ENV",
-    "TRACE_HOOKS_ENV",
-    "PluginError",
-    "BackendUnavailableError",
-    "UnknownBackendError",
-    "Provider",
-    "Registered",
-    "LoadError",
-    "Registry",
-    "get_registry",
-    "build_registry",
-    "import_object",
-]
+__all__ = ["ENTRY_POINT_GROUP", "DISABLE_AUTOLOAD_ENV", "TRACE_HOOKS_ENV", "build_registry", "get_registry"]
 
 log = logging.getLogger(__name__)
 
