@@ -50,8 +50,7 @@ import numpy as np
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
 from kvbridge.core.transfer.backend import wait_until
 from kvbridge.core.description.layout import Region
-from kvbridge.core.planning.regions import RegionTable
-from kvbridge.core.planning.transferplan import TransferPlan, memory_of
+from kvbridge.core.planning.plan import RegionTable, TransferPlan, memory_of
 from kvbridge.core.description.records import BackendCapabilities
 
 from ..tcpfence import TcpFence
