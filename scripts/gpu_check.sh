@@ -3,7 +3,7 @@
 #
 # Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
-# Writes gpu-tests.log, request.{txt,json}, trace.txt (STEPS=request),, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, layerwise.txt and demo.txt
+# Writes gpu-tests.log, request.{txt,json}, trace.txt (STEPS=request), cold.txt (STEPS=cold),, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, layerwise.txt and demo.txt
 # to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
 # (default "tests conformance kernel bench demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
@@ -33,8 +33,10 @@ want conformance && python3 -m kvbridge.cli conformance cuda_ipc -q -p no:cachep
   2>&1 | tee "$OUT/conformance.log" | tail -15 || rc=1
 # BASELINE=DIR: the same bench with the kvbridge wheel in DIR (an older version), interleaved with this
 # checkout's ROUNDS times (default 1) in one call on one machine, so drift shows as drift, not as a change.
-if want bench && [ -n "${BASELINE:-}" ]; then
+if [ -n "${BASELINE:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvb-old "$BASELINE"/*.whl .whl/[!k]*.whl || rc=1
+fi
+if want bench && [ -n "${BASELINE:-}" ]; then
   for round in $(seq "${ROUNDS:-1}"); do
     PYTHONPATH=/tmp/kvb-old python3 -m kvbridge.cli bench transfer --device cuda --json "$@" \
       > "$OUT/bench-before-$round.json" 2> "$OUT/bench-before-$round.txt" || rc=1
@@ -61,6 +63,16 @@ if want bench; then
   python3 -m kvbridge.cli bench transfer --device cuda --page-kib 16 64 --total-mib 4096 --json \
     > "$OUT/bench-4g.json" 2> "$OUT/bench-4g.txt" || rc=1
   tail -6 "$OUT/bench-4g.txt"
+fi
+# Cold start: the demo in a fresh Triton cache (nothing compiled yet), this checkout and BASELINE's wheel if given:
+# its transfer latency p99 and TTFT p99 against the p50 show what the first requests pay for.
+if want cold; then
+  for v in ${BASELINE:+before} after; do
+    pp=$PYTHONPATH; [ "$v" = before ] && pp=/tmp/kvb-old
+    echo "== cold start, $v" | tee -a "$OUT/cold.txt"
+    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=$pp python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 \
+      | grep -E "latency|TTFT|result|Error|error" | tee -a "$OUT/cold.txt" || rc=1
+  done
 fi
 want demo && { python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 | tee "$OUT/demo.txt" | tail -25 || rc=1; }
 # Layer-wise sending on the GPU: the synthetic model (a GPU kernel per layer, ready= CUDA events), the demo's

@@ -219,6 +219,33 @@ def test_later_slices_tables_are_copied_beside_the_running_slices_and_the_fence_
     assert checks == [3]  # once, between the two slices
 
 
+@pytest.mark.parametrize("item", [576, 1024, 4096, 65536])
+def test_the_kernels_compiled_at_the_handshake_are_those_one_page_and_run_plans_launch(item):
+    # What the backend compiles ahead (warm_shapes) against what copies of planned requests launch: every
+    # launch of plans of single pages and of runs up to 64 pages, scattered, finds its compiled kernel
+    # (the kernel's key: the shape's constants and the sizes mode; piece counts and sizes are arguments).
+    from kvbridge.core.plan import plan_pages
+    from kvbridge.plugins.cuda_ipc.backend import warm_shapes
+
+    regions = [Region(name=f"k{i}", addr=(1 << 40) + i * (1 << 30), nbytes=item * 4096, stride=item, role="k",
+                      index_space="kv_page", mem="vram") for i in range(3)]
+    bases = np.array([r.addr for r in regions], np.int64)
+
+    def key(sh: split.Shape, sizes: int) -> tuple:
+        return sh.rows, sh.chunk, sh.width, sh.align16, sh.even, sizes
+
+    warmed = {key(sh, sizes) for sh, sizes in warm_shapes(regions, regions)}
+    rng = np.random.default_rng(item)
+    for run in (1, 2, 3, 8, 64):
+        starts = rng.choice(np.arange(0, 4096 - run, run), 5, replace=False)
+        idx = (starts[:, None] + np.arange(run)).ravel()
+        plan = plan_pages(bases, bases + (1 << 38), np.full(3, item), idx, rng.permutation(4096)[: idx.size] if run == 1 else idx)
+        for part, hint in split.launches(plan.factors(), plan.hints()):
+            sh = split.shape(part, hint)
+            sizes = 0 if sh.uniform else 1 if split.row_sizes(part) else 2
+            assert key(sh, sizes) in warmed, (run, sh, sizes)
+
+
 def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():
     if ipc.available():
         pytest.skip("this machine has CUDA")

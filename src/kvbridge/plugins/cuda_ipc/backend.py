@@ -13,12 +13,15 @@ core's fence between slices, and returns once every byte has landed.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvbridge.core import Backend, BackendConfig, Region, TransferError, TransferPlan, checkpoint
 
-from . import CAPABILITIES, ipc, kernel
+from . import CAPABILITIES, ipc, kernel, split
 
 __all__ = ["CudaIpcBackend"]
 
@@ -35,6 +38,8 @@ class CudaIpcBackend(Backend):
         self._regions: list[Region] = []
         self._device = -1
         self._peers: dict[str, ipc.GpuPeer] = {}
+        self._metadata = b""
+        self._warming: list[threading.Thread] = []
         self._closed = False
 
     def select(self, regions: Sequence[Region]) -> Sequence[Region]:
@@ -46,9 +51,12 @@ class CudaIpcBackend(Backend):
     def register(self, regions: Sequence[Region]) -> None:
         self._regions = list(regions)
         self._device = min((r.device for r in regions), default=-1)
+        self._metadata = ipc.local_metadata(self._regions) if self._regions else b""
+        if self._metadata:  # compile ahead, guessing that peers share as many allocations as this rank
+            self._warm("registration", self._regions, split.search_steps(ipc.allocation_count(self._metadata)))
 
     def metadata(self) -> bytes:
-        return ipc.local_metadata(self._regions) if self._regions else b""
+        return self._metadata
 
     def add_peer(self, peer: str, metadata: bytes, regions: Sequence[Region]) -> None:
         if self._closed:
@@ -65,6 +73,23 @@ class CudaIpcBackend(Backend):
         if not mapped.covers(regions):
             raise TransferError(f"peer {peer!r}'s GPU regions are not all inside the allocations it shared")
         self._peers[peer] = mapped
+        self._warm(f"peer {peer!r}", regions, split.search_steps(len(mapped.starts)))
+
+    def _warm(self, what: str, peer_regions: Sequence[Region], steps: int) -> None:
+        """Compile, beside the caller, the kernels copies to such peer regions will launch, so that requests do
+        not pay for compiling (a fraction of a second each, and Triton's import before the first). A copy that
+        needs one still being compiled waits for it; close() waits for these threads."""
+        def run() -> None:
+            try:
+                n = kernel.warm(self._device, warm_shapes(self._regions, peer_regions), steps)
+                log.debug("cuda_ipc: compiled %d copy kernels ahead (%s)", n, what)
+            except Exception as exc:  # a copy compiles what it needs anyway
+                log.warning("cuda_ipc: could not compile the copy kernels ahead (%s): %r", what, exc)
+
+        # Not a daemon: a compile cut off at interpreter exit aborts the process.
+        thread = threading.Thread(target=run, name="kvbridge-cuda-ipc-warm")
+        self._warming = [t for t in self._warming if t.is_alive()] + [thread]
+        thread.start()
 
     def remove_peer(self, peer: str) -> None:
         # Mappings stay open until the process ends: a write in flight may still use them, and CUDA
@@ -85,6 +110,35 @@ class CudaIpcBackend(Backend):
     def close(self) -> None:
         self._closed = True
         self._peers.clear()
+        for thread in self._warming:
+            thread.join(60)
 
     def describe(self) -> dict[str, Any]:
         return {"cuda_ipc_device": self._device, "cuda_ipc_peers": sorted(self._peers)}
+
+
+def warm_shapes(local: Sequence[Region], peer: Sequence[Region]) -> list[tuple[split.Shape, int]]:
+    """The launch shapes (and sizes modes) of the plans most requests between these regions make: per item
+    size (a region's stride), runs of pages of every length up to where the shape stops changing (two
+    programs' bytes), of one length or of several. One per compiled kernel. Head-sliced pairs
+    (heterogeneous TP) are not guessed."""
+    remote = [r for r in peer if r.mem == "vram"]
+    if not local or not remote:
+        return []
+    src_rows = np.array([r.addr for r in local], np.int64)
+    dst_rows = np.resize(np.array([r.addr for r in remote], np.int64), len(src_rows))
+    out: dict[tuple[Any, ...], tuple[split.Shape, int]] = {}
+    zero = np.zeros(2, np.int64)
+    for item in sorted({r.stride for r in local if r.stride > 0}):
+        # runs of k pages: all of one length (one size), or of several (sizes per column, the longest
+        # setting the piece); past two programs' bytes the shape no longer changes with k
+        # (and the first k whose runs are whole programs: loads and stores then go unmasked)
+        whole = max(1, split.TILE_BYTES // (item & -item))
+        for k in sorted({*range(1, max(2, 2 * split.TILE_BYTES // item) + 1), whole, 2 * whole}):
+            for part, hint, sizes in (((src_rows, dst_rows, zero[:1], zero[:1], np.array([k * item], np.int64)),
+                                       (item & -item, k * item), 0),
+                                      ((src_rows, dst_rows, zero, zero, np.array([item, k * item], np.int64)),
+                                       (item & -item, 0), 2)):
+                sh = split.shape(part, hint)
+                out.setdefault((sh.rows, sh.chunk, sh.width, sh.align16, sh.even, sizes), (sh, sizes))
+    return list(out.values())

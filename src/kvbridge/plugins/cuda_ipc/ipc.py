@@ -113,6 +113,11 @@ def local_metadata(regions: Sequence[Region]) -> bytes:
     return msgspec.msgpack.encode(_Meta(host_id(), os.getpid(), list(allocs.values())))
 
 
+def allocation_count(metadata: bytes) -> int:
+    """How many allocations ``metadata`` (of :func:`local_metadata`) shares."""
+    return len(msgspec.msgpack.decode(metadata, type=_Meta).allocs) if metadata else 0
+
+
 class GpuPeer:
     """A peer's GPU allocations mapped into this process (sorted by the peer's address)."""
 

@@ -21,7 +21,7 @@ import numpy as np
 from .ipc import GpuPeer, check_rc, driver, on_device
 from .split import Part, Shape, launches, row_sizes, shape
 
-__all__ = ["copy"]
+__all__ = ["copy", "warm"]
 
 
 # -- the kernel ---------------------------------------------------------------------------------------
@@ -31,8 +31,33 @@ NUM_WARPS = 2  # per program of TILE_BYTES
 #: Triton's per-call argument binding and cache lookup (tens of microseconds of Python per launch).
 DIRECT_LAUNCH = True
 _compiled: dict[tuple[Any, ...], Any] = {}  # constants + which integer arguments need 64 bits -> kernel
+#: Guards _compiled and _pending. One compile per kernel: a copy that needs a kernel the warm-up is compiling
+#: waits for that one (never for the warm-up's others); kernels of different keys compile side by side.
+_compiling = threading.Lock()
+_pending: dict[tuple[Any, ...], threading.Event] = {}
+
+
+def _single_flight(key: tuple[Any, ...], build: Callable[[], None]) -> None:
+    """Run ``build`` (which fills ``_compiled[key]``) unless it ran or another thread is running it (then wait)."""
+    with _compiling:
+        if key in _compiled:
+            return
+        event = _pending.get(key)
+        mine = event is None
+        if mine:
+            event = _pending[key] = threading.Event()
+    assert event is not None
+    if not mine:
+        event.wait(120)
+        return
+    try:
+        build()
+    finally:
+        with _compiling:
+            del _pending[key]
+        event.set()
 _dtypes: dict[int, Any] = {}  # element bytes -> Triton type (filled by _compile)
-_INTS = ("rows_tab", "nrows", "cols_tab", "ncols", "size", "starts", "deltas", "allocs")
+_INTS = ("rows_tab", "nrows", "cols_tab", "ncols", "size", "starts", "deltas", "allocs", "pieces")
 
 
 def _compile() -> Any:
@@ -43,23 +68,24 @@ def _compile() -> Any:
     # Every argument is an integer (tables are passed by address) that Triton must not specialise on
     # (divisibility by 16, equality to 1): one compiled kernel per set of constants, whatever the values.
     @triton.jit(do_not_specialize=list(_INTS))
-    def copy_pieces(rows_tab, nrows, cols_tab, ncols, size, starts, deltas, allocs, PIECES: tl.constexpr,
+    def copy_pieces(rows_tab, nrows, cols_tab, ncols, size, starts, deltas, allocs, pieces,
                     ROWS: tl.constexpr, CHUNK: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
                     STEPS: tl.constexpr, ALIGN16: tl.constexpr, EVEN: tl.constexpr, SIZES: tl.constexpr):
         # rows_tab: nrows sources, nrows destinations (peer addresses)[, nrows sizes if SIZES == 1];
         # cols_tab: ncols source offsets, destination offsets[, sizes if SIZES == 2]; SIZES == 0: every
         # descriptor moves ``size`` bytes. Descriptor d is (d // ncols, d % ncols); piece p
-        # is elements [(p % PIECES) * CHUNK, +CHUNK) of descriptor p // PIECES; one program copies ROWS
-        # pieces. Destinations are translated into this process through the peer's mapped allocations
+        # is elements [(p % pieces) * CHUNK, +CHUNK) of descriptor p // pieces; one program copies ROWS
+        # pieces. ``pieces`` is an argument, not a constant: plans whose longest run differs share one
+        # compiled kernel (each new constant would compile one, a fraction of a second, mid-request). Destinations are translated into this process through the peer's mapped allocations
         # (sorted starts, deltas) by a branchless binary search of STEPS steps.
         rows_t = rows_tab.to(tl.int64).to(tl.pointer_type(tl.int64))
         cols_t = cols_tab.to(tl.int64).to(tl.pointer_type(tl.int64))
         starts_t = starts.to(tl.int64).to(tl.pointer_type(tl.int64))
         deltas_t = deltas.to(tl.int64).to(tl.pointer_type(tl.int64))
         p = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        live = p < nrows.to(tl.int64) * ncols * PIECES
-        d = p // PIECES
-        first = (p % PIECES) * CHUNK
+        live = p < nrows.to(tl.int64) * ncols * pieces
+        d = p // pieces
+        first = (p % pieces) * CHUNK
         r = d // ncols
         c = d % ncols
         s = tl.load(rows_t + r, mask=live, other=0) + tl.load(cols_t + c, mask=live, other=0)
@@ -159,12 +185,10 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
     Before the first launch: one table copy and one launch. A later slice's table is copied on a side
     stream while the slices before it run, and its launch waits for that copy alone.
     """
-    global _kernel
     work = launches(parts, hints)
     if not work:
         return
-    if _kernel is None:
-        _kernel = _compile()
+    _load()
     # each table starts on a 16-byte boundary (an even word)
     buf = _staging.get(device, sum(3 * (len(p[0]) + len(p[2])) + 1 for p, _ in work))
     table = peer.on_device(device)
@@ -218,26 +242,72 @@ def _run(sh: Shape, sizes: int, m: int, ncols: int, rows: int, cols: int, starts
     on ``stream`` (a handle of ``device``)."""
     grid = -(-m * ncols * sh.pieces // sh.rows)
     size = sh.uniform
-    # Triton types an integer argument i32 or i64 by its value (all are >= 0 here): part of what the compiled
-    # kernel is. A compiled kernel is loaded into one device's context.
-    key = (device, sh.pieces, sh.rows, sh.chunk, sh.width, steps, sh.align16, sh.even, sizes, NUM_WARPS,
-           rows > _I32, m > _I32, cols > _I32, ncols > _I32, size > _I32, starts > _I32, deltas > _I32, allocs > _I32)
+    ints = (rows, m, cols, ncols, size, starts, deltas, allocs, sh.pieces)
+    key = _key(sh, sizes, steps, device, ints)
+    if DIRECT_LAUNCH and key not in _compiled and key in _pending:
+        _single_flight(key, lambda: None)  # the warm-up is compiling this one: wait for it
     direct = _compiled.get(key) if DIRECT_LAUNCH else None
     if direct is not None:
         kernel, constants = direct
-        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   rows, m, cols, ncols, size, starts, deltas, allocs, *constants)
+        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *ints, *constants)
         return
     import torch
 
-    dtype = _dtypes[sh.width]
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # Triton launches on torch's current stream
-        kernel = _kernel[(grid,)](rows, m, cols, ncols, size, starts, deltas, allocs, PIECES=sh.pieces, ROWS=sh.rows,
-                                  CHUNK=sh.chunk, WIDTH=sh.width, DTYPE=dtype, STEPS=steps, ALIGN16=sh.align16,
-                                  EVEN=sh.even, SIZES=sizes, num_warps=NUM_WARPS)
-    # The compiled launcher takes every argument (Triton >= 3.2: constants too, which it skips) or only
-    # the non-constant ones (older): its signature says which. Anything else: keep launching through Triton.
-    constants = (sh.pieces, sh.rows, sh.chunk, sh.width, dtype, steps, sh.align16, sh.even, sizes)
+        kernel = _kernel[(grid,)](*ints, **_constexprs(sh, sizes, steps))
+    with _compiling:
+        _keep(key, kernel, sh, sizes, steps)
+
+
+def _key(sh: Shape, sizes: int, steps: int, device: int, ints: Sequence[int]) -> tuple[Any, ...]:
+    """What one compiled kernel serves: its constants, and which integer arguments need 64 bits (Triton types
+    an integer argument i32 or i64 by its value; all are >= 0 here). A compiled kernel is loaded into one
+    device's context."""
+    return (device, sh.rows, sh.chunk, sh.width, steps, sh.align16, sh.even, sizes, NUM_WARPS, *(i > _I32 for i in ints))
+
+
+def _constexprs(sh: Shape, sizes: int, steps: int) -> dict[str, Any]:
+    return {"ROWS": sh.rows, "CHUNK": sh.chunk, "WIDTH": sh.width, "DTYPE": _dtypes[sh.width], "STEPS": steps,
+            "ALIGN16": sh.align16, "EVEN": sh.even, "SIZES": sizes, "num_warps": NUM_WARPS}
+
+
+def _keep(key: tuple[Any, ...], kernel: Any, sh: Shape, sizes: int, steps: int) -> None:
+    """Keep a compiled kernel for direct launches. Its launcher takes every argument (Triton >= 3.2: constants
+    too, which it skips) or only the non-constant ones (older): its signature says which. Anything else: keep
+    launching through Triton."""
+    constants = tuple(v for k, v in _constexprs(sh, sizes, steps).items() if k != "num_warps")
     count = len(getattr(getattr(kernel, "src", None), "signature", ()))
     if count in (len(_INTS), len(_INTS) + len(constants)) and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
         _compiled[key] = (kernel, constants if count > len(_INTS) else ())
+
+
+def warm(device: int, shapes: Sequence[tuple[Shape, int]], steps: int) -> int:
+    """Compile (without launching) the kernels that copies of ``shapes`` (each with its sizes mode) through a
+    peer table of ``steps`` search steps will use, and load them on ``device``: done at the handshake, so
+    that a request does not pay for compiling. Returns how many were compiled. Integer arguments take the
+    widths a copy gives them: addresses 64 bits, counts and sizes 32."""
+    _load()
+    on_device(device)
+    done = 0
+    for sh, sizes in shapes:
+        ints = (1 << 40, 1, 1 << 40, 1, sh.uniform, 1 << 40, 1 << 40, 1 << steps, sh.pieces)
+        key = _key(sh, sizes, steps, device, ints)
+
+        def build(sh: Shape = sh, sizes: int = sizes, ints: tuple[int, ...] = ints, key: tuple[Any, ...] = key) -> None:
+            kernel = _kernel.warmup(*ints, grid=(1,), **_constexprs(sh, sizes, steps))
+            kernel.run  # noqa: B018 (Triton loads the module into this device's context on first access)
+            with _compiling:
+                _keep(key, kernel, sh, sizes, steps)
+
+        before = len(_compiled)
+        _single_flight(key, build)
+        done += len(_compiled) - before
+    return done
+
+
+def _load() -> None:
+    """Import Triton and define the kernel, once."""
+    global _kernel
+    with _compiling:
+        if _kernel is None:
+            _kernel = _compile()
