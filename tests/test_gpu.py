@@ -224,7 +224,7 @@ def test_the_kernels_compiled_at_the_handshake_are_those_one_page_and_run_plans_
     # What the backend compiles ahead (warm_shapes) against what copies of planned requests launch: every
     # launch of plans of single pages and of runs up to 64 pages, scattered, finds its compiled kernel
     # (the kernel's key: the shape's constants and the sizes mode; piece counts and sizes are arguments).
-    from kvbridge.core.plan import plan_pages
+    from kvbridge.core.planning.plan import plan_pages
     from kvbridge.plugins.cuda_ipc.backend import warm_shapes
 
     regions = [Region(name=f"k{i}", addr=(1 << 40) + i * (1 << 30), nbytes=item * 4096, stride=item, role="k",
