@@ -56,6 +56,14 @@ def rows(server, req_id_blocks, layer: int, positions: range) -> torch.Tensor:
     return server.ranks[0].caches[layer_name(layer)][blocks, :, slots].contiguous().view(torch.uint8)
 
 
+def wait_requested(prefill, room: int) -> None:
+    """Until decode's request for ``room`` reached every prefill rank (bounded)."""
+    deadline = time.monotonic() + 10
+    while not all(r.connector._w.prefill.requested(room) for r in prefill.ranks):
+        assert time.monotonic() < deadline, "decode's request never reached prefill"
+        time.sleep(0.005)
+
+
 def send_decode_first(prefill, decode, bootstrap: str, req_id: str, prompt_len: int, *, decode_late: bool = False,
                       landed=None) -> None:
     """One decode-first request end to end, byte-exact, prefill's blocks freed only after the transfer."""
@@ -68,10 +76,7 @@ def send_decode_first(prefill, decode, bootstrap: str, req_id: str, prompt_len: 
         decode.sched.add_request(make_request(req_id, prompt, 4, d_params))
         decode.step()
         assert status(decode.sched, req_id) == RequestStatus.WAITING_FOR_REMOTE_KVS
-        deadline = time.monotonic() + 10
-        while not all(r.connector._w.prefill.requested(room) for r in prefill.ranks):
-            assert time.monotonic() < deadline, "decode's request never reached prefill"
-            time.sleep(0.005)
+        wait_requested(prefill, room)
     prefill.sched.add_request(make_request(req_id, prompt, 1, p_params))
     finished: dict = {}
     step_until([], lambda: finished.update({k: v for k, v in prefill.step().items() if v.finished})
@@ -130,24 +135,50 @@ def test_heterogeneous_tp(model, bootstrap, backend, p_tp, d_tp):
 
 def test_prefill_abort_fails_decode_at_once(model, bootstrap):
     """Prefill's vLLM aborts the request before it ran: decode's room fails now (not at a timeout), per policy."""
-    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap})
-    decode = make_server(model, "kv_consumer", {"backend": "memory", "sender_grace": 60, "bootstrap_timeout": 60},
-                         policy="fail")
+    slow = {"sender_grace": 60, "bootstrap_timeout": 60}  # no timeout can explain a fast failure
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap, **slow})
+    decode = make_server(model, "kv_consumer", {"backend": "memory", **slow}, policy="fail")
     try:
         prompt = list(range(10, 10 + 2 * BLOCK + 3))
         p_params, d_params = decode_first_params(bootstrap)
         decode.sched.add_request(make_request("r1", prompt, 4, d_params))
         decode.step()
         dst = block_ids(decode.sched, "r1")[0]
+        wait_requested(prefill, p_params["kvbridge_room"])
         prefill.sched.add_request(make_request("r1", prompt, 1, p_params))
         prefill.sched.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
         seen = Seen(decode)
         start = time.monotonic()
         step_until([prefill, decode], lambda: "r1" in seen.finished, timeout=20)
-        assert time.monotonic() - start < 10  # told, not timed out (sender_grace and bootstrap_timeout are 60 s)
+        assert time.monotonic() - start < 5  # told, not timed out (sender_grace and bootstrap_timeout are 60 s)
         assert seen.invalid == set(dst)  # exactly the blocks the room was to fill
         assert str(seen.finished["r1"].finish_reason).lower().endswith("error") and "r1" not in decode.sched.requests
         step_until([prefill], lambda: "r1" not in prefill.sched.requests)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_hybrid_models_are_refused_by_name(model, bootstrap, caplog):
+    """Several KV cache groups (full + sliding window): decode fails the request (policy ``fail``) naming why,
+    prefill serves it without a transfer and frees its blocks."""
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap}, hybrid=True,
+                          num_blocks=128)
+    decode = make_server(model, "kv_consumer", {"backend": "memory"}, hybrid=True, num_blocks=128, policy="fail")
+    seen = Seen(decode)
+    try:
+        prompt = list(range(10, 10 + 3 * BLOCK))
+        p_params, d_params = decode_first_params(bootstrap)
+        with caplog.at_level("ERROR", logger="kvbridge"):
+            decode.sched.add_request(make_request("r1", prompt, 4, d_params))
+            prefill.sched.add_request(make_request("r1", prompt, 1, p_params))
+            step_until([prefill, decode], lambda: "r1" in seen.finished and "r1" not in prefill.sched.requests)
+        why = "decode-first (layer-wise) transfers need a model with one KV cache group; this one has 2"
+        assert f"{why} (a hybrid model): send it through the default flow" in caplog.text
+        assert "prefill runs it without a transfer" in caplog.text  # prefill's side said it too
+        assert "are reported as failed loads" in caplog.text  # decode's
+        assert str(seen.finished["r1"].finish_reason).lower().endswith("error")
+        assert not seen.invalid  # several groups: vLLM takes the failure per request (failed_recving), not per block
     finally:
         decode.close()
         prefill.close()

@@ -78,6 +78,7 @@ class DecodeFirstPrefill:
             # Prefill serves the request as a plain one; decode's room fails (it refuses the same model, or
             # no sender opens within sender_grace) and decode recomputes or fails per its policy.
             log.error("kvbridge: %s; prefill runs it without a transfer", exc)
+            params["do_remote_decode"] = False  # nothing to hand over: request_finished frees its blocks
             return
         self.tracked[rid] = _Tracked(request, room)
         self.to_open[rid] = room
