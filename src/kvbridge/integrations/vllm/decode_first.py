@@ -92,10 +92,15 @@ class DecodeFirstPrefill:
     def build(self, so: SchedulerOutput, meta: KVBridgeMetadata) -> None:
         """Add this step's opens, aborts and layer-wise sends (the step that ends a request's prompt) to ``meta``."""
         cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())
         for i, rid in enumerate(cached.req_ids):
             t = self.tracked.get(rid)
             new = cached.new_block_ids[i]
-            if t is not None and not t.sent and new is not None:
+            if t is None or t.sent or new is None:
+                continue
+            if rid in resumed:  # back from a preemption: vLLM sends its whole new block list
+                t.blocks = [list(g) for g in new]
+            else:
                 t.blocks = [old + list(add) for old, add in zip(t.blocks, new)]
         for rid, t in self.tracked.items():
             n = so.num_scheduled_tokens.get(rid, 0)
