@@ -94,7 +94,7 @@ class WorkerSide:
                 sender.send(self._source_blocks(sender, spec), last=True, layerwise=True)
                 self.layerwise.start(req_id, sender)
                 sent = True
-            elif spec.layerwise:
+            elif spec.layerwise and sender.poll() == Poll.BOOTSTRAPPING:
                 log.info("kvbridge: request %s (room %d): decode's blocks are not known at its last prefill step; "
                          "it is sent whole once they are", req_id, spec.room)
             self.senders[req_id] = (sender, spec, sent)
