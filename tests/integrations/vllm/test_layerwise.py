@@ -65,9 +65,10 @@ def wait_requested(prefill, room: int) -> None:
 
 
 def send_decode_first(prefill, decode, bootstrap: str, req_id: str, prompt_len: int, *, decode_late: bool = False,
-                      landed=None) -> None:
+                      landed=None, prompt: list[int] | None = None) -> None:
     """One decode-first request end to end, byte-exact, prefill's blocks freed only after the transfer."""
-    prompt = [random.randrange(10, 900) for _ in range(prompt_len)]
+    prompt = prompt or [random.randrange(10, 900) for _ in range(prompt_len)]
+    prompt_len = len(prompt)
     p_params, d_params = decode_first_params(bootstrap)
     room = p_params["kvbridge_room"]
     free_before = prefill.sched.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -124,10 +125,24 @@ def test_each_layer_lands_before_the_next_is_computed(model, bootstrap):
 
 @pytest.mark.parametrize("backend,p_tp,d_tp", [("nixl", 2, 1), ("memory", 1, 2)])
 def test_heterogeneous_tp(model, bootstrap, backend, p_tp, d_tp):
+    """Then a second request sharing the first's two leading blocks: decode (and prefill) hit their prefix
+    caches, decode asks only the two missing blocks, and prefill sends the tail of its own."""
     prefill = make_server(model, "kv_producer", {"backend": backend, "bootstrap": bootstrap}, tp=p_tp)
     decode = make_server(model, "kv_consumer", {"backend": backend}, tp=d_tp)
+    shared = list(range(100, 100 + 2 * BLOCK))
     try:
-        send_decode_first(prefill, decode, bootstrap, "r1", 4 * BLOCK + 7)
+        send_decode_first(prefill, decode, bootstrap, "r1", 0, prompt=shared + list(range(500, 539)))
+        loads: dict = {}
+        step = decode.step
+
+        def recording_step():
+            out = step()
+            loads.update(decode.last_output.kv_connector_metadata.to_recv)
+            return out
+
+        decode.step = recording_step
+        send_decode_first(prefill, decode, bootstrap, "r2", 0, prompt=shared + list(range(600, 630)))
+        assert len(loads["r2"].block_ids) == 2  # 62 tokens, 4 blocks: 2 from decode's prefix cache
     finally:
         decode.close()
         prefill.close()
