@@ -35,9 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.core import describe
-from kvbridge.core.bootstrap import BootstrapServer
-from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
+from kvbridge.core import BootstrapServer, DecodeManager, Poll, PrefillManager, Receiver, Sender, describe
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
