@@ -65,6 +65,29 @@ def make_pool() -> Any:
             device="cpu", enable_memory_saver=False, compression_ratios=[0, 4, 128], sliding_window=128)
 
 
+def make_draft_pool() -> Any:
+    """The NextN (MTP) draft as SGLang builds it for DeepSeek-V4: one sliding-window-only layer (ratio 0), the
+    target's SWA geometry; SGLang's ``setup_state_kv_args`` registers its window latents as a second
+    ``StateType.SWA`` component addressed by the target's SWA page list."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(attn_dcp_size=1, attn_tp_size=1, attn_tp_rank=0):
+        return DeepSeekV4TokenToKVPool(
+            max_num_reqs=4, swa_size=512, c4_size=256, c128_size=256, c4_state_pool_size=24, c128_state_pool_size=8,
+            page_size=256, swa_page_size=256, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
+            c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=1,
+            device="cpu", enable_memory_saver=False, compression_ratios=[0], sliding_window=128, is_draft_worker=True)
+
+
+def all_buffers(pool: Any, draft: Any) -> dict[str, tuple[torch.Tensor, str, int]]:
+    """The target's buffers and (with a draft pool) the draft's, named ``draft.*``."""
+    out = buffers(pool)
+    if draft is not None:
+        out.update({f"draft.{n}": v for n, v in buffers(draft).items()})
+    return out
+
+
 def buffers(pool: Any) -> dict[str, tuple[torch.Tensor, str, int]]:
     """name -> (buffer as [rows, bytes], the index list that addresses it, rows per item), from SGLang's attributes."""
     out: dict[str, tuple[torch.Tensor, str, int]] = {}
@@ -85,26 +108,32 @@ def buffers(pool: Any) -> dict[str, tuple[torch.Tensor, str, int]]:
     return {n: (b.view(torch.uint8).view(b.shape[0], -1), index, rows) for n, (b, index, rows) in out.items()}
 
 
-def global_tensors(seed: int) -> dict[str, torch.Tensor]:
+def global_tensors(seed: int, draft: bool = False) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    out = {n: torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen) for n, (b, _, _) in buffers(make_pool()).items()}
+    bufs = all_buffers(make_pool(), make_draft_pool() if draft else None)
+    out = {n: torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen) for n, (b, _, _) in bufs.items()}
     meta = rig.make_metadata()
     for i, size in enumerate(meta.get_buf_infos()[1]):
         out[f"meta{i}"] = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
     return out
 
 
-def kv_args(pool: Any, meta: Any, tp_rank: int) -> Any:
-    """The KVArgs SGLang's _init_kv_manager fills for this rank, with SGLang's own functions."""
+def kv_args(pool: Any, meta: Any, tp_rank: int, draft: Any = None) -> Any:
+    """The KVArgs SGLang's _init_kv_manager fills for this rank, with SGLang's own functions (the draft's
+    ``get_contiguous_buf_infos`` entries appended as ``num_draft_entries``, as its decode.py / prefill.py do)."""
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos, setup_state_kv_args
 
     a = KVArgs()
     a.engine_rank, a.pp_rank, a.kv_cache_dtype_str, a.num_draft_entries = tp_rank, 0, "fp8_e4m3", 0
     a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = get_kv_transfer_buf_infos(pool)
+    if draft is not None:
+        ptrs, lens, items = draft.get_contiguous_buf_infos()  # none: a ratio-0 (window-only) draft has no paged KV
+        a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = a.kv_data_ptrs + ptrs, a.kv_data_lens + lens, a.kv_item_lens + items
+        a.num_draft_entries = len(ptrs)
     a.page_size = pool.page_size
     a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = meta.get_buf_infos()
-    setup_state_kv_args(a, pool, None, len(pool.compression_ratios))
+    setup_state_kv_args(a, pool, draft, len(pool.compression_ratios))
     return a
 
 
@@ -114,22 +143,25 @@ def state_indices(args: Any, pool: Any, swa: list[int], req: int, tokens: int) -
     return [lists[getattr(st, "value", st)] for st in args.state_types]
 
 
-def describe_and_compare() -> list[str]:
+def describe_and_compare(draft: bool = False) -> list[str]:
     """kvbridge's description of the pool against SGLang's KVArgs (empty: they agree), plus what kvbridge saw."""
     from kvbridge.core import describe
     from kvbridge.integrations.sglang.crosscheck import compare
 
     publish_server_args()
     pool, meta = make_pool(), rig.make_metadata()
-    ours = describe([pool, meta], dtype="fp8_e4m3", page_size=256)
-    args = kv_args(pool, meta, 0)
-    summary = [f"{r.state_type}/{r.role}/{r.layer}/{r.index_space}" for r in ours.regions if r.state_type != "metadata"]
+    dpool = make_draft_pool() if draft else None
+    ours = describe([pool, meta], draft_pools=[dpool] if draft else (), dtype="fp8_e4m3", page_size=256)
+    args = kv_args(pool, meta, 0, dpool)
+    summary = [f"{'draft ' if r.draft else ''}{r.state_type}/{r.role}/{r.layer}/{r.index_space}" for r in ours.regions
+               if r.state_type != "metadata"]
     return compare(args, ours) + ["regions: " + ", ".join(summary),
                                   "state types: " + ",".join(getattr(s, "value", s) for s in args.state_types),
                                   "spaces: " + ",".join(f"{s.name}={s.count}" for s in ours.index_spaces)]
 
 
-def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str = "memory", tokens: int = TOKENS) -> list[str]:
+def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str = "memory", tokens: int = TOKENS,
+             draft: bool = False) -> list[str]:
     """One request of ``tokens`` tokens through kvbridge's SGLang adapter classes in SGLang's call order, over
     kvbridge ``backend`` (as ``KVBRIDGE_SGLANG_BACKEND`` chose it); every mismatch (empty: byte-exact).
     At a multiple of 128 tokens nothing pends in C128: SGLang's ``c128_state`` lists are empty on both sides."""
@@ -145,24 +177,25 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
     )
 
     publish_server_args()
-    g = global_tensors(seed)
+    g = global_tensors(seed, draft)
     boot = KVBridgeKVBootstrapServer("127.0.0.1", 0)
     port = int(boot.address.rsplit(":", 1)[1])
     managers: list[Any] = []
 
-    def rank(tp_rank: int, tp_size: int, fill: bool) -> tuple[Any, Any, Any]:
+    def rank(tp_rank: int, tp_size: int, fill: bool) -> tuple[Any, Any, Any, Any]:
         pool, meta = make_pool(), rig.make_metadata()
-        for name, (buf, _, _) in buffers(pool).items():
+        dpool = make_draft_pool() if draft else None
+        for name, (buf, _, _) in all_buffers(pool, dpool).items():
             # Replicated caches: every prefill rank holds the whole global tensor. Decode starts from zeros
             # (SGLang leaves the compression-state rings uninitialized: torch.empty).
             buf.copy_(g[name]) if fill else buf.zero_()
         if fill:
             for i, rows in enumerate(rig.metadata_rows(meta)):
                 rows.view(-1).copy_(g[f"meta{i}"])
-        return pool, meta, kv_args(pool, meta, tp_rank)
+        return pool, meta, kv_args(pool, meta, tp_rank, dpool), dpool
 
-    def manager(r: tuple[Any, Any, Any], mode: Any, tp_size: int) -> Any:
-        with sglang_pools(r[0], None, r[1]):
+    def manager(r: tuple[Any, Any, Any, Any], mode: Any, tp_size: int) -> Any:
+        with sglang_pools(r[0], r[3], r[1]):
             m = KVBridgeKVManager(r[2], mode, rig.server_args(tp_size, port), True)
         managers.append(m)
         return m
@@ -185,7 +218,7 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
             return [f"managers run over lanes {used}, not ending in {backend!r}"]
         senders = [KVBridgeKVSender(m, f"127.0.0.1:{port}", room) for m in p_mgrs]
         recvs = [KVBridgeKVReceiver(m, f"127.0.0.1:{port}", room) for m in d_mgrs]
-        for recv, (pool, _, args) in zip(recvs, d_ranks):  # decode's pre-allocation queue
+        for recv, (pool, _, args, _) in zip(recvs, d_ranks):  # decode's pre-allocation queue
             recv.init(0)
             recv.send_metadata(np.array(DST_PAGES, dtype=np.int32), DST_ROW, state_indices(args, pool, DST_SWA, DST_REQ, tokens))
         polls = wait(senders, {KVPoll.WaitingForInput, KVPoll.Failed})
@@ -195,7 +228,7 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
             s.init(len(SRC_PAGES), SRC_ROW)
         for i, page in enumerate(SRC_PAGES):
             last = i == len(SRC_PAGES) - 1
-            for s, (pool, _, args) in zip(senders, p_ranks):
+            for s, (pool, _, args, _) in zip(senders, p_ranks):
                 s.send(np.array([page], dtype=np.int32), state_indices(args, pool, SRC_SWA, SRC_REQ, tokens) if last else None,
                        num_kv_tokens=256)
         s_polls = wait(senders, {KVPoll.Success, KVPoll.Failed})
@@ -203,20 +236,22 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
         if s_polls + r_polls != [KVPoll.Success] * (len(senders) + len(recvs)):
             return [f"polls: prefill {s_polls}, decode {r_polls}; reasons: "
                     f"{[s.sender.failure() for s in senders] + [r.receiver.failure() for r in recvs]}"]
-        return [p for tp_rank, (pool, meta, _) in enumerate(d_ranks) for p in check_decode(pool, meta, g, tp_rank, tokens)]
+        return [p for tp_rank, (pool, meta, _, dpool) in enumerate(d_ranks)
+                for p in check_decode(pool, meta, g, tp_rank, tokens, dpool)]
     finally:
         for m in managers:
             m.close()
         boot.close()
 
 
-def check_decode(pool: Any, meta: Any, g: dict[str, torch.Tensor], tp_rank: int = 0, tokens: int = TOKENS) -> list[str]:
+def check_decode(pool: Any, meta: Any, g: dict[str, torch.Tensor], tp_rank: int = 0, tokens: int = TOKENS,
+                 draft: Any = None) -> list[str]:
     """Every buffer of a decode rank against the global tensors: asked-for items from prefill's, the rest zero."""
     src_c128 = [int(i) for i in pool.request_state_transfer_indices(SRC_REQ, tokens)]
     dst_c128 = [int(i) for i in pool.request_state_transfer_indices(DST_REQ, tokens)]
     pairs = {"kv": list(zip(SRC_PAGES, DST_PAGES)), "swa": list(zip(SRC_SWA, DST_SWA)), "c128": list(zip(src_c128, dst_c128))}
     problems = []
-    for name, (buf, index, rows) in buffers(pool).items():
+    for name, (buf, index, rows) in all_buffers(pool, draft).items():
         expect = torch.zeros_like(g[name])
         for s, d in pairs[index]:
             expect[d * rows:(d + 1) * rows] = g[name][s * rows:(s + 1) * rows]

@@ -32,6 +32,22 @@ def test_description_agrees_with_sglang_kv_args_entry_by_entry():
     assert spaces.startswith("spaces: kv_page=8,swa_page=3,c128_slot=7"), spaces
 
 
+def test_a_nextn_draft_pool_is_described_as_sglang_registers_it():
+    """SGLang's setup_state_kv_args appends a DeepSeek-V4 draft's window latents as a second StateType.SWA
+    component (the target's SWA page list addresses it); its paged-KV list is empty (a window-only layer)."""
+    *problems, regions, state_types, _ = forked.run(dsv4.describe_and_compare, _ENV, True, timeout=120)
+    assert problems == []
+    assert state_types == "state types: swa,c128_state,swa"
+    assert regions.endswith("c128_state/state/2/c128_slot, draft swa/kv/0/swa_page"), regions
+
+
+def test_request_with_a_draft_pool_lands_byte_exact():
+    """TP 1 -> 2 over nixl: both decode ranks get the draft's window pages from the one prefill rank."""
+    room = next(_rooms)
+    env = {**_ENV, "KVBRIDGE_SGLANG_BACKEND": "nixl"}
+    assert forked.run(dsv4.transfer, env, 1, 2, room, room, "nixl", dsv4.TOKENS, True, timeout=120) == []
+
+
 # (prefill TP, decode TP, backend): every cache is replicated, so TP 2 -> 1 sends from one prefill rank and
 # TP 1 -> 2 fills both decode ranks from the one prefill rank.
 CASES = [(1, 1, "memory"), (2, 1, "memory"), (1, 2, "memory"), (2, 1, "nixl"), (1, 2, "nixl")]

@@ -12,35 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_harness import BLOCK, block_ids, hand_over, make_request, make_server, prefill_request, status, step_until
+from vllm_harness import (BLOCK, Seen, block_ids, hand_over, make_request, make_server, prefill_request, status,
+                          step_until)
 from vllm.v1.request import RequestStatus
 
 FAST_FAILURE = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "fence_timeout": 1.0}
-
-
-class Seen:
-    """Everything decode's workers reported through vLLM's KVConnectorOutput, across steps."""
-
-    def __init__(self, server) -> None:
-        self.invalid: set[int] = set()
-        self.finished: dict = {}
-        step = server.step
-
-        def recording_step():
-            outs = step()
-            self.finished.update({k: v for k, v in outs.items() if v.finished})
-            return outs
-
-        server.step = recording_step
-        original = server.aggregator.aggregate
-
-        def aggregate(outputs, output_rank=0):
-            merged = original(outputs, output_rank)
-            if merged is not None and merged.kv_connector_output is not None:
-                self.invalid |= set(merged.kv_connector_output.invalid_block_ids or ())
-            return merged
-
-        server.aggregator.aggregate = aggregate
 
 
 def test_killed_prefill_reports_exactly_the_requests_blocks_and_decode_recomputes(model, bootstrap, tmp_path):

@@ -9,7 +9,8 @@ model runner registers), its connector factory (the connector is loaded from
 ``KVOutputAggregator`` across TP ranks. What is not: the model. A step's
 "forward" samples token 7 for every scheduled request and calls
 ``wait_for_layer_load`` / ``save_kv_layer`` per layer as attention layers do;
-KV bytes are random, written by the test, not computed.
+KV bytes are random, written by the test, not computed (``Server.on_layer`` writes a step's rows
+per layer, as a forward would); a chunk that does not end the prompt samples nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import copy
 import json
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,9 @@ class Server:
     cfg: VllmConfig
     aggregator: KVOutputAggregator = field(init=False)
     last_output: Any = None
+    # The "model" of a step: called with (rank index, layer) just before that layer's save_kv_layer, as an
+    # attention layer writes its KV before vLLM hands it to the connector; and with (rank, -1 - layer) just after.
+    on_layer: Callable[[int, int], None] | None = None
 
     def __post_init__(self) -> None:
         self.aggregator = KVOutputAggregator(len(self.ranks))
@@ -162,6 +166,10 @@ class Server:
         so = self.sched.schedule()
         self.last_output = so
         scheduled = list(so.num_scheduled_tokens)
+        # A request still short of its prompt's end (a chunked prefill's earlier chunks) samples nothing,
+        # as vLLM's model runner discards those samples (num_computed_tokens was advanced by schedule()).
+        sampled = [[TOKEN] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_prompt_tokens
+                   else [] for r in scheduled]
         outputs = []
         for rank in self.ranks:
             kv_transfer_state._KV_CONNECTOR_AGENT = rank.connector  # the process-wide agent, one rank at a time
@@ -170,12 +178,16 @@ class Server:
                         KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out:
                     for i in range(LAYERS):  # what attention layers call during the forward
                         rank.connector.wait_for_layer_load(layer_name(i))
+                        if self.on_layer is not None:
+                            self.on_layer(self.ranks.index(rank), i)
                         rank.connector.save_kv_layer(layer_name(i), rank.caches[layer_name(i)], None)
+                        if self.on_layer is not None:
+                            self.on_layer(self.ranks.index(rank), -1 - i)
             finally:
                 kv_transfer_state._KV_CONNECTOR_AGENT = None
             outputs.append(ModelRunnerOutput(
                 req_ids=scheduled, req_id_to_index={r: i for i, r in enumerate(scheduled)},
-                sampled_token_ids=[[TOKEN] for _ in scheduled], kv_connector_output=kv_out))
+                sampled_token_ids=sampled, kv_connector_output=kv_out))
         merged = self.aggregator.aggregate(outputs)
         result = self.sched.update_from_output(so, merged)
         return {o.request_id: o for outs in result.values() for o in outs.outputs}
@@ -311,3 +323,28 @@ def hand_over(prefill: Server, decode: Server, req_id: str, prompt_len: int, hyb
     step_until([prefill], lambda: req_id not in prefill.sched.requests)  # freed once sent
     assert prefill.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
     step_until([decode], lambda: req_id not in decode.sched.requests)  # decode runs it to the end
+
+
+class Seen:
+    """Everything decode's workers reported through vLLM's KVConnectorOutput, across steps."""
+
+    def __init__(self, server) -> None:
+        self.invalid: set[int] = set()
+        self.finished: dict = {}
+        step = server.step
+
+        def recording_step():
+            outs = step()
+            self.finished.update({k: v for k, v in outs.items() if v.finished})
+            return outs
+
+        server.step = recording_step
+        original = server.aggregator.aggregate
+
+        def aggregate(outputs, output_rank=0):
+            merged = original(outputs, output_rank)
+            if merged is not None and merged.kv_connector_output is not None:
+                self.invalid |= set(merged.kv_connector_output.invalid_block_ids or ())
+            return merged
+
+        server.aggregator.aggregate = aggregate

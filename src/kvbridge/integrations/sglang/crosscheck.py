@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.core.description.layout import KVArgs, Region
+from kvbridge.core import KVArgs, Region
 
 from .handlers import C128_STATE, DSA_STATE
 

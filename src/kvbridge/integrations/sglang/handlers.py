@@ -48,9 +48,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.core import HandlerCapabilities, StateHandlerSpec, hookimpl
-from kvbridge.core.description.describe import DescribeContext, Description, buffer_region, item_count, paged_kv
-from kvbridge.core.description.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, Region, Shard
+from kvbridge.core import (KV_PAGE_SPACE, METADATA_SPACE, DescribeContext, Description, HandlerCapabilities, IndexSpace,
+                           Region, Shard, StateHandlerSpec, buffer_region, hookimpl, item_count)
+from kvbridge.core.description.describe import paged_kv  # not re-exported by kvbridge.core
 
 __all__ = ["C128_SPACE", "C128_STATE", "DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE",
            "kvbridge_register_state_handlers"]

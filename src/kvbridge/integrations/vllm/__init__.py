@@ -5,6 +5,7 @@ Importing it imports vLLM (install vLLM first; ``kvbridge[vllm]`` does not pull 
 
 try:
     from .connector import KVBridgeConnector
+    from .params import decode_first_params
 except ImportError as exc:  # pragma: no cover - depends on the environment
     if exc.name and exc.name.split(".")[0] == "vllm":
         raise ImportError(
@@ -13,4 +14,4 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         ) from exc
     raise
 
-__all__ = ["KVBridgeConnector"]
+__all__ = ["KVBridgeConnector", "decode_first_params"]

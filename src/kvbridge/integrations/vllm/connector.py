@@ -77,8 +77,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._s.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def on_new_request(self, request: Request) -> None:
+        self._s.on_new_request(request)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._s.build_connector_meta()
+        return self._s.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._s.update_connector_output(connector_output)
@@ -106,12 +109,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pc = self._vllm_config.parallel_config
+        owners: dict[str, int] = {}
         kvargs = describe_vllm_caches(kv_caches, self._kv_cache_config,
                                       total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
-                                      tp_rank=self._w.tp_rank, tp_size=pc.tensor_parallel_size)
+                                      tp_rank=self._w.tp_rank, tp_size=pc.tensor_parallel_size, owners=owners)
         log.info("kvbridge: registering %d region(s) of %d block(s) over backend %r", len(kvargs.regions),
                  kvargs.index_spaces[0].count, self.settings.transfer.backend)
-        self._w.register(kvargs)
+        self._w.register(kvargs, owners, next(iter(kv_caches.values()), None))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -119,16 +123,22 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._w.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: a request runs only after its whole room landed (WAITING_FOR_REMOTE_KVS).
+        # Deliberately nothing: loads are asynchronous (get_num_new_matched_tokens says so), so vLLM runs a
+        # request only after its whole room landed (WAITING_FOR_REMOTE_KVS); no forward reads a loading layer.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        # Prefill sends a request's blocks once it finished and decode asked (vLLM's router sends decode the
-        # request only then), so there is nothing to send while a layer computes.
-        return
+        # Decode-first requests in their last prefill step: this layer goes out now (layerwise.py). Requests
+        # of the default flow are sent after they finished, when decode asks: nothing to do per layer.
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBridgeMetadata)
+        self._w.begin_sends(meta)  # the step's sends start here: vLLM runs start_load_kv after the forward
+        self._w.layerwise.saved_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        return
+        # The step's layer-wise chunks get any layer the forward did not report; the writes go on after this
+        # returns (vLLM keeps the blocks until get_finished reports the request finished sending).
+        self._w.layerwise.end_step(self._w.any_cache)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, recvd, failed = self._w.results(finished_req_ids)

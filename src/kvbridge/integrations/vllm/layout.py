@@ -116,14 +116,19 @@ def _itemsize(dtype: Any) -> int:
 
 def describe_vllm_caches(
     kv_caches: Mapping[str, Any], kv_cache_config: Any, *, total_kv_heads: int, tp_rank: int, tp_size: int,
+    owners: dict[str, int] | None = None,
 ) -> KVArgs:
-    """One rank's KVArgs for the tensors vLLM registered (``layer name -> tensor``)."""
+    """One rank's KVArgs for the tensors vLLM registered (``layer name -> tensor``).
+
+    ``owners``, if given, is filled with each registered vLLM layer's kvbridge layer id: the
+    region that holds its bytes (another layer's, where it aliases that layer's memory).
+    """
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec
 
     specs = _spec_of(kv_cache_config)
     num_blocks = kv_cache_config.num_blocks
     regions: list[Region] = []
-    aliased: dict[tuple[int, int, int], str] = {}  # (addr, stride, nbytes) -> the layer that registered it
+    aliased: dict[tuple[int, int, int], tuple[str, int]] = {}  # (addr, stride, nbytes) -> the layer that registered it
     dtypes: set[str] = set()
     block_sizes: set[int] = set()
     unknown = sorted(set(kv_caches) - set(specs))
@@ -160,10 +165,12 @@ def describe_vllm_caches(
         for r in new:
             key = (r.addr, r.stride, r.nbytes)
             if key in aliased:  # another group's layer over the same bytes (Mamba pages too): one region
-                log.debug("layer %s aliases %s's memory; registered once", name, aliased[key])
-                continue
-            aliased[key] = name
-            regions.append(r)
+                log.debug("layer %s aliases %s's memory; registered once", name, aliased[key][0])
+            else:
+                aliased[key] = (name, layer)
+                regions.append(r)
+            if owners is not None:
+                owners[name] = aliased[key][1]
     if len(block_sizes) != 1:
         raise ValueError(f"attention KV cache groups use block sizes {sorted(block_sizes)}; KVBridgeConnector needs "
                          "one block size (and at least one attention group)")

@@ -11,10 +11,15 @@ __all__ = ["KVBridgeMetadata", "RecvSpec", "SendSpec"]
 
 @dataclass
 class SendSpec:
-    """Prefill: send a finished request's blocks in ``room`` (blocks per KV cache group, nulls dropped)."""
+    """Prefill: send a request's blocks in ``room`` (blocks per KV cache group, nulls dropped).
+
+    ``layerwise``: a decode-first request's last prefill step; its layers go
+    out as ``save_kv_layer`` reports them, if decode's blocks are known by then.
+    """
 
     room: int
     block_ids: tuple[tuple[int, ...], ...]
+    layerwise: bool = False
 
 
 @dataclass
@@ -36,3 +41,7 @@ class RecvSpec:
 class KVBridgeMetadata(KVConnectorMetadata):
     to_send: dict[str, SendSpec] = field(default_factory=dict)
     to_recv: dict[str, RecvSpec] = field(default_factory=dict)
+    #: Decode-first requests just admitted on prefill: their room's ``Sender`` opens now (request id -> room).
+    to_open: dict[str, int] = field(default_factory=dict)
+    #: Decode-first requests vLLM ended before they were sent: request id -> (room, why); decode is told.
+    to_abort: dict[str, tuple[int, str]] = field(default_factory=dict)

@@ -15,10 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BadTransferParams", "RemotePrefill", "RoomCounter", "parse_remote_prefill", "prefill_params"]
+__all__ = ["BadTransferParams", "RemotePrefill", "RoomCounter", "decode_first_params", "parse_decode_first",
+           "parse_remote_prefill", "prefill_params"]
 
 #: Largest room id: rooms travel as unsigned 64-bit integers; keep them positive int64.
 _ROOM_BITS = 62
+
+
+#: The key that marks a decode-first (layer-wise) request, on both legs.
+DECODE_FIRST = "kvbridge_decode_first"
 
 
 class BadTransferParams(ValueError):
@@ -90,13 +95,8 @@ def parse_remote_prefill(params: Mapping[str, Any], num_groups: int, request_id:
             f"{where} lack {', '.join(missing)} (has: {', '.join(sorted(map(str, params))) or 'nothing'}); pass the "
             "prefill response's kv_transfer_params to decode unchanged"
         )
-    room = params["kvbridge_room"]
-    if isinstance(room, bool) or not isinstance(room, int) or not 0 < room < 2**63:
-        raise BadTransferParams(f"{where}: kvbridge_room must be an integer in 1 .. 2**63-1, got {room!r}")
-    bootstrap = params["kvbridge_bootstrap"]
-    host, sep, port = bootstrap.rpartition(":") if isinstance(bootstrap, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise BadTransferParams(f"{where}: kvbridge_bootstrap must be HOST:PORT, got {bootstrap!r}")
+    room = check_room(params["kvbridge_room"], where)
+    bootstrap = _check_bootstrap(params["kvbridge_bootstrap"], where)
     groups = params["kvbridge_block_ids"]
     if (not isinstance(groups, (list, tuple)) or len(groups) != num_groups
             or not all(isinstance(g, (list, tuple)) for g in groups)):
@@ -112,3 +112,47 @@ def parse_remote_prefill(params: Mapping[str, Any], num_groups: int, request_id:
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
         raise BadTransferParams(f"{where}: kvbridge_num_tokens must be a positive integer, got {num_tokens!r}")
     return RemotePrefill(room, bootstrap, tuple(tuple(g) for g in groups), num_tokens)
+
+
+def decode_first_params(bootstrap: str, room: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A router's ``(prefill, decode)`` ``kv_transfer_params`` for one decode-first request.
+
+    Decode-first: the router sends both legs at once (decode's may come
+    first); decode allocates its blocks and tells prefill, and prefill sends
+    each layer while its last prefill step computes (``save_kv_layer``).
+    ``bootstrap`` is the prefill server's ``kv_connector_extra_config.bootstrap``;
+    ``room`` (default: random) must be unique among the requests that prefill
+    server has in flight.
+    """
+    room = room if room is not None else (secrets.randbits(_ROOM_BITS) or 1)
+    check_room(room, "decode_first_params")
+    prefill = {"do_remote_decode": True, DECODE_FIRST: True, "kvbridge_room": room}
+    decode = {"do_remote_prefill": True, DECODE_FIRST: True, "kvbridge_room": room, "kvbridge_bootstrap": bootstrap}
+    parse_decode_first(decode, "decode_first_params")
+    return prefill, decode
+
+
+def check_room(room: Any, where: str) -> int:
+    """``room`` if it is a valid room id; raises :class:`BadTransferParams` naming ``where`` otherwise."""
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 < room < 2**63:
+        raise BadTransferParams(f"{where}: kvbridge_room must be an integer in 1 .. 2**63-1, got {room!r}")
+    return room
+
+
+def parse_decode_first(params: Mapping[str, Any], request_id: str) -> tuple[int, str]:
+    """``(room, bootstrap)`` of a decode-first decode request; raises :class:`BadTransferParams` naming the key."""
+    where = f"request {request_id!r}: kv_transfer_params"
+    missing = [k for k in ("kvbridge_room", "kvbridge_bootstrap") if k not in params]
+    if missing:
+        raise BadTransferParams(
+            f"{where} mark a decode-first request ({DECODE_FIRST}) but lack {', '.join(missing)}; a router builds "
+            "both legs' parameters with kvbridge.integrations.vllm.decode_first_params(prefill bootstrap address)"
+        )
+    return check_room(params["kvbridge_room"], where), _check_bootstrap(params["kvbridge_bootstrap"], where)
+
+
+def _check_bootstrap(bootstrap: Any, where: str) -> str:
+    host, sep, port = bootstrap.rpartition(":") if isinstance(bootstrap, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadTransferParams(f"{where}: kvbridge_bootstrap must be HOST:PORT, got {bootstrap!r}")
+    return bootstrap

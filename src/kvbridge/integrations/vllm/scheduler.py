@@ -6,6 +6,8 @@ back in ``kv_transfer_params``, and the workers send once decode asks.
 Decode (``kv_consumer``): a request whose ``kv_transfer_params`` come from a
 kvbridge prefill loads its whole prompt asynchronously (it waits in
 ``WAITING_FOR_REMOTE_KVS``); the workers receive into the blocks allocated.
+Decode-first requests (``kvbridge_decode_first``, both legs sent at once) are
+sent layer by layer; see ``decode_first.py``.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from .decode_first import DecodeFirstPrefill, is_decode_first
 from .metadata import KVBridgeMetadata, RecvSpec, SendSpec
-from .params import BadTransferParams, RoomCounter, parse_remote_prefill, prefill_params
+from .params import BadTransferParams, RoomCounter, parse_decode_first, parse_remote_prefill, prefill_params
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerSide"]
@@ -51,6 +55,7 @@ class SchedulerSide:
         self.to_send: dict[str, SendSpec] = {}
         self.to_recv: dict[str, RecvSpec] = {}
         self.sending: set[str] = set()  # finished prefill requests whose blocks the workers still hold
+        self.decode_first = DecodeFirstPrefill(len(groups), self._clip)
 
     def _clip(self, block_ids: Any) -> tuple[tuple[int, ...], ...]:
         """Each group's transferable blocks: a sliding window's tail, without null placeholders."""
@@ -69,6 +74,7 @@ class SchedulerSide:
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.decode_first.allocated(request, blocks)  # prefill: a decode-first request's blocks
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -78,6 +84,9 @@ class SchedulerSide:
         local = self._clip(blocks.get_unhashed_block_ids_all_groups())
         flat = tuple(b for g in local for b in g)
         try:
+            if is_decode_first(params):
+                self.to_recv[request.request_id] = self._decode_first_recv(request, local)
+                return
             remote = parse_remote_prefill(params, len(self.kv_cache_config.kv_cache_groups), request.request_id)
             if request.num_prompt_tokens > remote.num_tokens:
                 raise BadTransferParams(
@@ -95,6 +104,17 @@ class SchedulerSide:
         except BadTransferParams as exc:
             log.error("kvbridge: %s; its %d block(s) are reported as failed loads", exc, len(flat))
             self.to_recv[request.request_id] = RecvSpec(0, "", flat, error=str(exc))
+
+    def _decode_first_recv(self, request: Request, local: tuple[tuple[int, ...], ...]) -> RecvSpec:
+        """A decode-first request: prefill's blocks are not known here; it sends them in decode's order."""
+        room, bootstrap = parse_decode_first(request.kv_transfer_params, request.request_id)
+        if len(local) != 1:
+            raise BadTransferParams(
+                f"request {request.request_id!r}: decode-first (layer-wise) transfers need a model with one KV cache "
+                f"group; this one has {len(local)} (a hybrid model): send it through the default flow (prefill first, "
+                "then decode with the prefill response's kv_transfer_params)"
+            )
+        return RecvSpec(room, bootstrap, local[0])
 
     def _pair(self, req_id: str, remote: tuple[tuple[int, ...], ...], local: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
         """Decode's destination blocks, in the order prefill sends its own (each group's tail, group by group)."""
@@ -118,6 +138,10 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
+        keep = self.decode_first.finished(request, block_ids, self.to_send)
+        if keep is not None:  # a decode-first request: its room is open on the workers until done
+            self.sending.add(request.request_id)
+            return keep, None
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
             return False, None
@@ -137,9 +161,13 @@ class SchedulerSide:
                                     request_id=request.request_id, tp_size=self.tp_size)
 
     # -- every step --------------------------------------------------------------------------
-    def build_connector_meta(self) -> KVBridgeMetadata:
+    def on_new_request(self, request: Request) -> None:
+        self.decode_first.admit(request)
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(to_send=self.to_send, to_recv=self.to_recv)
         self.to_send, self.to_recv = {}, {}
+        self.decode_first.build(so, meta)
         return meta
 
     def update_connector_output(self, output: Any) -> None:

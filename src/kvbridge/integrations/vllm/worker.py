@@ -10,6 +10,11 @@ frees its blocks) at SUCCESS or FAILED. Decode: ``start_load_kv`` creates a
 ``finished_recving``; FAILED reports it too, with its blocks as load
 errors, but only once no byte of the room can land any more
 (``Receiver.fenced``): until then vLLM keeps the blocks.
+
+Decode-first requests (``decode_first.py``): prefill opens the room's
+``Sender`` when vLLM admits the request; the step that ends its prompt sends
+it layer-wise if decode's blocks are known by then (``layerwise.py``), else
+whole once they are (the same path as a finished request).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 from kvbridge import BootstrapServer, DecodeManager, Poll, PrefillManager, Receiver, Sender
 
+from .layerwise import LayerwiseSends, send_when_ready
 from .metadata import KVBridgeMetadata, RecvSpec, SendSpec
 
 __all__ = ["WorkerSide"]
@@ -37,12 +43,19 @@ class WorkerSide:
         self.bootstrap_server: BootstrapServer | None = None
         self.prefill: PrefillManager | None = None
         self.decode: DecodeManager | None = None
-        self.senders: dict[str, tuple[Sender, SendSpec, bool]] = {}  # req -> sender, what, sent yet
+        self.senders: dict[str, tuple[Sender, SendSpec | None, bool]] = {}  # req -> sender, what (None: not yet), sent
+        self.layerwise = LayerwiseSends({})
+        self.running: set[str] = set()  # decode-first requests vLLM has not finished yet (their blocks stay held)
+        self.any_cache: Any = None  # a registered cache tensor (its device, for wait_for_save's event)
+        self._begun: KVBridgeMetadata | None = None  # the step metadata begin_sends() last took
         self.receivers: dict[str, tuple[Receiver | None, RecvSpec]] = {}
         self.load_errors: set[int] = set()
         self.unfenced: set[str] = set()  # FAILED rooms not yet fenced (reported once they are)
 
-    def register(self, kvargs: Any) -> None:
+    def register(self, kvargs: Any, owners: dict[str, int], any_cache: Any = None) -> None:
+        """Build the managers over ``kvargs``; ``owners``: vLLM layer name -> kvbridge layer id (layer-wise sends)."""
+        self.layerwise = LayerwiseSends(owners)
+        self.any_cache = any_cache
         cfg = self.settings.transfer
         session = cfg.session_config()
         if self.producer:
@@ -54,11 +67,44 @@ class WorkerSide:
             self.decode = DecodeManager(kvargs, cfg.backend, config=session)
 
     # -- each step ---------------------------------------------------------------------------
-    def start_load_kv(self, meta: KVBridgeMetadata) -> None:
+    def _sender(self, req_id: str, room: int) -> Sender:
+        """The request's open ``Sender``, or a new one for ``room``."""
+        if req_id in self.senders:
+            return self.senders[req_id][0]
+        if self.prefill is None:
+            raise RuntimeError("KVBridgeConnector: asked to send on a worker without kv_producer role")
+        return Sender(self.prefill, room)
+
+    def begin_sends(self, meta: KVBridgeMetadata) -> None:
+        """This step's opens, sends and aborts, once per step's metadata.
+
+        Called from the step's first ``save_kv_layer`` (vLLM 0.33 runs ``start_load_kv`` after the
+        forward, too late for a layer-wise send) and again from ``start_load_kv`` (a no-op then).
+        """
+        if meta is self._begun:
+            return
+        self._begun = meta
+        for req_id, room in meta.to_open.items():
+            self.senders[req_id] = (self._sender(req_id, room), None, False)
+            self.running.add(req_id)
         for req_id, spec in meta.to_send.items():
-            if self.prefill is None:
-                raise RuntimeError("KVBridgeConnector: asked to send on a worker without kv_producer role")
-            self.senders[req_id] = (Sender(self.prefill, spec.room), spec, False)
+            sender = self._sender(req_id, spec.room)
+            sent = False
+            if spec.layerwise and sender.poll() == Poll.WAITING_FOR_INPUT:  # decode's blocks are known: per layer
+                sender.send(self._source_blocks(sender, spec), last=True, layerwise=True)
+                self.layerwise.start(req_id, sender)
+                sent = True
+            elif spec.layerwise and sender.poll() == Poll.BOOTSTRAPPING:
+                log.info("kvbridge: request %s (room %d): decode's blocks are not known at its last prefill step; "
+                         "it is sent whole once they are", req_id, spec.room)
+            self.senders[req_id] = (sender, spec, sent)
+        for req_id, (room, why) in meta.to_abort.items():
+            sender = self._sender(req_id, room)
+            sender.abort(why)
+            self.senders[req_id] = (sender, self.senders.get(req_id, (None, None))[1], True)
+
+    def start_load_kv(self, meta: KVBridgeMetadata) -> None:
+        self.begin_sends(meta)
         for req_id, spec in meta.to_recv.items():
             if spec.error is not None:
                 self.receivers[req_id] = (None, spec)
@@ -80,16 +126,22 @@ class WorkerSide:
             recv = self.receivers[req_id][0]
             if recv is not None:
                 recv.abort("the request was finished by vLLM while loading")
+        # vLLM's scheduler frees a request's blocks at finished_sending: report a decode-first request only
+        # once vLLM finished it (its room may be done first, or fail while the request still runs).
+        self.running -= finished_req_ids
         sent: set[str] = set()
         for req_id, (sender, spec, done) in list(self.senders.items()):
             state = sender.poll()
-            if state == Poll.WAITING_FOR_INPUT and not done:
-                sender.send(self._source_blocks(sender, spec), last=True)
+            if state == Poll.WAITING_FOR_INPUT and not done and spec is not None:
+                if spec.layerwise:  # its last prefill step may still run on the GPU
+                    send_when_ready(sender, self._source_blocks(sender, spec), self.any_cache)
+                else:  # a finished request: its step's output was processed, the bytes are final
+                    sender.send(self._source_blocks(sender, spec), last=True)
                 self.senders[req_id] = (sender, spec, True)
                 state = sender.poll()
-            if state in (Poll.SUCCESS, Poll.FAILED):
+            if state in (Poll.SUCCESS, Poll.FAILED) and req_id not in self.running:
                 if state == Poll.FAILED:
-                    log.warning("kvbridge: sending request %s (room %d) failed: %s", req_id, spec.room, sender.failure())
+                    log.warning("kvbridge: sending request %s (room %d) failed: %s", req_id, sender.room, sender.failure())
                 del self.senders[req_id]
                 sent.add(req_id)
         recvd: set[str] = set()
