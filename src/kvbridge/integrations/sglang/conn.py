@@ -16,7 +16,7 @@ The manager describes the rank's pools with kvbridge's handlers (the pools
 come from :func:`sglang_pools`, which the plugin wraps around SGLang's own
 ``_init_kv_manager``) and refuses to start if the description disagrees with
 the ``KVArgs`` SGLang filled (:mod:`.crosscheck`). Poll values are kvbridge's
-:class:`~kvbridge.core.session.Poll`, numerically SGLang's ``KVPoll``.
+:class:`~kvbridge.core.sessions.session.Poll`, numerically SGLang's ``KVPoll``.
 
 Not supported (a clear error, never a silent fallback): decode prefix reuse
 (``decode_prefix_len > 0``), prefill DP ranks other than 0, host destinations,
