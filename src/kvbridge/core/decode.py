@@ -66,8 +66,9 @@ class PrefillRank:
     def on_event(self, event: int) -> None:
         """A zmq monitor event of the control connection."""
         if event == zmq.EVENT_DISCONNECTED:
-            if self.dropped_at is None:
-                self.dropped_at, self.retries = time.monotonic(), 0
+            # Always from now: the connection's CONNECTED may have come before the monitor started, so
+            # "not connected since creation" must not shorten GONE_GRACE for a connection that was up.
+            self.dropped_at, self.retries = time.monotonic(), 0
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self.retries += self.dropped_at is not None
         elif event == zmq.EVENT_CONNECTED:
