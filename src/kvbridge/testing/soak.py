@@ -4,16 +4,20 @@ The soak (this process) holds the bootstrap server and a decode rank, and
 keeps ``concurrency`` rooms in flight to a prefill *process*
 (:mod:`kvbridge.testing.restart`'s, which serves every room decode asks for),
 each room on its own destination pages. Every ``every`` seconds it injects
-the next fault, in turn:
+the next fault, in turn, once the previous one is over (its prefill served a
+room again, or :data:`RECOVERY` seconds passed):
 
-- ``prefill-kill``: SIGKILL the prefill process and start a new one at once
-  (a new port; the bootstrap server survives);
 - ``prefill-freeze``: SIGSTOP it for ``freeze`` seconds, then SIGCONT;
 - ``bootstrap-restart``: close the bootstrap server and start a new one on
   its address (the prefill re-registers; no room needs it meanwhile);
 - ``hostile``: 200 hostile frames (random bytes, bare and sealed garbage,
   another decode's claimed id) at the prefill's control endpoint and the
-  bootstrap endpoint.
+  bootstrap endpoint;
+- ``prefill-kill``: SIGKILL the prefill process and start a new one at once
+  (a new port; the bootstrap server survives).
+
+After ``seconds`` no fault starts, and the soak goes on until the last one
+is over (at most :data:`RECOVERY` seconds more), then lets every room end.
 
 It reports, per fault kind: the faults injected, the rooms that ended while
 that kind was the latest fault and their outcomes, *wrong successes* (a
@@ -54,10 +58,14 @@ from kvbridge.core.session import DecodeManager, Poll, Receiver
 from kvbridge.testing.e2e import Pools, pattern
 from kvbridge.testing.restart import PAGES, RESTART, PrefillProcess, source_pages
 
-KINDS = ("prefill-kill", "prefill-freeze", "bootstrap-restart", "hostile")
-#: Short timeouts so a fault ends every room it touches within seconds.
+#: In this order (the kill last: a new process takes longest to come back on a loaded box).
+KINDS = ("prefill-freeze", "bootstrap-restart", "hostile", "prefill-kill")
+#: Seconds the soak goes on after its time, for the last fault's prefill to serve again.
+RECOVERY = 30.0
+#: Short timeouts so a fault ends every room it touches within seconds (heartbeat_timeout 2 s: on a loaded
+#: 2-core box a live prefill process can be starved of the CPU for a second).
 SOAK = msgspec.structs.replace(RESTART, bootstrap_timeout=5.0, transfer_timeout=2.0, heartbeat_interval=0.2,
-                               heartbeat_timeout=1.0)
+                               heartbeat_timeout=2.0)
 
 
 class KindStats(msgspec.Struct, kw_only=True):
@@ -234,6 +242,14 @@ class Soak:
             self._hostile()
             ev["ready"] = time.monotonic()
 
+    def _recovered(self, now: float) -> bool:
+        """Whether the last fault is over: its prefill served a room again (or 10 s passed), so the
+        next fault hits a serving prefill, not one still starting (a loaded box starts one slowly)."""
+        if not self.pending:
+            return True
+        last = self.pending[-1]
+        return last["success"] is not None or now - float(last["at"]) > RECOVERY  # type: ignore[arg-type]
+
     def _when_ready(self, proc: PrefillProcess, ev: dict[str, object]) -> None:
         ready = proc.ready()
         ev["ready"] = time.monotonic() - (time.time() - ready)
@@ -269,9 +285,9 @@ class Soak:
             t0 = time.monotonic()
             next_fault = t0 + self.every
             turn = 0
-            while (now := time.monotonic()) < t0 + seconds:
+            while (now := time.monotonic()) < t0 + seconds or (not self._recovered(now) and now < t0 + seconds + RECOVERY):
                 self.step(now)
-                if now >= next_fault:
+                if now >= next_fault and now < t0 + seconds and self._recovered(now):
                     self.inject(KINDS[turn % len(KINDS)], now)
                     turn += 1
                     next_fault = now + self.every
@@ -292,7 +308,8 @@ class Soak:
                     stats.to_success_s.append(round(float(ev["success"]), 3))  # type: ignore[arg-type]
             report.kinds = self.kinds
             report.rooms = sum(k.rooms for k in self.kinds.values())
-            report.rooms_per_s = report.rooms / seconds
+            report.seconds = round(time.monotonic() - t0, 1)
+            report.rooms_per_s = report.rooms / report.seconds
             report.resources_end = resources()
         except Exception as exc:
             report.error = f"{type(exc).__name__}: {exc}"
@@ -304,7 +321,7 @@ class Soak:
         return report
 
 
-def soak(backend: str, seconds: float, *, concurrency: int = 8, every: float = 3.0, freeze: float = 1.5,
+def soak(backend: str, seconds: float, *, concurrency: int = 8, every: float = 3.0, freeze: float = 3.0,
          settle: float = 0.3, seed: int = 0) -> Report:
     """Run the soak on ``backend`` for ``seconds`` (plus a bounded drain); see the module docstring."""
     with tempfile.TemporaryDirectory(prefix="kvbridge-soak-") as tmp:
