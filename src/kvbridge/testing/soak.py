@@ -77,6 +77,8 @@ class KindStats(msgspec.Struct, kw_only=True):
     failed: int = 0
     wrong_successes: int = 0
     late_writes: int = 0
+    #: For each late write: the room, its failure reason, and the pages (of its own) that changed.
+    late_rooms: list[str] = []
     #: Seconds from the fault to FAILED on decode of each room in flight at it (max over rooms, per fault).
     to_failed_s: list[float] = []
     #: Seconds from the prefill (restarted or resumed) being ready, or the fault, to the next SUCCESS.
@@ -117,7 +119,8 @@ class _Slot:
 
 class Soak:
     def __init__(self, backend: str, workdir: Path, concurrency: int, every: float, freeze: float,
-                 settle: float, seed: int) -> None:
+                 settle: float, seed: int, kinds: tuple[str, ...] = KINDS) -> None:
+        self.order = kinds
         self.backend = backend
         self.workdir = workdir
         self.sc = msgspec.structs.replace(SOAK, backend=backend, decode_pages=concurrency * PAGES)
@@ -197,8 +200,10 @@ class Soak:
                         self.unfenced += 1
                         self._release(slot)
                 elif now >= slot.free_at:
-                    if any(not np.array_equal(a[slot.pages], s) for a, s in zip(self.pools.kv, slot.snapshot)):
+                    changed = sum(int((a[slot.pages] != s).any(axis=1).sum()) for a, s in zip(self.pools.kv, slot.snapshot))
+                    if changed:
                         self.kinds[self.current].late_writes += 1
+                        self.kinds[self.current].late_rooms.append(f"room {recv.room}: {changed} pages; {recv.failure()}")
                     self._release(slot)
             if slot.recv is None:
                 self._open(slot)
@@ -288,7 +293,7 @@ class Soak:
             while (now := time.monotonic()) < t0 + seconds or (not self._recovered(now) and now < t0 + seconds + RECOVERY):
                 self.step(now)
                 if now >= next_fault and now < t0 + seconds and self._recovered(now):
-                    self.inject(KINDS[turn % len(KINDS)], now)
+                    self.inject(self.order[turn % len(self.order)], now)
                     turn += 1
                     next_fault = now + self.every
                 self.mgr.wait_any([s.recv for s in self.slots if s.recv is not None], 0.01)
@@ -322,10 +327,12 @@ class Soak:
 
 
 def soak(backend: str, seconds: float, *, concurrency: int = 8, every: float = 3.0, freeze: float = 3.0,
-         settle: float = 0.3, seed: int = 0) -> Report:
-    """Run the soak on ``backend`` for ``seconds`` (plus a bounded drain); see the module docstring."""
+         settle: float = 0.3, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> Report:
+    """Run the soak on ``backend`` for ``seconds`` (plus a bounded drain); see the module docstring.
+
+    ``kinds``: the faults to inject, in this order, in turn."""
     with tempfile.TemporaryDirectory(prefix="kvbridge-soak-") as tmp:
-        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed).run(seconds)
+        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds).run(seconds)
 
 
 def table(reports: list[Report]) -> str:
@@ -352,10 +359,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="soak time per backend (plus a drain)")
     parser.add_argument("--concurrency", type=int, default=8, help="rooms in flight")
     parser.add_argument("--every", type=float, default=3.0, help="seconds between faults")
+    parser.add_argument("--fault", action="append", choices=KINDS, help=f"repeatable (default: {', '.join(KINDS)})")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    reports = [soak(b, args.seconds, concurrency=args.concurrency, every=args.every) for b in args.backend or ["memory"]]
+    kinds = tuple(args.fault or KINDS)
+    reports = [soak(b, args.seconds, concurrency=args.concurrency, every=args.every, kinds=kinds)
+               for b in args.backend or ["memory"]]
     print(json.dumps([msgspec.to_builtins(r) for r in reports]) if args.json else table(reports))
+    for r in reports:
+        for kind, k in r.kinds.items():
+            for late in k.late_rooms:
+                print(f"late write ({r.backend}, {kind}): {late}")
     bad = any(r.error or r.unfinished or any(k.wrong_successes or k.late_writes for k in r.kinds.values())
               for r in reports)
     return 1 if bad else 0
