@@ -35,8 +35,8 @@ MAX_QUEUED = 1024  # messages kept for a server until its handshake completes
 #: its sockets' queued bytes) lands within it on a working link.
 GONE_GRACE = 0.5
 #: Seconds a room waits, after a prefill rank's ``Failed``, for that rank's ``Fenced`` before it reports
-#: FAILED anyway (``Receiver.fenced`` False until it comes): a failure reaches decode's host within this.
-FAILURE_NOTICE = 1.0
+#: FAILED anyway (``Receiver.fenced`` False until it comes): a failure reaches decode's host within this (and a tick).
+FAILURE_NOTICE = 0.5
 #: Incarnations of prefill processes seen gone or replaced that are remembered (a lookup listing one waits).
 MAX_DEAD = 4096
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
