@@ -137,8 +137,10 @@ class PrefillManager(TransferManager[Sender]):
         # the connection its authenticated Hello came on (no route without proof: docs/security.md).
         #: decode peer id -> the connection of its latest accepted Hello (kept after a drop, for late Fenced).
         self._routes: OrderedDict[str, bytes] = OrderedDict()
-        #: connection -> the decode peer whose Hello it carried (current peers only).
-        self._route_peer: dict[bytes, str] = {}
+        #: connection -> the decode peer whose accepted Hello it carried, kept after the peer handshook
+        #: again or was dropped: an Abort on an old connection must be fenced as that peer's (its running
+        #: writes, its engine's drain), not as a stranger's.
+        self._route_peer: OrderedDict[bytes, str] = OrderedDict()
         self.control_address = self._chan.bind(self.config.host)
         self.loop.add_socket(self._chan.sock, self._on_message)
         # Handshakes are a token bucket: `handshake_rate` per second, bursts of twice as many.
@@ -351,6 +353,7 @@ class PrefillManager(TransferManager[Sender]):
             if peer is not None and peer.ident != ident:
                 peer = None  # an older connection of a peer that handshook again since
             if peer is None and isinstance(msg, P.Abort):
+                # Fenced as that peer's when the connection was one (a write of the room may still run).
                 self._on_abort(None, peer_id or ident.hex(), msg, ident)
                 return
             if peer is None:
@@ -422,10 +425,12 @@ class PrefillManager(TransferManager[Sender]):
             self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route, self.config.heartbeat_timeout,
                                                   self.config.inline_row_bytes, ident=ident, incarnation=incarnation)
             self._route_peer[ident] = msg.peer_id
+            self._route_peer.move_to_end(ident)
             self._routes[msg.peer_id] = ident
             self._routes.move_to_end(msg.peer_id)
-            while len(self._routes) > MAX_ROUTES:
-                self._routes.popitem(last=False)
+            for table in (self._routes, self._route_peer):
+                while len(table) > MAX_ROUTES:
+                    table.popitem(last=False)
         self._reply(ident, P.HelloAck(kvargs=self.kvargs))
 
     def _on_request(self, peer: DecodePeer, msg: P.TransferRequest) -> None:
@@ -585,8 +590,6 @@ class PrefillManager(TransferManager[Sender]):
             if sender.asked_by(peer.peer_id):
                 self.fail_sender(sender, reason, "peer_dead")
         self._peers.pop(peer.peer_id, None)
-        if self._route_peer.get(peer.ident) == peer.peer_id:
-            del self._route_peer[peer.ident]
         peer.worker.stop()
         for room, reqs in list(self._pending.items()):
             reqs.pop(peer.peer_id, None)
