@@ -358,7 +358,8 @@ class PrefillManager(TransferManager[Sender]):
                 return
             if peer is None:
                 # A connection is a peer only once a Hello of its own was accepted.
-                reason = f"{type(msg).__name__} from {ident.decode(errors='replace')!r} before a handshake; send Hello first"
+                who = f"connection {ident.hex()}" if ident[:1] == b"\x00" else repr(ident.decode(errors="replace"))
+                reason = f"{type(msg).__name__} from {who} before a handshake; send Hello first"
                 self._chan.reject(ident, reason, getattr(msg, "room", None))
                 return
             peer.last_seen = time.monotonic()
