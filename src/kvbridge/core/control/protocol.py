@@ -47,7 +47,7 @@ __all__ = [
     "unpack_indices",
 ]
 
-PROTOCOL_VERSION = 2  # 2: Hello carries per-lane backend metadata
+PROTOCOL_VERSION = 3  # 2: Hello carries per-lane backend metadata; 3: incarnations (every header, RankInfo)
 MAX_LANES = 16  # backends a Hello may list
 
 
@@ -69,6 +69,8 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     control_addr: str
     #: The rank's lanes as a host names them ("nixl", "cuda_ipc,nixl").
     backend: str
+    #: The registering manager's incarnation (hex; ``kvbridge.core.control.auth``): a restarted rank is a new one.
+    incarnation: str = ""
 
 
 # -- bootstrap: prefill ranks register, decode ranks look them up -------------------

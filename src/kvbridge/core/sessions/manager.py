@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 from ..control import protocol as P
-from ..control.auth import auth_for, check_host
+from ..control.auth import auth_for, check_host, new_incarnation
 from ..control.channel import IOLoop, SocketGetter
 from .checksum import vram_problem
 from ..description.layout import KVArgs
@@ -130,6 +130,9 @@ class TransferManager(Generic[R]):
         self.config = config or SessionConfig()
         #: Seals and opens every control message (docs/security.md).
         self.auth = auth_for(self.config.secret_file)
+        #: This manager's incarnation, in the header of every message it sends: a restarted
+        #: process is a new peer to the others (kvbridge.core.control.auth, docs/failures.md).
+        self.incarnation = new_incarnation()
         if self.config.checksum:
             problem = vram_problem(kvargs.regions, f"this {self.role} rank's")
             if problem is not None:
@@ -216,11 +219,13 @@ class TransferManager(Generic[R]):
         :meth:`Room.advance`.
         """
         with self.lock:
-            changed = room.advance(state, reason, wake)
-            if changed and state == Poll.FAILED:
+            # Counted before the state changes: a host that sees the room final finds it counted.
+            will = not room.final and (state == Poll.FAILED or state > room.poll())
+            if will and state == Poll.FAILED:
                 metrics().failed(self.backend_name, self.role, kind)
-            elif changed and state == Poll.SUCCESS:
+            elif will and state == Poll.SUCCESS:
                 metrics().succeeded(self.backend_name, self.role)
+            changed = room.advance(state, reason, wake)
             if room.final and self.rooms.get(room.room) is room:
                 del self.rooms[room.room]
             return changed

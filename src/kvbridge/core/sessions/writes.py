@@ -311,6 +311,9 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
                 rows_in_done[id(w)] = read_row(w.job.meta_plan, req.metadata_row)
     with m.lock:  # failing a room takes the lock too: Done never follows Failed
         live = [w for w in live if m.live(w.sender, peer)]
+        for w in live:  # counted before SUCCESS or Done is visible: a snapshot of final rooms is whole
+            if w.job.totals:  # something was written
+                metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
         # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
         # wake-up of decode's host fewer per request).
         finished = False
@@ -320,9 +323,6 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
                     finished = m.finish(w.sender, Poll.SUCCESS, wake=False) or finished
         m.notify(peer, *(P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w))) if w.last
                          else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live), wake=finished)
-    for w in live:
-        if w.job.totals:  # something was written
-            metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
 
 
 def write_live(
