@@ -39,7 +39,6 @@ from . import protocol as P
 from .auth import PREDATES, Auth, auth_for, check_host, new_incarnation
 from .channel import Channel, IOLoop
 from .liveness import Probes
-from .metrics import metrics
 
 __all__ = ["BootstrapServer", "LEASE", "MAX_RANKS", "RENEW", "check_rank", "register_rank"]
 
