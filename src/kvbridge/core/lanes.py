@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from .backend import Backend, TransferError
 from .layout import Region
+from .pipeline import in_flight
 from .plan import Memory, RegionTable, TransferPlan
 from .plugins import SAME_HOST_LANES, get_registry
 from .records import BackendCapabilities, BackendSpec
@@ -55,6 +56,9 @@ class Lane:
 
     def __post_init__(self) -> None:
         caps = self.capabilities
+        #: Batches core keeps posted to one peer at once (core/pipeline.py), and the most seen.
+        self.in_flight = in_flight(caps)
+        self.peak_in_flight = 0
         if caps.whole_plans:  # the backend checks the fence between its own posts (backend.checkpoint)
             self.batch_descriptors = caps.batch_descriptors or 1 << 62
             self.batch_bytes = caps.max_bytes_per_batch or 1 << 62

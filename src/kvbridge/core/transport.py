@@ -30,6 +30,7 @@ from . import staging
 from .lanes import FENCE_BATCH_BYTES, FENCE_BATCH_DESCRIPTORS, Lane, Route, backend_name, lane_names, make_route, route_peer
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, host_id
 from .layout import Region
+from .pipeline import Pipeline, Wait
 from .plan import Memory, RegionTable, TransferPlan
 from .plugins import PluginError, get_registry, import_object
 from .records import BackendCapabilities, BackendSpec, assign_options
@@ -256,29 +257,50 @@ class Transport:
 
     def _write_lane(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None,
                     memory: Memory | None) -> None:
-        """``plan`` through ``lane``, batch by batch, each batch told where its descriptors are (``memory``)."""
-        landed = 0
+        """``plan`` through ``lane``, batch by batch, each batch told where its descriptors are (``memory``);
+        up to ``lane.in_flight`` batches posted at once (``core/pipeline.py``), the fence checked before each."""
+        pipe = Pipeline(lane.in_flight, lane.capabilities.max_descriptors_in_flight)
+        state = self._state(peer)
         posted = 0
 
-        def post(batch: TransferPlan, of: str = "") -> None:
-            nonlocal landed, posted
-            batch.memory = memory
-            self._check(peer, deadline, live, f"after {posted}{of} batches ({landed} of {plan.total_bytes} B landed)")
-            state = self._state(peer)
-            state.overdue = deadline + RESET_GRACE
+        def guarded(step: Callable[[], None]) -> None:
+            """``step`` (a post or a wait); a failure resets the peer's connections and is raised naming
+            what had landed, once every batch still in flight was waited for."""
             try:
-                self._post(lane, peer, batch, deadline, lambda: self._check(peer, deadline, live, "before a retry"))
+                step()
             except TransferError as exc:
-                if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing
+                pipe.abandon(deadline)
+                state.overdue = math.inf
+                if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing more
                     state.drain_until = time.monotonic() + lane.backend.drain_after_failure
                     self.reset(peer, f"a write failed: {type(exc).__name__}")
                 if posted == 0:
                     raise
-                raise type(exc)(f"{exc} (batch {posted + 1}; the {posted} before it, {landed} B, landed)") from exc
-            finally:
-                state.overdue = math.inf
-            landed += batch.total_bytes
+                raise type(exc)(f"{exc} (after {posted} batch(es) posted; {pipe.landed} B had landed)") from exc
+
+        def post(batch: TransferPlan, of: str = "") -> None:
+            nonlocal posted
+
+            def step() -> None:
+                pipe.make_room(deadline, len(batch))
+                self._check(peer, deadline, live, f"after {posted}{of} batches ({pipe.landed} of {plan.total_bytes} B landed)")
+                state.overdue = deadline + RESET_GRACE
+                retry = lambda: self._check(peer, deadline, live, "before a retry")  # noqa: E731
+                if pipe.limit == 1 or state.resets:  # one at a time; after a reset, with _post's retries
+                    self._post(lane, peer, batch, deadline, retry)
+                    pipe.landed_now(batch.total_bytes)
+                else:
+                    pipe.add(self._post_async(lane, peer, batch, deadline), batch.total_bytes, len(batch))
+                if not pipe.pending:
+                    state.overdue = math.inf
+
+            batch.memory = memory
+            guarded(step)
             posted += 1
+
+        def settle() -> None:
+            guarded(lambda: pipe.drain(deadline))
+            state.overdue = math.inf
 
         for window in self._windows(lane, plan):
             staged = lane.staging.stage(window, lane.batch_bytes) if lane.staging is not None else None
@@ -294,9 +316,33 @@ class Transport:
             try:
                 for batch in staged.batches(lane.batch_descriptors):
                     post(batch)
+                settle()  # the slice is reused once the engine reads it no more
             finally:
                 memory = local
-                staged.release()  # write() returned or raised: the engine reads the slice no more
+                staged.release()  # landed, or failed and waited for: the engine reads the slice no more
+        settle()
+        lane.peak_in_flight = max(lane.peak_in_flight, pipe.peak)
+
+    def _post_async(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float) -> Wait:
+        """``backend.post``, its engine's own exceptions (and its wait's) raised as the contract's."""
+        def named(exc: Exception) -> TransferError:
+            return TransferError(f"{lane.name}: write to peer {peer!r} failed: {type(exc).__name__}: {exc}")
+
+        try:
+            wait = lane.backend.post(peer, batch, deadline)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise named(exc) from exc
+
+        def checked(deadline: float) -> None:
+            try:
+                wait(deadline)
+            except TransferError:
+                raise
+            except Exception as exc:
+                raise named(exc) from exc
+        return checked
 
     def _post(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float, check: Callable[[], None]) -> None:
         """``backend.write``, again if it failed (not timed out) as the first write since :meth:`reset`
@@ -346,6 +392,7 @@ class Transport:
         for lane in self.lanes:
             if lane.staging is not None:
                 out["staging"] = lane.staging.stats()
+            out.setdefault("batches_in_flight", {})[lane.name] = {"limit": lane.in_flight, "peak": lane.peak_in_flight}
             out.update(lane.backend.describe())
         return out
 
