@@ -162,13 +162,14 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
     options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
     child = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.bench.transfer", "--decode", server.address, "--transfer-backend", backend,
-         *options, *(["--transfer-checksum"] if config.checksum else []), "--reps", str(reps), "--regions", str(regions), "--total-mib", str(total_mib)],
+         *options, *(["--transfer-checksum"] if config.checksum else []), "--transfer-staging", config.staging, "--reps", str(reps), "--regions", str(regions), "--total-mib", str(total_mib)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     results = []
     local = [np.empty_like(a) for a in kv]
     try:
         for c, (name, (src, dst)) in enumerate(cases(pages).items()):
+            before = dict(mgr.transport.windows)
             kv_times: list[float] = []
             serial_times: list[float] = []
             raw_times: list[float] = []
@@ -211,6 +212,9 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
                 "kvbridge_max_GBps": gb / min(kv_times),
                 "kvbridge_serial_GBps": gb / statistics.median(serial_times),
                 "batches_in_flight": max(lane.in_flight for lane in mgr.transport.lanes),
+                "staging": config.staging,
+                # Windows of every kvbridge repetition (both columns), by how each was written (core/relay.py).
+                "windows": {k: v - before[k] for k, v in mgr.transport.windows.items()},
                 "raw_engine_GBps": gb / statistics.median(raw_times) if raw_times else None,
                 "memcpy_GBps": gb / statistics.median(mem_times),
                 "verified": verified,
@@ -348,7 +352,8 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     if pages < RUN_PAGES or pages % RUN_PAGES:
         parser.error(f"--total-mib / --regions must be a multiple of {RUN_PAGES * PAGE >> 20} MiB")
     cfg = TransferConfig.from_args(args, parser)
-    config = dataclasses.replace(CONFIG, backend_options=dict(cfg.backend_options), checksum=cfg.checksum)
+    config = dataclasses.replace(CONFIG, backend_options=dict(cfg.backend_options), checksum=cfg.checksum,
+                                 staging=cfg.staging)
     if args.decode:
         return run_decode(cfg.backend, config, args.decode, args.reps, args.regions, pages)
     prog = "kvbridge bench transfer"

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .layout import KVArgs
+from .layout import KVArgs, Region
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -40,6 +40,9 @@ __all__ = [
     "Fenced",
     "Heartbeat",
     "Reject",
+    "Staged",
+    "StagingOffer",
+    "Unstaged",
     "Message",
     "encode",
     "decode",
@@ -93,6 +96,14 @@ class LookupReply(_Msg, tag="lookup_reply", frozen=True):
 # -- handshake: once per (decode rank, prefill rank) pair --------------------------
 
 
+class StagingOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode's staging buffer and the slots of it one prefill rank may write windows into."""
+
+    region: Region
+    slots: tuple[int, ...]
+    slice_bytes: int
+
+
 class Hello(_Msg, tag="hello", frozen=True):
     """Decode -> prefill: who I am, my memory, and how each of my backends reaches it."""
 
@@ -103,6 +114,9 @@ class Hello(_Msg, tag="hello", frozen=True):
     #: Decode's host (``kvbridge.core.backend.host_id``): lanes that reach one host only are used
     #: only between ranks that send the same.
     host: str = ""
+    #: Slots of decode's registered staging buffer lent to this prefill rank (``core/landing.py``);
+    #: None: write every descriptor into place.
+    staging: StagingOffer | None = None
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):
@@ -229,6 +243,24 @@ class Reject(_Msg, tag="reject", frozen=True):
     room: int | None = None
 
 
+class Staged(_Msg, tag="staged", frozen=True):
+    """Prefill -> decode: a window of these rooms' pieces landed, gathered back to back, in decode's
+    staging ``slot``; decode scatters it to ``dst`` (int64 little-endian addresses, ``nbytes`` each)
+    only while every room is live there, then answers :class:`Unstaged`. Sent before those rooms'
+    ``Done``, on the same connection: decode scatters before it can count a room's SUCCESS."""
+
+    rooms: tuple[int, ...]
+    slot: int
+    dst: bytes
+    nbytes: bytes
+
+
+class Unstaged(_Msg, tag="unstaged", frozen=True):
+    """Decode -> prefill: staging ``slot`` is free again (scattered, or dropped for a room given up)."""
+
+    slot: int
+
+
 Message = Union[
     Register,
     RegisterAck,
@@ -244,6 +276,8 @@ Message = Union[
     Fenced,
     Heartbeat,
     Reject,
+    Staged,
+    Unstaged,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -661,11 +661,19 @@ def _write_live(
         if not writes or not len(plan):
             return writes
         try:
-            m.transport.write(peer.peer_id, plan, deadline, functools.partial(_all_live, m, peer, writes))
+            m.transport.write(peer.peer_id, plan, deadline, functools.partial(_all_live, m, peer, writes),
+                              functools.partial(_announce, m, peer, writes))
             return writes
         except TransferCancelled:
             continue  # a room stopped being live (live() failed it and says why): redo without it
     raise AssertionError("unreachable: every redo drops a room")  # pragma: no cover
+
+
+def _announce(m: PrefillManager, peer: DecodePeer, writes: list[_ChunkWrite], slot: int, pieces: TransferPlan) -> None:
+    """Tell decode a window of these rooms' pieces landed in its staging ``slot`` (core/landing.py):
+    sent before their ``Done``, on the same connection, so decode scatters it first."""
+    m.notify(peer, P.Staged(rooms=tuple(sorted({w.sender.room for w in writes})), slot=slot,
+                            dst=pieces.dst_addr.astype("<i8").tobytes(), nbytes=pieces.nbytes.astype("<i8").tobytes()))
 
 
 def _all_live(m: PrefillManager, peer: DecodePeer, writes: list[_ChunkWrite]) -> bool:

@@ -444,8 +444,8 @@ class BackendConformance(BackendHarness):
         write = prefill.mgr.transport.write
         lo, hi = prefill.pools.meta.ctypes.data, prefill.pools.meta.ctypes.data + prefill.pools.meta.nbytes
 
-        def recording(peer: str, plan: TransferPlan, deadline: float, live: Any = None) -> None:
-            write(peer, plan, deadline, live)
+        def recording(peer: str, plan: TransferPlan, deadline: float, live: Any = None, announce: Any = None) -> None:
+            write(peer, plan, deadline, live, announce)
             writes.append(bool(((plan.src_addr >= lo) & (plan.src_addr < hi)).any()))
 
         prefill.mgr.transport.write = recording  # type: ignore[method-assign]

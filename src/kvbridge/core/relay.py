@@ -1,0 +1,112 @@
+"""Prefill's side of staging on both sides: which windows to stage, and decode's slots lent to it.
+
+Per window, from the descriptors themselves (:func:`choose`): a window of
+small pieces (mean at most :data:`MAX_PIECE` bytes on the same host,
+:data:`MAX_PIECE_REMOTE` across hosts, where every descriptor costs the
+engine a network work request) whose sources are in this rank's registered
+host memory and whose destinations are in the peer's host memory is
+
+- ``"gather"``: gathered on prefill and posted as the runs contiguous in the
+  destination (:mod:`kvbridge.core.staging`), when that at least halves the
+  descriptors (prefill TP < decode TP: token rows back to back on decode);
+- ``"both"``: gathered on prefill, written as one descriptor into one of the
+  decode slots lent to this rank (:class:`RemoteSlots`), and scattered there
+  (:mod:`kvbridge.core.landing`), when the destination does not merge (scattered
+  pages, prefill TP > decode TP) and the peer lent slots;
+- ``"direct"``: written as planned.
+
+``SessionConfig.staging``: ``auto`` as above, ``on`` stages every window of two
+or more host pieces that fits a slice (both sides where the peer lent slots),
+``off`` never stages.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from . import protocol as P
+from .plan import TransferPlan
+
+__all__ = ["MODES", "MAX_PIECE", "MAX_PIECE_REMOTE", "REMOTE_WINDOW_DESCRIPTORS", "RemoteSlots", "choose", "runs"]
+
+#: ``SessionConfig.staging`` values.
+MODES = ("auto", "on", "off")
+#: Mean bytes per piece up to which ``auto`` stages a window on the same host (copying a piece
+#: costs less than posting it there; measured: ``kvbridge bench transfer``, ``kvbridge bench tp``).
+MAX_PIECE = 16 << 10
+#: The same across hosts: an engine's work request per descriptor costs more on a NIC than a
+#: CMA iovec (sgl-project/sglang#35036: 4 KiB entries at 15.5 MB/s against 4,792 MB/s staged).
+#: Not measured here (one host).
+MAX_PIECE_REMOTE = 256 << 10
+#: Most pieces in one window staged on both sides: its ``Staged`` message carries 16 bytes a run.
+REMOTE_WINDOW_DESCRIPTORS = 16384
+#: How often a write waiting for a free decode slot checks its deadline and room.
+SLOT_POLL = 0.01
+
+
+def choose(window: TransferPlan, mode: str, same_host: bool, remote: bool) -> str:
+    """``"both"``, ``"gather"`` or ``"direct"`` for ``window`` (module docstring). ``remote``: the
+    peer lent slots and this write can announce them; the caller checked the memory kinds."""
+    n = len(window)
+    if mode == "off" or n < 2:
+        return "direct"
+    total = window.total_bytes
+    limit = MAX_PIECE if same_host else MAX_PIECE_REMOTE
+    if mode == "auto" and total > n * limit:
+        return "direct"
+    dst, nbytes = window.dst_addr, window.nbytes
+    runs = n - int(np.count_nonzero(dst[:-1] + nbytes[:-1] == dst[1:]))
+    if 2 * runs <= n:
+        return "gather"
+    if remote:
+        return "both"
+    return "gather" if mode == "on" else "direct"
+
+
+def runs(window: TransferPlan) -> TransferPlan:
+    """Where a window gathered back to back goes: its pieces in order, neighbours contiguous in the
+    destination merged (``src_addr``: each run's offset in the slice; ``dst_addr``, ``nbytes``)."""
+    dst, nbytes = window.dst_addr, window.nbytes
+    joins = dst[:-1] + nbytes[:-1] == dst[1:]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    offsets = np.cumsum(nbytes) - nbytes
+    return TransferPlan(offsets[starts], dst[starts].copy(), np.add.reduceat(nbytes, starts))
+
+
+class RemoteSlots:
+    """Decode's staging slots lent to this prefill rank for one peer: free ones, taken by writes and
+    given back by decode's ``Unstaged`` (the I/O thread)."""
+
+    def __init__(self, offer: P.StagingOffer) -> None:
+        self.offer = offer
+        self._free = list(offer.slots)
+        self._cond = threading.Condition()
+
+    def address(self, slot: int) -> int:
+        return self.offer.region.addr + slot * self.offer.slice_bytes
+
+    def take(self, check: Callable[[str], None]) -> int:
+        """A free slot, waiting for decode to give one back; ``check(where)`` raises when the write's
+        deadline passed or its room died (the fence) and is called at least every :data:`SLOT_POLL`."""
+        with self._cond:
+            while not self._free:
+                check("waiting for decode to free a staging slot")
+                self._cond.wait(SLOT_POLL)
+            return self._free.pop()
+
+    def give_back(self, slot: int) -> bool:
+        """Decode scattered (or dropped) ``slot``: free again. False for a slot not lent or not taken."""
+        with self._cond:
+            if slot not in self.offer.slots or slot in self._free:
+                return False
+            self._free.append(slot)
+            self._cond.notify()
+            return True
+
+    def free(self) -> int:
+        with self._cond:
+            return len(self._free)
+
