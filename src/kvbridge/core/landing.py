@@ -31,8 +31,8 @@ import numpy as np
 from . import protocol as P
 from .layout import Region
 from .plan import RegionTable
-from .stage_index import unit_index
-from .staging import SLICE_BYTES, _Raw
+from .stage_index import scatter_from
+from .staging import SLICE_BYTES
 
 __all__ = ["Landing", "ScatterError", "SLOTS", "SLOTS_PER_PEER"]
 
@@ -100,11 +100,8 @@ class Landing:
             bad = int(np.flatnonzero(~inside)[0])
             raise ScatterError(f"Staged piece {bad} ({int(nbytes[bad])} B at {int(dst[bad]):#x}) lies outside this "
                                "rank's registered host regions")
-        index = unit_index(dst, nbytes, max_units_per_piece=1 << 30)
-        assert index is not None  # non-empty pieces
         start = msg.slot * self.slice_bytes
-        units = self._buf[start:start + total].view(f"V{index.unit}")
-        np.asarray(_Raw(index.base, index.span, index.unit))[index.index] = units
+        scatter_from(self._buf[start:start + total], dst, nbytes, self._dests.locate(dst, nbytes)[0])
         with self._lock:
             self.windows += 1
             self.pieces += len(dst)

@@ -151,7 +151,7 @@ class TransferManager(Generic[R]):
         )
         self.backend_name = self.transport.name
         try:
-            self.transport.staging_mode = config.staging
+            self.transport.staging_mode = self.config.staging
             self.transport.register(kvargs.regions, sends=self.role == "prefill")
         except BaseException:
             self.transport.close()

@@ -401,7 +401,8 @@ class Sender(Room):
         try:
             for p in plans:
                 if p is not None and len(p):
-                    m.transport.write(peer.peer_id, p, deadline, lambda: m.live(self, peer, wait=True))
+                    m.transport.write(peer.peer_id, p, deadline, lambda: m.live(self, peer, wait=True),
+                                      functools.partial(_announce, m, peer, (self.room,)))
         except TransferCancelled:
             return False  # the room failed (live() says why); end_write fences it
         except Exception as exc:
@@ -662,17 +663,17 @@ def _write_live(
             return writes
         try:
             m.transport.write(peer.peer_id, plan, deadline, functools.partial(_all_live, m, peer, writes),
-                              functools.partial(_announce, m, peer, writes))
+                              functools.partial(_announce, m, peer, tuple(sorted({w.sender.room for w in writes}))))
             return writes
         except TransferCancelled:
             continue  # a room stopped being live (live() failed it and says why): redo without it
     raise AssertionError("unreachable: every redo drops a room")  # pragma: no cover
 
 
-def _announce(m: PrefillManager, peer: DecodePeer, writes: list[_ChunkWrite], slot: int, pieces: TransferPlan) -> None:
+def _announce(m: PrefillManager, peer: DecodePeer, rooms: tuple[int, ...], slot: int, pieces: TransferPlan) -> None:
     """Tell decode a window of these rooms' pieces landed in its staging ``slot`` (core/landing.py):
     sent before their ``Done``, on the same connection, so decode scatters it first."""
-    m.notify(peer, P.Staged(rooms=tuple(sorted({w.sender.room for w in writes})), slot=slot,
+    m.notify(peer, P.Staged(rooms=rooms, slot=slot,
                             dst=pieces.dst_addr.astype("<i8").tobytes(), nbytes=pieces.nbytes.astype("<i8").tobytes()))
 
 

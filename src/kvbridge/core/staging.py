@@ -37,7 +37,7 @@ import numpy as np
 
 from .layout import Region
 from .plan import RegionTable, TransferPlan
-from .stage_index import unit_index
+from .stage_index import gather_into
 
 __all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "MAX_PIECE"]
 
@@ -60,15 +60,6 @@ def wanted(regions: Sequence[Region]) -> bool:
     staging shortens.
     """
     return any(r.mem == "dram" and r.shard.kind == "split" and r.shard.outer > 1 for r in regions)
-
-
-class _Raw:
-    """A numpy view of ``count`` items of ``itemsize`` bytes at a raw address (no copy, no ctypes type)."""
-
-    def __init__(self, addr: int, count: int, itemsize: int) -> None:
-        self.__array_interface__ = {
-            "shape": (count,), "typestr": f"|V{itemsize}", "data": (addr, False), "version": 3,
-        }
 
 
 class Staging:
@@ -120,20 +111,18 @@ class Staging:
     def _gather(self, window: TransferPlan, runs_of: Callable[[int], TransferPlan]) -> Staged | None:
         """Gather ``window``'s pieces back to back into a free slice; ``runs_of(slice address)`` says what to post."""
         src, nbytes = window.src_addr, window.nbytes
-        if not self._sources.locate(src, nbytes)[1].all():
+        regions, inside = self._sources.locate(src, nbytes)
+        if not inside.all():
             return None  # a source outside this rank's registered host memory (GPU, or a plan built elsewhere)
-        index = unit_index(src, nbytes)
-        if index is None:
-            return None  # odd sizes or offsets: the index array would outgrow the descriptors
         with self._lock:
             if not self._free:
                 return None
             slot = self._free.pop()
         try:
             start = slot * self.slice_bytes
-            out = self._buf[start:start + window.total_bytes].view(f"V{index.unit}")
-            # clip: no buffered copy of out
-            np.take(np.asarray(_Raw(index.base, index.span, index.unit)), index.index, out=out, mode="clip")
+            if not gather_into(self._buf[start:start + window.total_bytes], src, nbytes, regions):
+                self._release(slot)
+                return None  # odd sizes or offsets: the index arrays would outgrow the descriptors
             runs = runs_of(self.region.addr + start)
         except BaseException:
             self._release(slot)
