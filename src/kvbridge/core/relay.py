@@ -91,11 +91,15 @@ class RemoteSlots:
     def take(self, check: Callable[[str], None]) -> int:
         """A free slot, waiting for decode to give one back; ``check(where)`` raises when the write's
         deadline passed or its room died (the fence) and is called at least every :data:`SLOT_POLL`."""
-        with self._cond:
-            while not self._free:
-                check("waiting for decode to free a staging slot")
-                self._cond.wait(SLOT_POLL)
-            return self._free.pop()
+        while True:
+            with self._cond:
+                if not self._free:
+                    self._cond.wait(SLOT_POLL)
+                if self._free:
+                    return self._free.pop()
+            # Outside the condition's lock: the check takes the manager's lock, which the I/O thread
+            # holds while it gives a slot back (give_back), so checking under ours would deadlock.
+            check("waiting for decode to free a staging slot")
 
     def give_back(self, slot: int) -> bool:
         """Decode scattered (or dropped) ``slot``: free again. False for a slot not lent or not taken."""
