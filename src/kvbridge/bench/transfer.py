@@ -302,22 +302,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: 256; cuda: {' '.join(map(str, CUDA_TOTAL_MIB))})")
     parser.add_argument("--regions", type=ui.int_at_least(1), default=None, metavar="N",
                         help="cpu only: buffers the bytes are split across (default: 1)")
-    parser.add_argument("--page-kib", type=ui.int_at_least(1), nargs="+", default=None, metavar="KIB",
-                        help=f"cuda only: page sizes in KiB, one case each (default: {' '.join(map(str, CUDA_PAGE_KIB))})")
+    parser.add_argument("--page-kib", type=ui.int_at_least(4), nargs="+", default=None, metavar="KIB",
+                        help=f"page sizes in KiB, one case each (cuda default: {' '.join(map(str, CUDA_PAGE_KIB))}); "
+                             "cpu: the fragmentation axis instead of the three fixed cases: per page size, scattered, "
+                             "contiguous and head-sliced TP 1->2 and 2->1, each beside the contiguous rate")
+    parser.add_argument("--staging", choices=("on", "off", "auto"), nargs="+", default=None, metavar="MODE",
+                        help="cpu with --page-kib: prefill's staging setting per row, on, off and/or auto "
+                             "(SessionConfig.staging; default: off on)")
     parser.add_argument("--decode-gpu", type=ui.int_at_least(0), default=None, metavar="N",
                         help="cuda only: the decode process's GPU (default: 0, the prefill's)")
     common.add_output_arguments(parser, "rates in gigabytes per second: *_GBps")
     parser.add_argument("--decode", metavar="BOOTSTRAP", help=argparse.SUPPRESS)
+    parser.add_argument("--fragment", metavar="JSON", help=argparse.SUPPRESS)  # the fragmentation decode child's case
 
 
 def _device_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Fill the device's defaults; an option of the other device is a usage error."""
-    other = ("--page-kib", "--decode-gpu") if args.device == "cpu" else ("--regions",)
+    other = ("--decode-gpu",) if args.device == "cpu" else ("--regions", "--staging")
     given = [flag for flag in other if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
         ui.usage_error(parser, f"argument {given[0]}: applies to --device {'cuda' if args.device == 'cpu' else 'cpu'} "
                                f"only (this run is --device {args.device})")
     if args.device == "cpu":
+        if args.staging is not None and args.page_kib is None:
+            ui.usage_error(parser, "argument --staging: applies to the fragmentation axis only; give --page-kib too")
+        args.staging = args.staging or ["off", "on"]
         if args.total_mib is not None and len(args.total_mib) > 1:
             ui.usage_error(parser, f"argument --total-mib: takes one value with --device cpu, got {args.total_mib}")
         args.total_mib = args.total_mib[0] if args.total_mib else 256
@@ -348,6 +357,8 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
 
         args.transfer_backend = TransferConfig.from_args(args, parser).backend
         return gpu.run_from_args(args, parser)
+    if args.device == "cpu" and (args.page_kib is not None or args.fragment):
+        return _run_fragments(args, parser)
     pages = (args.total_mib << 20) // (args.regions * PAGE)
     if pages < RUN_PAGES or pages % RUN_PAGES:
         parser.error(f"--total-mib / --regions must be a multiple of {RUN_PAGES * PAGE >> 20} MiB")
@@ -368,6 +379,35 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         return t
 
     return common.finish(args, prog, results, table, plot, all(r["verified"] for r in results))
+
+
+def _run_fragments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--device cpu --page-kib ...``: the fragmentation axis (:mod:`kvbridge.bench.fragment`)."""
+    from kvbridge.bench import fragment
+
+    cfg = TransferConfig.from_args(args, parser)
+    config = dataclasses.replace(fragment.CONFIG, backend_options=dict(cfg.backend_options), checksum=cfg.checksum)
+    if args.decode:
+        return fragment.run_decode(cfg.backend, config, args.decode, json.loads(args.fragment))
+    prog = "kvbridge bench transfer"
+    common.check_plot(args, prog)
+    n = len(args.page_kib) * len(fragment.GEOMETRIES)
+    with ui.progress(n, "cases", description=f"bench transfer fragmentation ({cfg.backend})") as tracker:
+        rows = fragment.run(cfg.backend, config, args.page_kib, args.total_mib, args.staging, args.reps, tracker)
+
+    def table() -> Any:
+        t = fragment.format_table(rows)
+        t.title = (f"{cfg.backend}: {args.total_mib} MiB a room, host memory, prefill -> decode over 127.0.0.1, "
+                   f"median of {args.reps}; windows: direct/gathered on prefill/staged on both sides")
+        return t
+
+    def draw(results: list[dict[str, Any]], path: str) -> None:
+        common.bars(path, f"Fragmented transfers ({cfg.backend}; GB/s)",
+                    [f"{r['page_KiB']} KiB {r['case']} {r['staging']}" for r in results],
+                    {"kvbridge": [r["kvbridge_GBps"] for r in results],
+                     "contiguous": [r["contiguous_GBps"] for r in results]}, "GB/s")
+
+    return common.finish(args, prog, rows, table, draw, all(r["verified"] for r in rows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,18 +6,21 @@ small pieces (mean at most :data:`MAX_PIECE` bytes on the same host,
 engine a network work request) whose sources are in this rank's registered
 host memory and whose destinations are in the peer's host memory is
 
-- ``"gather"``: gathered on prefill and posted as the runs contiguous in the
-  destination (:mod:`kvbridge.core.staging`), when that at least halves the
-  descriptors (prefill TP < decode TP: token rows back to back on decode);
 - ``"both"``: gathered on prefill, written as one descriptor into one of the
   decode slots lent to this rank (:class:`RemoteSlots`), and scattered there
-  (:mod:`kvbridge.core.landing`), when the destination does not merge (scattered
-  pages, prefill TP > decode TP) and the peer lent slots;
+  (:mod:`kvbridge.core.landing`), when the peer lent slots and merging
+  neighbours in the destination would not cut the descriptors
+  :data:`GATHER_MERGE` times (scattered pages, prefill TP > decode TP, head
+  slices into scattered pages);
+- ``"gather"``: gathered on prefill and posted as the runs contiguous in the
+  destination (:mod:`kvbridge.core.staging`), when that at least halves the
+  descriptors (prefill TP < decode TP: token rows back to back on decode) and
+  ``"both"`` does not apply;
 - ``"direct"``: written as planned.
 
 ``SessionConfig.staging``: ``auto`` as above, ``on`` stages every window of two
-or more host pieces that fits a slice (both sides where the peer lent slots),
-``off`` never stages.
+or more host pieces that fits a slice (both sides where the peer lent slots,
+else gathered), ``off`` never stages.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ MAX_PIECE = 16 << 10
 MAX_PIECE_REMOTE = 256 << 10
 #: Most pieces in one window staged on both sides: its ``Staged`` message carries 16 bytes a run.
 REMOTE_WINDOW_DESCRIPTORS = 16384
+#: ``auto`` gathers on prefill alone (no round trip to decode per window) when merging neighbours in the
+#: destination cuts the descriptors at least this many times; below that, with slots lent, both sides.
+GATHER_MERGE = 8
 #: How often a write waiting for a free decode slot checks its deadline and room.
 SLOT_POLL = 0.01
 
@@ -59,11 +65,11 @@ def choose(window: TransferPlan, mode: str, same_host: bool, remote: bool) -> st
         return "direct"
     dst, nbytes = window.dst_addr, window.nbytes
     runs = n - int(np.count_nonzero(dst[:-1] + nbytes[:-1] == dst[1:]))
-    if 2 * runs <= n:
+    if remote and (mode == "on" or runs * GATHER_MERGE > n):
+        return "both"  # one descriptor a window, whatever the destination
+    if mode == "on" or 2 * runs <= n:
         return "gather"
-    if remote:
-        return "both"
-    return "gather" if mode == "on" else "direct"
+    return "direct"
 
 
 def runs(window: TransferPlan) -> TransferPlan:

@@ -174,7 +174,7 @@ class Transport:
         state = self._state(peer)
         state.same_host = host == self.host
         state.slots = None
-        if staging_offer is not None and self.staging_mode != "off" and any(lane.staging for lane in self.lanes):
+        if staging_offer is not None and any(lane.staging for lane in self.lanes):  # used where staging_mode allows
             regions = [*regions, staging_offer.region]
             state.slots = relay.RemoteSlots(staging_offer)
         if len(self.lanes) == 1:  # nothing to share out: the backend takes the peer or refuses it
