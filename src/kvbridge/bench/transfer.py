@@ -303,7 +303,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regions", type=ui.int_at_least(1), default=None, metavar="N",
                         help="cpu only: buffers the bytes are split across (default: 1)")
     parser.add_argument("--page-kib", type=ui.int_at_least(4), nargs="+", default=None, metavar="KIB",
-                        help=f"page sizes in KiB, one case each (cuda default: {' '.join(map(str, CUDA_PAGE_KIB))}); "
+                        help=f"page sizes in KiB; cuda: one case each (default: {' '.join(map(str, CUDA_PAGE_KIB))}); "
                              "cpu: the fragmentation axis instead of the three fixed cases: per page size, scattered, "
                              "contiguous and head-sliced TP 1->2 and 2->1, each beside the contiguous rate")
     parser.add_argument("--staging", choices=("on", "off", "auto"), nargs="+", default=None, metavar="MODE",
