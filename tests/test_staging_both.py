@@ -23,6 +23,7 @@ from kvbridge.core.backend import BackendConfig
 from kvbridge.core.bootstrap import BootstrapServer
 from kvbridge.core.landing import SLOTS_PER_PEER, Landing, ScatterError
 from kvbridge.core.layout import Region
+from kvbridge.core.metrics import metrics
 from kvbridge.core.plan import TransferPlan
 from kvbridge.core.relay import choose, runs
 from kvbridge.core.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
@@ -183,10 +184,13 @@ def landed(src: Pools, dst: Pools) -> bool:
 
 @pytest.mark.parametrize("staging", ["on", "auto"])
 def test_scattered_small_pages_are_staged_on_both_sides_and_land_byte_exact(pair, staging) -> None:
+    before = metrics().snapshot()["backends"].get("memory", {}).get("staging_windows", {}).get("both", 0)
     sender, recv, src, dst, pm, dm = pair(staging)
     assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
     assert landed(src, dst)
-    assert pm.transport.describe()["staging"]["windows_by_choice"]["both"] > 0
+    both = pm.transport.describe()["staging"]["windows_by_choice"]["both"]
+    assert both > 0
+    assert metrics().snapshot()["backends"]["memory"]["staging_windows"]["both"] - before == both
     landing = dm.transport.describe()["landing"]
     assert landing["windows"] > 0 and landing["dropped"] == 0
     assert landing["lent"] * landing["slice_bytes"] <= 2 * landing["slice_bytes"], "2 slices for the one prefill rank"

@@ -31,6 +31,7 @@ from .landing import Landing
 from .lanes import FENCE_BATCH_BYTES, FENCE_BATCH_DESCRIPTORS, Lane, Route, backend_name, lane_names, make_route, route_peer
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, host_id
 from .layout import Region
+from .metrics import metrics
 from .pipeline import Pipeline, Wait
 from .plan import Memory, RegionTable, TransferPlan
 from .plugins import PluginError, get_registry, import_object
@@ -350,7 +351,9 @@ class Transport:
                     slots.give_back(slot)
             elif how == "gather":
                 staged = lane.staging.stage(window, lane.batch_bytes)  # type: ignore[union-attr]
-            self.windows[how if staged is not None else "direct"] += 1
+            how = how if staged is not None else "direct"
+            self.windows[how] += 1
+            metrics().window(self.name, how)
             if staged is None:
                 batches = lane.batches(window)
                 of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
