@@ -80,7 +80,9 @@ def schedule(staging: list[str], reps: int) -> Iterator[tuple[str, int]]:
             yield mode, rep
 
 
-CONFIG = SessionConfig(transfer_timeout=120, waiting_timeout=300, heartbeat_timeout=30, sender_grace=300)
+# A loaded machine may take a while to start the decode ranks of a geometry: generous bootstrap.
+CONFIG = SessionConfig(transfer_timeout=120, waiting_timeout=300, heartbeat_timeout=30, sender_grace=300,
+                       bootstrap_timeout=120)
 
 
 def run_decode(backend: str, config: SessionConfig, bootstrap: str, argv: dict[str, Any]) -> int:
