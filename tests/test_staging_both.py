@@ -86,8 +86,8 @@ def _window(dst: list[int], size: int) -> TransferPlan:
 
 
 @pytest.mark.parametrize("mode, dst, size, same_host, remote, want", [
-    ("auto", [0, 1, 2, 3, 4, 5, 6, 7], 512, True, True, "gather"),  # runs merge 8x: prefill alone
-    ("auto", [0, 1, 2, 3], 4096, True, True, "both"),          # merging halves them only: both sides
+    ("auto", list(range(16)), 8192, True, True, "gather"),     # one 128 KiB run: prefill alone
+    ("auto", [0, 1, 2, 3], 4096, True, True, "both"),          # a 16 KiB run: both sides
     ("auto", [0, 1, 2, 3], 4096, True, False, "gather"),       # ... unless decode lent no slots
     ("auto", [0, 5, 2, 9], 4096, True, True, "both"),          # scattered small pages, slots lent
     ("auto", [0, 5, 2, 9], 4096, True, False, "direct"),       # scattered, no slots: nothing to gain
