@@ -17,7 +17,9 @@ identical for every backend and driven by the backend's declared
 
 Threading: core calls :meth:`Backend.write` from its transfer worker threads,
 at most one write per peer at a time and never from the host's scheduler
-thread. ``write`` blocks until every byte of the batch has landed at the
+thread (a backend declaring ``batches_in_flight`` > 1 gets :meth:`Backend.post`
+instead: up to that many batches posted to a peer, from one thread, each
+waited for in order). ``write`` blocks until every byte of the batch has landed at the
 destination or raises; it must return or raise by ``deadline``
 (``time.monotonic()`` seconds), shortening the engine's own timeouts to match.
 Once ``write`` has returned or raised, the engine must have no work left for
