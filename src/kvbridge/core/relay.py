@@ -91,6 +91,7 @@ class RemoteSlots:
     def __init__(self, offer: P.StagingOffer) -> None:
         self.offer = offer
         self._free = list(offer.slots)
+        self._retired = 0
         self._cond = threading.Condition()
 
     def address(self, slot: int) -> int:
@@ -108,6 +109,25 @@ class RemoteSlots:
             # Outside the condition's lock: the check takes the manager's lock, which the I/O thread
             # holds while it gives a slot back (give_back), so checking under ours would deadlock.
             check("waiting for decode to free a staging slot")
+
+    def settle(self, check: Callable[[str], None]) -> None:
+        """Wait until decode scattered every window announced so far (every slot is back, but those a failed
+        write retired): a direct write after a staged one must not land before it, or decode's later scatter
+        of the staged window would overwrite newer bytes (a chunk rewriting the page a previous chunk ended in)."""
+        while True:
+            with self._cond:
+                if len(self._free) + self._retired >= len(self.offer.slots):
+                    return
+                self._cond.wait(SLOT_POLL)
+                if len(self._free) + self._retired >= len(self.offer.slots):
+                    return
+            check("waiting for decode to scatter the staged windows before a direct write")
+
+    def retire(self) -> None:
+        """A write into a taken slot failed: the engine may still land bytes there, so it is never written
+        again (this peer stages with the slots left; a new handshake lends them afresh)."""
+        with self._cond:
+            self._retired += 1
 
     def give_back(self, slot: int) -> bool:
         """Decode scattered (or dropped) ``slot``: free again. False for a slot not lent or not taken."""

@@ -401,8 +401,8 @@ class Sender(Room):
         try:
             for p in plans:
                 if p is not None and len(p):
-                    m.transport.write(peer.peer_id, p, deadline, lambda: m.live(self, peer, wait=True),
-                                      functools.partial(_announce, m, peer, (self.room,)))
+                    # No announce: layer-wise writes are not staged on both sides (docs/architecture.md, "Staging").
+                    m.transport.write(peer.peer_id, p, deadline, lambda: m.live(self, peer, wait=True))
         except TransferCancelled:
             return False  # the room failed (live() says why); end_write fences it
         except Exception as exc:

@@ -349,11 +349,14 @@ class Transport:
                 staged = lane.staging.stage_to(window, slots.address(slot), lane.batch_bytes)
                 if staged is None:
                     slots.give_back(slot)
+                    slot = None
             elif how == "gather":
                 staged = lane.staging.stage(window, lane.batch_bytes)  # type: ignore[union-attr]
             how = how if staged is not None else "direct"
             self.windows[how] += 1
             metrics().window(self.name, how)
+            if slot is None and slots is not None:  # written into place: after every window staged before it
+                slots.settle(lambda where: self._check(peer, deadline, live, where))  # not under its later scatter
             if staged is None:
                 batches = lane.batches(window)
                 of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
@@ -367,6 +370,10 @@ class Transport:
                 for batch in staged.batches(lane.batch_descriptors):
                     post(batch)
                 settle()  # the slice is reused once the engine reads it no more
+            except BaseException:
+                if slot is not None:
+                    slots.retire()  # type: ignore[union-attr]  # the engine may still land bytes in it
+                raise
             finally:
                 memory = local
                 staged.release()  # landed, or failed and waited for: the engine reads the slice no more
@@ -378,6 +385,8 @@ class Transport:
                     slots.give_back(slot)
                     raise
         settle()
+        if slots is not None:  # returns once decode scattered every window: in place, as a direct write is
+            slots.settle(lambda where: self._check(peer, deadline, live, where))
         lane.peak_in_flight = max(lane.peak_in_flight, pipe.peak)
 
     def _post_async(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float) -> Wait:
