@@ -376,8 +376,8 @@ class BackendConformance(BackendHarness):
         # Staging forced on (SessionConfig.staging="on"): scattered 4 KiB pages are gathered on prefill,
         # written into decode's staging slots and scattered there before each Done (core/relay.py),
         # checksummed where they land. Decode checks every destination byte and the sentinels.
-        sc = self.scenario(requests=24, max_pages=256, concurrency=8, max_chunks=3, page_nbytes=4096, prefill_pages=2048,
-                           decode_pages=8192, staging="on", checksum=True, deadline=120.0)
+        sc = self.scenario(requests=12, max_pages=128, concurrency=6, max_chunks=3, page_nbytes=4096, prefill_pages=1024,
+                           decode_pages=4096, staging="on", checksum=True, deadline=120.0)
         prefill = children("prefill", sc)
         decode = children("decode", sc, bootstrap=prefill.bootstrap)
         rc_d, d = decode.finish(sc.deadline + 10)
@@ -526,7 +526,7 @@ class BackendConformance(BackendHarness):
         # The hybrid model with staging forced on (SessionConfig.staging="on"), both TP directions: token rows
         # gathered on prefill (TP 1 -> 2), or written into decode's staging slots and scattered there (TP 2 -> 1,
         # the strided destination), every rank's every buffer checked against the global tensors.
-        spec = self.hybrid_spec(prefill_tp=prefill_tp, decode_tp=decode_tp, layout="nhd", requests=2, staging="on")
+        spec = self.hybrid_spec(prefill_tp=prefill_tp, decode_tp=decode_tp, layout="nhd", requests=1, staging="on")
         p, d, _ = self.run_hybrid(children, spec)
         all_succeeded(p, d)
         if get_registry().backend_spec(self.backend).capabilities.host_staging:
