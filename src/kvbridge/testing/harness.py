@@ -323,7 +323,7 @@ def all_succeeded(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
     for side in (prefill, decode):
         for room, states in side["rooms"].items():
             assert all(state == "SUCCESS" for state, _ in states), f"{side['role']} room {room}: {states}"
-    assert decode["mismatches"] == []
+    assert decode["mismatches"] == [], decode["mismatches"][:10]
 
 
 # -- the fixtures ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from ..control.bootstrap import MAX_RANKS, check_rank
 from ..control.channel import Channel
 from .checksum import verify
 from ..description.layout import KVArgs
+from ..transfer.landing import ScatterError
 from .manager import SessionConfig, TransferManager
 from .receiver import Receiver
 from .room import Poll, Room
@@ -173,8 +174,11 @@ class DecodeManager(TransferManager[Receiver]):
             return
         self.loop.remove_socket(server.lookup.sock)
         server.lookup = None
-        hello = P.encode(P.Hello(peer_id=self.peer_id, lanes=self._meta, kvargs=self.kvargs, host=self.transport.host))
+        landing = self.transport.landing
         for key, info in sorted(wanted.items()):
+            offer = landing.offer((server.address, key)) if landing is not None else None
+            hello = P.encode(P.Hello(peer_id=self.peer_id, lanes=self._meta, kvargs=self.kvargs, host=self.transport.host,
+                                     staging=offer))
             rank = server.ranks[key] = PrefillRank(info)
             rank.chan = self._channel(info.control_addr)
             self.loop.add_socket(rank.chan.sock, self._rank_handler(server, rank))
@@ -214,6 +218,9 @@ class DecodeManager(TransferManager[Receiver]):
                                      f"incarnation {rank.incarnation.hex()}, whose rooms are lost")
             return
         rank.last_seen = time.monotonic()
+        if isinstance(msg, P.Staged):
+            self._on_staged(server, rank, msg)
+            return
         bad_row = self._place_row(server, msg.room, msg.row) if isinstance(msg, P.Done) and msg.row is not None else None
         bad_sum = None
         if isinstance(msg, P.Done) and (msg.checksum is not None or self.config.checksum):
@@ -269,6 +276,32 @@ class DecodeManager(TransferManager[Receiver]):
                     target.fail(f"{rank.label}: {msg.reason}", kind, FAILURE_NOTICE)
             elif isinstance(msg, P.Heartbeat) and msg.clock is not None:
                 rank.clock = msg.clock if rank.clock is None else max(rank.clock, msg.clock)
+
+    def _on_staged(self, server: PrefillServer, rank: PrefillRank, msg: P.Staged) -> None:
+        """Scatter a window that landed in this rank's staging slot (core/transfer/landing.py), under the lock and only
+        while every room it holds bytes of is live here; a room given up (fenced or not) gets nothing, and
+        the live rooms sharing the window fail (they would miss its bytes). The slot is given back either way."""
+        landing = self.transport.landing
+        assert rank.chan is not None
+        with self.lock:
+            targets = [self.rooms.get(room) for room in msg.rooms]
+            live = [t for t in targets if t is not None and t.server.address == server.address and not t.fencing]
+            problem, kind = None, "bad_request"
+            if landing is None:
+                problem = "a staged window came, but this decode rank lent no staging slots (staging off)"
+            elif len(live) < len(targets):
+                problem, kind = "a room sharing its staged window was given up here, so the window was dropped", "transfer_error"
+            else:
+                try:
+                    landing.scatter((server.address, rank.key), msg)
+                except ScatterError as exc:
+                    problem = str(exc)
+            if problem is not None:
+                if landing is not None:
+                    landing.dropped += 1
+                for target in live:
+                    target.fail(f"{rank.label}: {problem}", kind)
+        rank.chan.send(P.encode(P.Unstaged(slot=msg.slot)))
 
     def _place_row(self, server: PrefillServer, room: int, row: P.MetadataRow) -> str | None:
         """Copy the metadata row a ``Done`` carries into place, if the room is live here and the row is exactly

@@ -212,6 +212,8 @@ class PrefillManager(TransferManager[Sender], WriteFence):
                 self._on_request(peer, msg)
             elif isinstance(msg, P.Abort):
                 self._on_abort(peer, peer_id, msg)
+            elif isinstance(msg, P.Unstaged):
+                self.transport.unstaged(peer_id, msg.slot)
             else:
                 reason = f"prefill does not accept {type(msg).__name__} messages"
                 self._chan.reject(ident, reason, getattr(msg, "room", None))
@@ -254,7 +256,7 @@ class PrefillManager(TransferManager[Sender], WriteFence):
                         # A decode handshakes again only after it gave up on this rank: what
                         # it asked for before is dead on its side.
                         self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
-                self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host)
+                self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host, msg.staging)
             except IncompatibleLayoutError as exc:
                 problem = str(exc)
             except Exception as exc:

@@ -80,6 +80,7 @@ def write(s: WritingRoom, job: Job, plans: Sequence[TransferPlan | None], what: 
     try:
         for p in plans:
             if p is not None and len(p):
+                # No announce: layer-wise writes are not staged on both sides (docs/architecture.md, "Staging").
                 m.transport.write(peer.peer_id, p, deadline, lambda: m.live(s, peer, wait=True))
     except TransferCancelled:
         return False  # the room failed (live() says why); end_write fences it
@@ -344,11 +345,19 @@ def write_live(
         if not writes or not len(plan):
             return writes
         try:
-            m.transport.write(peer.peer_id, plan, deadline, functools.partial(all_live, m, peer, writes))
+            m.transport.write(peer.peer_id, plan, deadline, functools.partial(all_live, m, peer, writes),
+                              functools.partial(announce, m, peer, tuple(sorted({w.sender.room for w in writes}))))
             return writes
         except TransferCancelled:
             continue  # a room stopped being live (live() failed it and says why): redo without it
     raise AssertionError("unreachable: every redo drops a room")  # pragma: no cover
+
+
+def announce(m: PrefillSide, peer: DecodePeer, rooms: tuple[int, ...], slot: int, pieces: TransferPlan) -> None:
+    """Tell decode a window of these rooms' pieces landed in its staging ``slot`` (sessions/landing.py):
+    sent before their ``Done``, on the same connection, so decode scatters it first."""
+    m.notify(peer, P.Staged(rooms=rooms, slot=slot,
+                            dst=pieces.dst_addr.astype("<i8").tobytes(), nbytes=pieces.nbytes.astype("<i8").tobytes()))
 
 
 def all_live(m: PrefillSide, peer: DecodePeer, writes: list[ChunkWrite]) -> bool:
