@@ -345,8 +345,11 @@ def write_live(
         if not writes or not len(plan):
             return writes
         try:
+            rooms = {w.sender.room for w in writes}
+            # Staged on both sides only for one room: decode drops a window with any room it gave up in it, so a
+            # window shared by rooms would fail the others with one given up (docs/architecture.md, "Staging").
             m.transport.write(peer.peer_id, plan, deadline, functools.partial(all_live, m, peer, writes),
-                              functools.partial(announce, m, peer, tuple(sorted({w.sender.room for w in writes}))))
+                              functools.partial(announce, m, peer, tuple(rooms)) if len(rooms) == 1 else None)
             return writes
         except TransferCancelled:
             continue  # a room stopped being live (live() failed it and says why): redo without it
