@@ -114,8 +114,10 @@ sys.meta_path.insert(0, _DeclareOps())
 EOF
 echo "import _kvbridge_torchvision_ops" >"$site/_kvbridge_torchvision_ops.pth"
 
+# --no-compile: byte-compiling its ~10,000 modules costs ~35 s of CPU here; the few hundred the
+# tests import are compiled when first imported.
 say "installing SGLang 0.5.23 (no dependency resolution) and the ${#PINS[@]} pinned packages its imports need into $VENV"
-"$VPY" -m pip install --quiet --disable-pip-version-check --no-deps "${PINS[@]}" \
+"$VPY" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile "${PINS[@]}" \
   2> >(grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory.$" >&2)
 installed_ok || die "the installation finished but the check above failed"
 echo "$inputs" >"$stamp"

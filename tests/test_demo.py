@@ -170,6 +170,21 @@ def test_ctrl_c_at_any_moment_of_the_start_up_exits_130_and_leaves_no_process(af
         _reap(proc)
 
 
+def test_a_ctrl_c_that_an_import_swallows_is_raised_once_the_import_returns(tmp_path):
+    """torch's import can catch the KeyboardInterrupt raised inside it and carry on (the demo then served on
+    after Ctrl-C); the demo imports torch so that a Ctrl-C during the import still stops it."""
+    for name in ("swallows_plain", "swallows_demo"):  # a module that catches the Ctrl-C sent during its import
+        (tmp_path / f"{name}.py").write_text("import os, signal, time\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+                                             "    time.sleep(30)\nexcept KeyboardInterrupt:\n    pass\n")
+    code = ("import importlib, sys\n"
+            "from kvbridge.demo.run import import_interruptible\n"
+            "importlib.import_module('swallows_plain')\n"  # a plain import carries on: the Ctrl-C is lost
+            "try:\n    import_interruptible('swallows_demo')\nexcept KeyboardInterrupt:\n    sys.exit(130)\n"
+            "sys.exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 130, (out.returncode, out.stderr[-2000:])
+
+
 def test_unknown_backend_is_a_usage_error_listing_the_choices():
     out = demo("--transfer-backend", "carrier-pigeon")
     assert out.returncode == 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import queue
@@ -431,10 +432,37 @@ def table(s: dict[str, Any]) -> Any:
     return t
 
 
+def import_interruptible(name: str) -> Any:
+    """``importlib.import_module(name)``, with a Ctrl-C that lands inside the import raised once it returns.
+
+    torch's import can swallow the KeyboardInterrupt raised inside it (seen here: a SIGINT 1.7 s into
+    ``import torch``, and the import carried on), and the demo then served its 1000 requests. This
+    handler notes every SIGINT, so one the import swallowed is raised again here. Where SIGINT is not
+    Python's to handle (ignored, or not the main thread), it is a plain import."""
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        return importlib.import_module(name)
+    handler: Callable[[int, Any], Any] = previous
+    seen: list[int] = []
+
+    def on_int(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        handler(signum, frame)  # Python's default_int_handler: raises KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_int)
+    try:
+        module = importlib.import_module(name)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if seen:
+        raise KeyboardInterrupt
+    return module
+
+
 def _environment_problem(device: str) -> str | None:
     """Why the demo cannot run here (a usage error, like an engine that is not installed), or None."""
     try:
-        import torch
+        torch = import_interruptible("torch")
     except ImportError:
         return ("the demo runs a PyTorch model and torch is not installed: install PyTorch's CPU build "
                 "(pip install torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu; from a checkout, "
