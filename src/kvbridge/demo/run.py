@@ -433,12 +433,15 @@ def table(s: dict[str, Any]) -> Any:
 
 
 def import_interruptible(name: str) -> Any:
-    """``importlib.import_module(name)``, with a Ctrl-C that lands inside the import raised once it returns.
+    """``importlib.import_module(name)``; a Ctrl-C that comes during the import is raised once it returns.
 
-    torch's import can swallow the KeyboardInterrupt raised inside it (seen here: a SIGINT 1.7 s into
-    ``import torch``, and the import carried on), and the demo then served its 1000 requests. This
-    handler notes every SIGINT, so one the import swallowed is raised again here. Where SIGINT is not
-    Python's to handle (ignored, or not the main thread), it is a plain import."""
+    A SIGINT landing inside ``import torch`` could be lost (seen here: 5 of 16 SIGINTs 1-3 s into the
+    import, and the demo then served its 1000 requests): the KeyboardInterrupt raised inside the
+    import can be caught there, and the signal can reach a handler of torch's own instead of
+    Python's. So SIGINT is blocked in this thread while the import runs (delivered, and raised, as
+    soon as it ends), and a handler notes one that still came through (another thread took it) to
+    raise it after the import too. Where SIGINT is not Python's to handle (ignored, or not the main
+    thread), it is a plain import."""
     previous = signal.getsignal(signal.SIGINT)
     if not callable(previous) or threading.current_thread() is not threading.main_thread():
         return importlib.import_module(name)
@@ -450,10 +453,12 @@ def import_interruptible(name: str) -> Any:
         handler(signum, frame)  # Python's default_int_handler: raises KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_int)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         module = importlib.import_module(name)
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a SIGINT held back is delivered now, and raised
     if seen:
         raise KeyboardInterrupt
     return module
