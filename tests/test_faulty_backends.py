@@ -43,7 +43,7 @@ def class_name(backend: str) -> str:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str | None]]:
-    """backend -> {test name: None if it passed, else its failure text}, from one pytest run of every class."""
+    """backend -> {test name: None if it passed, else what its failure (or error, or skip) said}, from one pytest run."""
     tmp_path = tmp_path_factory.mktemp("faulty")
     site = tmp_path / "site"
     info = site / "faulty_backends-1.0.dist-info"
@@ -65,10 +65,12 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, st
     by_class = {class_name(b): b for b in runs}
     for case in ET.parse(tmp_path / "report.xml").getroot().iter("testcase"):
         backend = by_class[case.get("classname", "").rsplit(".", 1)[-1]]
-        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
-        skipped = case.find("skipped")
-        text = None if problem is None else (problem.get("message", "") + "\n" + (problem.text or ""))
-        found[backend][case.get("name", "")] = text if skipped is None else f"skipped: {skipped.get('message')}"
+        failure = case.find("failure")
+        other = case.find("error") if case.find("error") is not None else case.find("skipped")
+        text = None if failure is None else failure.get("message", "") + "\n" + (failure.text or "")
+        if failure is None and other is not None:  # an error or a skip: not the failure expected, nor a pass
+            text = f"{other.tag}: {other.get('message')}\n{other.text or ''}"
+        found[backend][case.get("name", "")] = text
     return found
 
 
