@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,22 @@ from kvbridge.testing import available_backends
 ENGINES = [b for b in ("mooncake", "nixl", "ucx") if b in available_backends()]
 STATE_TYPES = {"kv", "swa", "mamba", "nsa", "dsv4_c4", "dsv4_indexer", "dsv4_c128", "metadata"}
 SMALL = ("--requests", "3", "--max-new-tokens", "8")
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_reaches_the_demo():
+    """Start the demo as a terminal would, with Ctrl-C on. A test run started in the background (`cmd &`
+    in a script without job control, as CI runners and nohup'd runs are) has SIGINT ignored, which its
+    children inherit: the demo then ignores Ctrl-C, as it should there, and the Ctrl-C tests hang
+    (what the xdist and background CI runs hit). A handler here means the demo starts with the default."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
