@@ -435,13 +435,12 @@ def table(s: dict[str, Any]) -> Any:
 def import_interruptible(name: str) -> Any:
     """``importlib.import_module(name)``; a Ctrl-C that comes during the import is raised once it returns.
 
-    A SIGINT landing inside ``import torch`` could be lost (seen here: 5 of 16 SIGINTs 1-3 s into the
-    import, and the demo then served its 1000 requests): the KeyboardInterrupt raised inside the
-    import can be caught there, and the signal can reach a handler of torch's own instead of
-    Python's. So SIGINT is blocked in this thread while the import runs (delivered, and raised, as
-    soon as it ends), and a handler notes one that still came through (another thread took it) to
-    raise it after the import too. Where SIGINT is not Python's to handle (ignored, or not the main
-    thread), it is a plain import."""
+    A SIGINT landing inside ``import torch`` could be lost (seen here: in 5 of 16 bare ``import torch``
+    runs with a SIGINT 1-3 s in, Python's handler ran and the import still returned normally): the
+    KeyboardInterrupt raised inside the import can be caught there. So SIGINT is blocked in this
+    thread while the import runs (delivered, and raised, as soon as it ends), and a handler notes one
+    that still came through (another thread took it) to raise it after the import too. Where SIGINT
+    is not Python's to handle (ignored, or not the main thread), it is a plain import."""
     previous = signal.getsignal(signal.SIGINT)
     if not callable(previous) or threading.current_thread() is not threading.main_thread():
         return importlib.import_module(name)
