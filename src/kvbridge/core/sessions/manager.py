@@ -72,7 +72,7 @@ class SessionConfig:
     #: Staging of fragmented host-memory windows (docs/performance.md, "Staging"): ``auto`` stages a
     #: window when its pieces are small (``kvbridge.core.transfer.relay.choose``), ``on`` every window it can
     #: (both sides where decode lends slots), ``off`` none (every descriptor written as planned).
-    staging: str = "auto"
+    staging: str = "off"
     #: Prefill: a metadata row of at most this many bytes (all metadata regions together)
     #: in host memory on both sides travels inside ``Done`` instead of as an engine write
     #: (kvbridge.core.sessions.row); 0: always an engine write.
