@@ -10,7 +10,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from ..control import protocol as P
 from ..control.auth import PREDATES
@@ -24,6 +23,7 @@ from .receiver import Receiver
 from .room import Poll, Room
 from .row import RowError, check_row, place_row
 from .servers import PrefillRank, PrefillServer
+from .watch import RankWatch
 from ..transfer.transport import BackendChoice
 
 __all__ = ["DecodeManager"]
@@ -35,12 +35,9 @@ MAX_QUEUED = 1024  # messages kept for a server until its handshake completes
 #: Seconds a room waits, after a prefill rank's ``Failed``, for that rank's ``Fenced`` before it reports
 #: FAILED anyway (``Receiver.fenced`` False until it comes): a failure reaches decode's host within this (and a tick).
 FAILURE_NOTICE = 0.5
-#: Incarnations of prefill processes seen gone or replaced that are remembered (a lookup listing one waits).
-MAX_DEAD = 4096
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
-class DecodeManager(TransferManager[Receiver]):
+class DecodeManager(TransferManager[Receiver], RankWatch):
     """One per decode rank: finds prefill ranks, handshakes, tracks receivers."""
 
     role = "decode"
@@ -189,20 +186,6 @@ class DecodeManager(TransferManager[Receiver]):
     def _rank_handler(self, server: PrefillServer, rank: PrefillRank) -> Callable[[zmq.Socket, list[bytes]], None]:
         return lambda _sock, frames: self._on_prefill(server, rank, frames)
 
-    def _monitor(self, chan: Channel) -> zmq.Socket:
-        """A PAIR socket receiving ``chan``'s connection events. Its address is unique: pyzmq's own
-        (``get_monitor_socket``) is named after the socket's descriptor, which a later socket reuses while
-        the closed one's endpoint may still be registered, and that monitor then fails to start."""
-        address = f"inproc://kvbridge-monitor-{uuid.uuid4().hex}"
-        chan.sock.monitor(address, _MONITORED)
-        mon = self.loop.ctx.socket(zmq.PAIR)
-        mon.connect(address)
-        return mon
-
-    @staticmethod
-    def _monitor_handler(rank: PrefillRank) -> Callable[[zmq.Socket, list[bytes]], None]:
-        return lambda _sock, frames: rank.on_event(parse_monitor_message(frames)["event"])
-
     def _on_prefill(self, server: PrefillServer, rank: PrefillRank, frames: list[bytes]) -> None:
         assert rank.chan is not None
         got = rank.chan.receive(frames)
@@ -340,63 +323,6 @@ class DecodeManager(TransferManager[Receiver]):
             # Its sockets stay open while its rooms wait for Fenced (see _tick).
             if server not in self._retired:
                 self._retired.append(server)
-
-    def _stop_monitor(self, rank: PrefillRank) -> None:
-        """Stop monitoring ``rank``'s connection, then close the socket its events came to (I/O thread).
-
-        In this order. Measured: with the receiving socket closed first (and pyzmq's descriptor-named
-        addresses), after a few dozen managers the process's other zmq sockets stopped answering (a
-        bootstrap endpoint in the same process, handshakes); in this order and with unique addresses,
-        they did not. Most likely a monitor event with nowhere to go blocked zmq's I/O thread.
-        """
-        if rank.monitor is not None:
-            if rank.chan is not None:
-                rank.chan.sock.disable_monitor()
-            self.loop.remove_socket(rank.monitor)
-            rank.monitor = None
-
-    def _close_server(self, server: PrefillServer) -> None:
-        for r in server.ranks.values():
-            self._stop_monitor(r)
-        for chan in [server.lookup, *(r.chan for r in server.ranks.values())]:
-            if chan is not None:
-                self.loop.remove_socket(chan.sock)
-        server.lookup = None
-        for r in server.ranks.values():
-            r.chan = None
-
-    def _gone(self, server: PrefillServer, rank: PrefillRank, why: str | None = None) -> None:
-        """``rank``'s process is gone: it writes nothing more. Its rooms here stop waiting for its
-        ``Fenced``, and a server still in use fails its rooms now, not at ``heartbeat_timeout``; one
-        still handshaking looks the ranks up again instead (a replacement may be registering)."""
-        rank.gone = True
-        with self.lock:
-            for inc in {rank.incarnation.hex(), rank.info.incarnation} - {""}:
-                self._dead[inc] = None
-            while len(self._dead) > MAX_DEAD:
-                self._dead.popitem(last=False)
-        why = why or "the process is gone (its control connection closed and reconnecting is refused)"
-        if self._servers.get(server.address) is server and not server.ready:
-            log.warning("decode: %s: %s; looking the prefill ranks up again", rank.label, why)
-            self._relookup(server)
-            return
-        if self._servers.get(server.address) is server:
-            self._fail_server(server, f"{rank.label}: {why}", "peer_dead")
-        with self.lock:
-            for recv in [*self.rooms.values(), *self._unconfirmed.values()]:
-                if recv.server.address == server.address:
-                    recv.on_fenced(rank.key)
-
-    def _relookup(self, server: PrefillServer) -> None:
-        """Drop a handshaking server's ranks and ask its bootstrap endpoint again (I/O thread).
-
-        Nothing was requested through it yet (requests wait for every rank's HelloAck), so its
-        rooms keep waiting, bounded by ``bootstrap_timeout``. A rank that accepted the Hello keeps
-        this decode as a peer until it is silent long enough; the next Hello replaces it."""
-        self._close_server(server)
-        with self.lock:
-            server.ranks = {}
-        self._lookup(server)
 
     # -- timeouts, heartbeats (I/O thread) ---------------------------------------------
     def _tick(self) -> None:

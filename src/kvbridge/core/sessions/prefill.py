@@ -14,12 +14,12 @@ import zmq
 
 from ..control import protocol as P
 from ..control.bootstrap import HELD, RENEW, register_rank
-from ..control.channel import Channel, quiet
+from ..control.channel import Channel
 from ..planning.layers import LayerIndex
 from ..description.layout import KVArgs
 from .fence import WriteFence
+from .handshake import Handshakes
 from .manager import SessionConfig, TransferManager
-from ..planning.pairing import IncompatibleLayoutError, pair_layouts
 from ..planning.indices import Indices, PlanError
 from .room import Poll, Room
 from .peers import DecodePeer, DecodeRequest
@@ -31,12 +31,11 @@ __all__ = ["PrefillManager"]
 log = logging.getLogger(__name__)
 
 MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
-MAX_ROUTES = 4096  # decode peer ids whose last connection is remembered after the peer was dropped (late Fenced)
 GAP_WINDOW = 64  # layer-wise announcements whose fastest gap is the host's pace (PrefillManager.note_layer_gap)
 FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
 
 
-class PrefillManager(TransferManager[Sender], WriteFence):
+class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
     """One per prefill rank: control endpoint, decode peers, transfer workers.
 
     Every decode rank of a room sends this rank its destination lists; the
@@ -217,65 +216,6 @@ class PrefillManager(TransferManager[Sender], WriteFence):
             else:
                 reason = f"prefill does not accept {type(msg).__name__} messages"
                 self._chan.reject(ident, reason, getattr(msg, "room", None))
-
-    def _hello_allowed(self) -> bool:
-        """Take a handshake token (I/O thread)."""
-        now = time.monotonic()
-        rate = self.config.handshake_rate
-        self._hello_tokens = min(2 * rate, self._hello_tokens + (now - self._hello_refill) * rate)
-        self._hello_refill = now
-        if self._hello_tokens < 1:
-            return False
-        self._hello_tokens -= 1
-        return True
-
-    def _on_hello(self, ident: bytes, msg: P.Hello) -> None:
-        problem = None
-        cfg = self.config
-        incarnation = self._chan.sender_incarnation
-        held = self._peers.get(msg.peer_id)
-        if not self._hello_allowed():
-            problem = (f"too many handshakes: this prefill rank accepts {cfg.handshake_rate:g} per second "
-                       "(SessionConfig.handshake_rate); retry")
-        elif msg.peer_id not in self._peers and len(self._peers) >= cfg.max_peers:
-            problem = (f"this prefill rank already serves {len(self._peers)} decode ranks, its limit "
-                       "(SessionConfig.max_peers)")
-        elif held is not None and held.incarnation != incarnation:
-            # Another process claims a live peer's id: it must not take its route nor fail its rooms.
-            problem = (f"decode peer id {msg.peer_id[:64]!r} belongs to another process (incarnation "
-                       f"{held.incarnation.hex() or 'none'}, this Hello came from {incarnation.hex() or 'none'}); "
-                       "a restarted decode handshakes under a new id")
-        elif not set(msg.lanes) & set(self.backend_name.split(",")):
-            problem = f"decode uses backend {','.join(msg.lanes)!r} but this prefill rank uses {self.backend_name!r}"
-        if problem is None:
-            try:
-                route = pair_layouts(self.kvargs, msg.kvargs)
-                with self.lock:
-                    old = self._peers.get(msg.peer_id)
-                    if old is not None:
-                        # A decode handshakes again only after it gave up on this rank: what
-                        # it asked for before is dead on its side.
-                        self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
-                self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host, msg.staging)
-            except IncompatibleLayoutError as exc:
-                problem = str(exc)
-            except Exception as exc:
-                problem = f"backend {self.backend_name!r} could not add the peer: {exc}"
-        if problem is not None:
-            quiet.warning("prefill:hello", "prefill: rejected handshake from %r: %s", msg.peer_id[:64], problem)
-            self._chan.reject(ident, problem)
-            return
-        with self.lock:
-            self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route, self.config.heartbeat_timeout,
-                                                  self.config.inline_row_bytes, ident=ident, incarnation=incarnation)
-            self._route_peer[ident] = msg.peer_id
-            self._route_peer.move_to_end(ident)
-            self._routes[msg.peer_id] = ident
-            self._routes.move_to_end(msg.peer_id)
-            for table in (self._routes, self._route_peer):
-                while len(table) > MAX_ROUTES:
-                    table.popitem(last=False)
-        self._reply(ident, P.HelloAck(kvargs=self.kvargs))
 
     def _on_request(self, peer: DecodePeer, msg: P.TransferRequest) -> None:
         """Check a decode rank's destination lists once, on arrival; the planner trusts them after."""

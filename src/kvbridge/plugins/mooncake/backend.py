@@ -78,7 +78,7 @@ def _engine_env(transfer_timeout: float) -> None:
     read when an engine is created.
     """
     # A second beyond the write's deadline: a write still running at its deadline has its TCP
-    # connections reset by core first (core/transfer/transport.py, RESET_GRACE), which drops what they hold;
+    # connections reset by core first (core/transfer/writing.py, RESET_GRACE), which drops what they hold;
     # the engine timing out first would close them itself, and the kernel would still deliver
     # their queued bytes later (docs/failures.md).
     secs = max(1, math.ceil(transfer_timeout)) + 1

@@ -1,0 +1,106 @@
+"""The prefill side's handshakes: a decode rank's ``Hello`` checked, rate-limited, paired and routed.
+
+:class:`Handshakes` holds what :class:`~.prefill.PrefillManager` does with a ``Hello``: the token
+bucket (``SessionConfig.handshake_rate``), the peer limit, a peer id claimed by another process
+refused, the two layouts paired and the peer added to the transport, and the connection it came
+on remembered as that peer's route (no route without proof: docs/security.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..control import protocol as P
+from ..control.channel import Channel, quiet
+from ..description.layout import KVArgs
+from ..planning.pairing import IncompatibleLayoutError, pair_layouts
+from .peers import DecodePeer
+
+if TYPE_CHECKING:
+    from ..transfer.transport import Transport
+    from .manager import SessionConfig
+
+__all__ = ["Handshakes"]
+
+MAX_ROUTES = 4096  # decode peer ids whose last connection is remembered after the peer was dropped (late Fenced)
+
+class Handshakes:
+    """The handshakes of :class:`~.prefill.PrefillManager` (a part of it: it keeps the state below and
+    provides ``_reply`` and ``_drop_peer``), kept here because it is one job with its own rules."""
+
+    lock: threading.RLock
+    config: SessionConfig
+    transport: Transport
+    kvargs: KVArgs
+    backend_name: str
+    _chan: Channel
+    _peers: dict[str, DecodePeer]
+    _routes: OrderedDict[str, bytes]
+    _route_peer: OrderedDict[bytes, str]
+    _hello_tokens: float
+    _hello_refill: float
+    _reply: Callable[[bytes, P.Message], None]
+    _drop_peer: Callable[[DecodePeer, str], None]
+
+    def _hello_allowed(self) -> bool:
+        """Take a handshake token (I/O thread)."""
+        now = time.monotonic()
+        rate = self.config.handshake_rate
+        self._hello_tokens = min(2 * rate, self._hello_tokens + (now - self._hello_refill) * rate)
+        self._hello_refill = now
+        if self._hello_tokens < 1:
+            return False
+        self._hello_tokens -= 1
+        return True
+
+    def _on_hello(self, ident: bytes, msg: P.Hello) -> None:
+        problem = None
+        cfg = self.config
+        incarnation = self._chan.sender_incarnation
+        held = self._peers.get(msg.peer_id)
+        if not self._hello_allowed():
+            problem = (f"too many handshakes: this prefill rank accepts {cfg.handshake_rate:g} per second "
+                       "(SessionConfig.handshake_rate); retry")
+        elif msg.peer_id not in self._peers and len(self._peers) >= cfg.max_peers:
+            problem = (f"this prefill rank already serves {len(self._peers)} decode ranks, its limit "
+                       "(SessionConfig.max_peers)")
+        elif held is not None and held.incarnation != incarnation:
+            # Another process claims a live peer's id: it must not take its route nor fail its rooms.
+            problem = (f"decode peer id {msg.peer_id[:64]!r} belongs to another process (incarnation "
+                       f"{held.incarnation.hex() or 'none'}, this Hello came from {incarnation.hex() or 'none'}); "
+                       "a restarted decode handshakes under a new id")
+        elif not set(msg.lanes) & set(self.backend_name.split(",")):
+            problem = f"decode uses backend {','.join(msg.lanes)!r} but this prefill rank uses {self.backend_name!r}"
+        if problem is None:
+            try:
+                route = pair_layouts(self.kvargs, msg.kvargs)
+                with self.lock:
+                    old = self._peers.get(msg.peer_id)
+                    if old is not None:
+                        # A decode handshakes again only after it gave up on this rank: what
+                        # it asked for before is dead on its side.
+                        self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
+                self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host, msg.staging)
+            except IncompatibleLayoutError as exc:
+                problem = str(exc)
+            except Exception as exc:
+                problem = f"backend {self.backend_name!r} could not add the peer: {exc}"
+        if problem is not None:
+            quiet.warning("prefill:hello", "prefill: rejected handshake from %r: %s", msg.peer_id[:64], problem)
+            self._chan.reject(ident, problem)
+            return
+        with self.lock:
+            self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route, self.config.heartbeat_timeout,
+                                                  self.config.inline_row_bytes, ident=ident, incarnation=incarnation)
+            self._route_peer[ident] = msg.peer_id
+            self._route_peer.move_to_end(ident)
+            self._routes[msg.peer_id] = ident
+            self._routes.move_to_end(msg.peer_id)
+            for table in (self._routes, self._route_peer):
+                while len(table) > MAX_ROUTES:
+                    table.popitem(last=False)
+        self._reply(ident, P.HelloAck(kvargs=self.kvargs))

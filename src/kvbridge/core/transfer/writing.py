@@ -1,0 +1,231 @@
+"""A transport's writes through one lane: staging windows and pipelined posting (a part of :class:`Transport`).
+
+:class:`LaneWrites` holds what :meth:`Transport.write <kvbridge.core.transfer.transport.Transport.write>`
+does with each lane's part of a plan: the plan cut into windows that staging may gather
+(``core/transfer/staging.py``, ``core/transfer/relay.py``), batches posted up to the lane's
+``in_flight`` at once (``core/transfer/pipeline.py``), the retries after a reset, and the one
+check before every batch. :class:`_Peer` is what the transport keeps of each peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from . import relay, staging
+from .backend import TransferCancelled, TransferError, TransferTimeout
+from .lanes import Lane, Route
+from .pipeline import Pipeline, Wait
+from ..planning.transferplan import Memory, TransferPlan
+
+__all__ = ["RESET_GRACE", "LaneWrites"]
+
+log = logging.getLogger(__name__)
+
+#: A write still inside its backend this long after its deadline has its peer's TCP connections
+#: reset (:meth:`Transport.reset_overdue`): an engine blocked past the deadline (Mooncake waits for
+#: its own timeout) must not close them itself, which would leave what they queued to land later.
+RESET_GRACE = 0.25
+
+
+@dataclass
+class _Peer:
+    """What the transport keeps of one peer. It outlives :meth:`Transport.remove_peer`: the engine still
+    pools the connections reset to that endpoint and may still drain a failed write into it. A peer
+    dropped then handshaking again (the same id: decode after a prefill resumed from a freeze) failed
+    one write per reset connection when they were not retried (measured: the resumed room failed), and
+    a ``Fenced`` sent at the drop must still wait out the drain."""
+
+    #: How its writes are shared among the lanes; None once removed.
+    route: Route | None = None
+    #: When its write in a backend is overdue (:meth:`Transport.reset_overdue`); inf: none is.
+    overdue: float = math.inf
+    #: Connections :meth:`Transport.reset` reset since its last write (so many retries are allowed).
+    resets: int = 0
+    #: Until when an engine may still write what a failed write to it left (``drain_after_failure``).
+    drain_until: float = 0.0
+    #: The staging slots it lent this rank (staging on both sides: ``core/transfer/relay.py``); None: none.
+    slots: relay.RemoteSlots | None = None
+    #: Whether it runs on this host (``relay.choose``: engines cost more per descriptor across hosts).
+    same_host: bool = True
+
+
+class LaneWrites:
+    """The write path of :class:`~.transport.Transport` (a part of it: it keeps the state below), kept
+    here because it is one job: a lane's part of a plan, window by window and batch by batch."""
+
+    name: str
+    staging_mode: str
+    windows: dict[str, int]
+    on_window: Callable[[str], None]
+    _state: Callable[[str], _Peer]
+    reset: Callable[..., None]
+
+    def _write_lane(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None,
+                    memory: Memory | None, announce: Callable[[int, TransferPlan], None] | None = None) -> None:
+        """``plan`` through ``lane``, batch by batch, each batch told where its descriptors are (``memory``);
+        up to ``lane.in_flight`` batches posted at once (``core/transfer/pipeline.py``), the fence checked before each."""
+        pipe = Pipeline(lane.in_flight, lane.capabilities.max_descriptors_in_flight)
+        state = self._state(peer)
+        posted = 0
+
+        def guarded(step: Callable[[], None]) -> None:
+            """``step`` (a post or a wait); a failure resets the peer's connections and is raised naming
+            what had landed, once every batch still in flight was waited for."""
+            try:
+                step()
+            except TransferError as exc:
+                pipe.abandon(deadline)
+                state.overdue = math.inf
+                if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing more
+                    state.drain_until = time.monotonic() + lane.backend.drain_after_failure
+                    self.reset(peer, f"a write failed: {type(exc).__name__}")
+                if posted == 0:
+                    raise
+                raise type(exc)(f"{exc} (after {posted} batch(es) posted; {pipe.landed} B had landed)") from exc
+
+        def post(batch: TransferPlan, of: str = "") -> None:
+            nonlocal posted
+
+            def step() -> None:
+                pipe.make_room(deadline, len(batch))
+                self._check(peer, deadline, live, f"after {posted}{of} batches ({pipe.landed} of {plan.total_bytes} B landed)")
+                state.overdue = deadline + RESET_GRACE
+                retry = lambda: self._check(peer, deadline, live, "before a retry")  # noqa: E731
+                if pipe.limit == 1 or state.resets:  # one at a time; after a reset, with _post's retries
+                    self._post(lane, peer, batch, deadline, retry)
+                    pipe.landed_now(batch.total_bytes)
+                else:
+                    pipe.add(self._post_async(lane, peer, batch, deadline), batch.total_bytes, len(batch))
+                if not pipe.pending:
+                    state.overdue = math.inf
+
+            batch.memory = memory
+            guarded(step)
+            posted += 1
+
+        def settle() -> None:
+            guarded(lambda: pipe.drain(deadline))
+            state.overdue = math.inf
+
+        host = memory is not None and memory.src_kind == memory.dst_kind == "dram"
+        slots = state.slots if host and announce is not None else None
+        for window in self._windows(lane, plan, state, slots is not None):
+            how = relay.choose(window, self.staging_mode, state.same_host, slots is not None) if lane.staging else "direct"
+            staged = slot = None
+            if how == "both":
+                assert slots is not None and lane.staging is not None
+                slot = slots.take(lambda where: self._check(peer, deadline, live, where))
+                staged = lane.staging.stage_to(window, slots.address(slot), lane.batch_bytes)
+                if staged is None:
+                    slots.give_back(slot)
+                    slot = None
+            elif how == "gather":
+                staged = lane.staging.stage(window, lane.batch_bytes)  # type: ignore[union-attr]
+            how = how if staged is not None else "direct"
+            self.windows[how] += 1
+            self.on_window(how)
+            if slot is None and slots is not None:  # written into place: after every window staged before it
+                slots.settle(lambda where: self._check(peer, deadline, live, where))  # not under its later scatter
+            if staged is None:
+                batches = lane.batches(window)
+                of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
+                for batch in batches:
+                    post(batch, of)
+                continue
+            local = memory
+            if memory is not None:  # staged batches come from the staging buffer
+                memory = memory._replace(src_kind="dram", src_device=lane.staging.region.device)  # type: ignore[union-attr]
+            try:
+                for batch in staged.batches(lane.batch_descriptors):
+                    post(batch)
+                settle()  # the slice is reused once the engine reads it no more
+            except BaseException:
+                if slot is not None:
+                    slots.retire()  # type: ignore[union-attr]  # the engine may still land bytes in it
+                raise
+            finally:
+                memory = local
+                staged.release()  # landed, or failed and waited for: the engine reads the slice no more
+            if slot is not None:  # landed in the peer's slot (a failed write keeps it: bytes may still land there)
+                assert slots is not None and announce is not None
+                try:
+                    announce(slot, relay.runs(window))
+                except BaseException:
+                    slots.give_back(slot)
+                    raise
+        settle()
+        if slots is not None:  # returns once decode scattered every window: in place, as a direct write is
+            slots.settle(lambda where: self._check(peer, deadline, live, where))
+        lane.peak_in_flight = max(lane.peak_in_flight, pipe.peak)
+
+    def _post_async(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float) -> Wait:
+        """``backend.post``, its engine's own exceptions (and its wait's) raised as the contract's."""
+        def named(exc: Exception) -> TransferError:
+            return TransferError(f"{lane.name}: write to peer {peer!r} failed: {type(exc).__name__}: {exc}")
+
+        try:
+            wait = lane.backend.post(peer, batch, deadline)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise named(exc) from exc
+
+        def checked(deadline: float) -> None:
+            try:
+                wait(deadline)
+            except TransferError:
+                raise
+            except Exception as exc:
+                raise named(exc) from exc
+        return checked
+
+    def _post(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float, check: Callable[[], None]) -> None:
+        """``backend.write``, again if it failed (not timed out) as the first write since :meth:`reset`
+        reset ``n`` of the peer's connections, up to ``n`` times: an engine that pools connections
+        (Mooncake) fails one call per reset connection it picks, dropping it, then reconnects. A retry
+        writes the same bytes to the same places, after ``check`` (deadline and liveness) again."""
+        state = self._state(peer)
+        retries, state.resets = state.resets, 0
+        while True:
+            try:
+                lane.backend.write(peer, batch, deadline)
+                return
+            except TransferError as exc:
+                if retries == 0 or isinstance(exc, (TransferCancelled, TransferTimeout)):
+                    raise
+                retries -= 1
+                failed = type(exc).__name__
+                log.info("%s: write to peer %r failed after its connections were reset; retrying: %s", lane.name, peer, exc)
+            except Exception as exc:  # an engine's own exception type: the contract's, naming the lane
+                raise TransferError(f"{lane.name}: write to peer {peer!r} failed: {type(exc).__name__}: {exc}") from exc
+            try:
+                check()
+            except TransferCancelled:
+                # The attempt that failed was posted (write() takes a cancel for "nothing posted"):
+                # reset as after any failed write, or what it queued may land after the room failed.
+                self.reset(peer, f"a write failed: {failed}")
+                raise
+
+    def _windows(self, lane: Lane, plan: TransferPlan, state: _Peer, remote: bool) -> Iterator[TransferPlan]:
+        """The plan in windows that staging may gather (one slice each), or whole when it cannot help."""
+        limit = relay.MAX_PIECE if state.same_host else relay.MAX_PIECE_REMOTE
+        if (lane.staging is None or self.staging_mode == "off" or len(plan) < 2
+                or (self.staging_mode == "auto" and plan.total_bytes > len(plan) * limit)):
+            yield plan  # pieces too large on average to be worth copying: written as planned
+            return
+        most = relay.REMOTE_WINDOW_DESCRIPTORS if remote else staging.WINDOW_DESCRIPTORS
+        size = min(lane.staging.slice_bytes, lane.batch_bytes)
+        if remote and state.slots is not None:
+            size = min(size, state.slots.offer.slice_bytes)
+        yield from plan.batches(most, size)
+
+    def _check(self, peer: str, deadline: float, live: Callable[[], bool] | None, where: str) -> None:
+        """The one check before every batch: the deadline, then whether the room is still live."""
+        if time.monotonic() >= deadline:
+            raise TransferTimeout(f"{self.name}: write to peer {peer!r} passed its deadline {where}")
+        if live is not None and not live():
+            raise TransferCancelled(f"{self.name}: write to peer {peer!r} stopped {where}: the room is no longer live")
