@@ -225,6 +225,8 @@ class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, weakref=Tr
     inside one region of the same memory kind and device, whose registration
     covers its bytes. Their items may be padded (stride larger than a split
     shard's item). Everything that registers memory reads ``regions`` only.
+    A layer-wise send groups an alias's bytes with the layer of the region
+    that holds them (its own layer id names no layer group).
     """
 
     regions: tuple[Region, ...]

@@ -18,13 +18,15 @@ state bytes]`` int8 view over the same block pool: a block holds one
 request's whole state (conv state, then the SSM / temporal state, packed as
 vLLM's ``MambaBase.bind_kv_cache`` unpacks them), in a page padded to the
 attention page. vLLM overlays each Mamba layer's pages on an attention
-layer's (the same bytes, another group's block ids), and kvbridge's regions
-may not overlap, so a Mamba page is moved whole as an item of that shared
-region (a Mamba layer over memory of its own is refused): the request's
-state block(s) travel in ``kv_page`` next to its attention blocks. Slicing
-the conv state per sub-block and the SSM state by heads (kvbridge's mamba
-handler, for heterogeneous TP) would need regions inside a page that other
-regions also cover; it is not done, and the scheduler side refuses a Mamba model's transfer between different TP sizes.
+layer's (the same bytes, another group's block ids); a Mamba layer over
+memory of its own is refused. Its state is described as alias regions
+(``KVArgs.aliases``: inside the attention layer's region, which registers the
+bytes) in the ``mamba_page`` index space, where the scheduler sends the Mamba
+groups' block ids. A Mamba2 state whose model config names ``n_groups`` is
+sliced as kvbridge's mamba handler slices one (conv state per x|B|C
+sub-block, SSM state by heads), so it moves between any TP sizes whose heads
+and groups divide; any other state is one whole item, between equal TP
+sizes only (the scheduler side refuses other pairs).
 """
 
 from __future__ import annotations
