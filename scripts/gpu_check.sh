@@ -3,10 +3,11 @@
 #
 # Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
-# Writes gpu-tests.log, request.{txt,json}, trace.txt (STEPS=request), cold.txt (STEPS=cold),, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, layerwise.txt and demo.txt
+# Writes gpu-tests.log, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, staging-tests.log,
+# staging.{txt,json}, layerwise.txt, demo.txt, request.{txt,json} and trace.txt (STEPS=request), cold.txt (STEPS=cold)
 # to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
-# (default "tests conformance kernel bench demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
+# (default "tests conformance kernel bench staging demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
 # STEPS="layerwise demo" to fit a shorter session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import sys, torch, triton, kvbridge; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'kvbridge', kvbridge.__version__, 'GPUs', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
 python3 -m kvbridge.cli plugins | tee -a "$OUT/machine.txt"
 rc=0
-STEPS=" ${STEPS:-tests conformance kernel bench demo layerwise} "
+STEPS=" ${STEPS:-tests conformance kernel bench staging demo layerwise} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 want tests && python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_lanes.py \
   "tests/test_conformance.py::TestNixl" -k "gpu or layerwise or lane" \
@@ -74,6 +75,11 @@ if want cold; then
       | grep -E "latency|TTFT|result|Error|error" | tee -a "$OUT/cold.txt" || rc=1
   done
 fi
+# GPU staging kernels (kvbridge.plugins.cuda_ipc.staging): the byte-exact test on the device, then one gather and
+# one scatter launch per 64 MiB window of 4 KiB .. 1 MiB pieces beside a contiguous D2D copy.
+want staging && { python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_staging.py 2>&1 | tee "$OUT/staging-tests.log" || rc=1
+python3 benchmarks/gpu_staging_bench.py --json > "$OUT/staging.json" 2> "$OUT/staging.txt" || rc=1
+tail -6 "$OUT/staging.txt"; }
 want demo && { python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 | tee "$OUT/demo.txt" | tail -25 || rc=1; }
 # Layer-wise sending on the GPU: the synthetic model (a GPU kernel per layer, ready= CUDA events), the demo's
 # tiny model, and the demo both ways (is the --layerwise default right on a GPU?).

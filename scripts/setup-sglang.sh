@@ -18,6 +18,10 @@
 # kernel); SGLang's transfer code never calls one.
 #
 # KVBRIDGE_VENV  .venv to layer on (default .venv); SGLANG_VENV  where this one goes (.venv-sglang)
+#
+# --prepare: install only, while scripts/setup.sh is still installing .venv (it runs this in the
+# background to use the second core, then runs this script again without --prepare, which checks
+# the result against the finished .venv and records it; nothing is installed twice).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MAIN=${KVBRIDGE_VENV:-.venv}
@@ -27,8 +31,18 @@ VPY="$VENV/bin/python"
 say() { echo "setup-sglang: $*"; }
 die() { echo "setup-sglang: error: $*" >&2; exit 1; }
 
-"$MAIN/bin/python" -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("kvbridge", "torch", "nixl_cu12")))' 2>/dev/null \
-  || die "$MAIN is not a complete kvbridge environment; run scripts/setup.sh first"
+PREPARE=0
+case "${1-}" in
+  --prepare) PREPARE=1 ;;
+  "") ;;
+  *) die "unknown argument '$1'; expected none or --prepare" ;;
+esac
+if [ "$PREPARE" = 1 ]; then
+  "$MAIN/bin/python" -c '' 2>/dev/null || die "$MAIN has no working Python yet; scripts/setup.sh creates it first"
+else
+  "$MAIN/bin/python" -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("kvbridge", "torch", "nixl_cu12")))' 2>/dev/null \
+    || die "$MAIN is not a complete kvbridge environment; run scripts/setup.sh first"
+fi
 
 # SGLang and the packages its disaggregation, memory-pool and plugin modules import
 # (found by importing them; pins from SGLang's own requirements where it has them).
@@ -72,7 +86,13 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ] && installed_ok 2>/dev/n
   say "$VENV is up to date; nothing to do"
   exit 0
 fi
-rm -f "$stamp"
+# Installed by --prepare with the same inputs: checked now that .venv is complete, then recorded.
+if [ "$PREPARE" = 0 ] && [ -f "$stamp.prepared" ] && [ "$(cat "$stamp.prepared")" = "$inputs" ] && installed_ok; then
+  mv "$stamp.prepared" "$stamp"
+  say "done: $VPY -m pytest tests/integrations/sglang (tests/test_sglang_suite.py runs it from the main suite)"
+  exit 0
+fi
+rm -f "$stamp" "$stamp.prepared"
 
 if ! "$VPY" -c '' 2>/dev/null; then
   rm -rf "$VENV"
@@ -114,9 +134,16 @@ sys.meta_path.insert(0, _DeclareOps())
 EOF
 echo "import _kvbridge_torchvision_ops" >"$site/_kvbridge_torchvision_ops.pth"
 
+# --no-compile: byte-compiling its ~10,000 modules costs ~35 s of CPU here; the few hundred the
+# tests import are compiled when first imported.
 say "installing SGLang 0.5.23 (no dependency resolution) and the ${#PINS[@]} pinned packages its imports need into $VENV"
-"$VPY" -m pip install --quiet --disable-pip-version-check --no-deps "${PINS[@]}" \
+"$VPY" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile "${PINS[@]}" \
   2> >(grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory.$" >&2)
+if [ "$PREPARE" = 1 ]; then  # kvbridge and torch, which installed_ok finds through .venv, may not be there yet
+  echo "$inputs" >"$stamp.prepared"
+  say "installed; scripts/setup.sh checks it once .venv is complete"
+  exit 0
+fi
 installed_ok || die "the installation finished but the check above failed"
 echo "$inputs" >"$stamp"
 say "done: $VPY -m pytest tests/integrations/sglang (tests/test_sglang_suite.py runs it from the main suite)"

@@ -105,16 +105,38 @@ if cuda:
 PYEOF
 }
 
-# -- integrations: the frameworks' own code for tests/integrations (each needs torch) ------------
-# vLLM 0.33.0 (no CUDA) into this environment; before the check below, so re-runs keep it current.
-[ "$TORCH_MODE" = none ] || bash scripts/setup-vllm.sh
-# On success (a re-run that has nothing to do included): SGLang's test environment, .venv-sglang (scripts/setup-sglang.sh).
-[ "$TORCH_MODE" = none ] || trap 'status=$?; [ "$status" != 0 ] || bash scripts/setup-sglang.sh || status=$?; exit "$status"' EXIT
-
 # The inputs of the installation; unchanged inputs and a working environment mean nothing to do.
 stamp="$VENV/.kvbridge-setup"
 inputs=$( (cat scripts/setup*.sh pyproject.toml examples/kvbridge-zmq/pyproject.toml "$VENV/pyvenv.cfg"; echo "$TORCH_MODE") | sha256sum)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ] && installed_ok 2>/dev/null; then
+up_to_date=0
+[ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ] && installed_ok 2>/dev/null && up_to_date=1
+
+# -- integrations: the frameworks' own code for tests/integrations (each needs torch) ------------
+# SGLang's test environment, .venv-sglang (scripts/setup-sglang.sh). When .venv is (re)installed,
+# its packages install meanwhile on the other core (--prepare, output in $VENV/.sglang-prepare.log);
+# on success (a re-run that has nothing to do included) setup-sglang.sh checks and records it, or
+# installs what is missing. A failed set-up stops the background install.
+sglang_pid=
+if [ "$TORCH_MODE" != none ]; then
+  if [ "$up_to_date" = 0 ]; then
+    # Its own session, so that a failure here stops pip too (kill the group).
+    setsid bash scripts/setup-sglang.sh --prepare >"$VENV/.sglang-prepare.log" 2>&1 &
+    sglang_pid=$!
+  fi
+  trap 'status=$?
+    if [ -n "$sglang_pid" ]; then
+      [ "$status" = 0 ] || kill -- "-$sglang_pid" 2>/dev/null || true
+      if wait "$sglang_pid"; then cat "$VENV/.sglang-prepare.log"
+      elif [ "$status" = 0 ]; then
+        cat "$VENV/.sglang-prepare.log" >&2; echo "setup: error: installing .venv-sglang failed (its output is above)" >&2; status=1
+      fi
+    fi
+    [ "$status" != 0 ] || bash scripts/setup-sglang.sh || status=$?; exit "$status"' EXIT
+fi
+# vLLM 0.33.0 (no CUDA) into this environment; before returning on an up-to-date .venv, so re-runs keep it current.
+[ "$TORCH_MODE" = none ] || bash scripts/setup-vllm.sh
+
+if [ "$up_to_date" = 1 ]; then
   say "$VENV is up to date; nothing to do"
   exit 0
 fi
@@ -161,15 +183,17 @@ rm -f "$VENV/.probe.log"
 
 # -- install ---------------------------------------------------------------------
 # pip shows each download with its size (and a progress bar on a terminal).
+# --no-compile: pip would byte-compile every module of every package (about 7,000 files,
+# ~25 s of CPU here); Python compiles the ones that are imported on first import instead.
 if [ ${#torch_from[@]} -gt 0 ]; then
   say "installing $TORCH_PIN (about 200 MB to download)"
-  pip_ install --progress-bar on "${torch_from[@]}" || die "pip install $TORCH_PIN failed (its message is above)"
+  pip_ install --no-compile --progress-bar on "${torch_from[@]}" || die "pip install $TORCH_PIN failed (its message is above)"
 fi
 say "installing kvbridge (editable) with the mooncake and ucx engines, the test tools and the example plugin into $VENV"
-pip_ install --progress-bar on -e '.[mooncake,ucx,checksum,dev]' -e examples/kvbridge-zmq \
+pip_ install --no-compile --progress-bar on -e '.[mooncake,ucx,checksum,dev]' -e examples/kvbridge-zmq \
   || die "pip install failed (its message is above)"
 say "installing $NIXL_PIN without its dependencies (it declares torch but does not import it)"
-pip_ install --progress-bar on --no-deps "$NIXL_PIN" || die "pip install $NIXL_PIN failed (its message is above)"
+pip_ install --no-compile --progress-bar on --no-deps "$NIXL_PIN" || die "pip install $NIXL_PIN failed (its message is above)"
 
 installed_ok || die "the installation finished but the check above failed"
 echo "$inputs" >"$stamp"

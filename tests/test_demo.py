@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,22 @@ from kvbridge.testing import available_backends
 ENGINES = [b for b in ("mooncake", "nixl", "ucx") if b in available_backends()]
 STATE_TYPES = {"kv", "swa", "mamba", "nsa", "dsv4_c4", "dsv4_indexer", "dsv4_c128", "metadata"}
 SMALL = ("--requests", "3", "--max-new-tokens", "8")
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_reaches_the_demo():
+    """Start the demo as a terminal would, with Ctrl-C on. A test run started in the background (`cmd &`
+    in a script without job control, as CI runners and nohup'd runs are) has SIGINT ignored, which its
+    children inherit: the demo then ignores Ctrl-C, as it should there, and the Ctrl-C tests hang
+    (what the xdist and background CI runs hit). A handler here means the demo starts with the default."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -168,6 +185,21 @@ def test_ctrl_c_at_any_moment_of_the_start_up_exits_130_and_leaves_no_process(af
         _none_left(started)
     finally:
         _reap(proc)
+
+
+def test_a_ctrl_c_that_an_import_swallows_is_raised_once_the_import_returns(tmp_path):
+    """torch's import can catch the KeyboardInterrupt raised inside it and carry on (the demo then served on
+    after Ctrl-C); the demo imports torch so that a Ctrl-C during the import still stops it."""
+    for name in ("swallows_plain", "swallows_demo"):  # a module that catches the Ctrl-C sent during its import
+        (tmp_path / f"{name}.py").write_text("import os, signal, time\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+                                             "    time.sleep(1)\nexcept KeyboardInterrupt:\n    pass\n")
+    code = ("import importlib, sys\n"
+            "from kvbridge.demo.run import import_interruptible\n"
+            "importlib.import_module('swallows_plain')\n"  # a plain import carries on: the Ctrl-C is lost
+            "try:\n    import_interruptible('swallows_demo')\nexcept KeyboardInterrupt:\n    sys.exit(130)\n"
+            "sys.exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 130, (out.returncode, out.stderr[-2000:])
 
 
 def test_unknown_backend_is_a_usage_error_listing_the_choices():

@@ -5,14 +5,18 @@ backend contract. It is installed the way a third-party plugin is (an entry
 point in a ``*.dist-info`` on ``sys.path`` of a fresh pytest process), and the
 suite's contract tests run against it exactly as a plugin author would run
 them. The correct ``memory`` backend they are built on passes the same tests.
+
+One pytest process runs them all (one test class per backend, each with its
+own selection): a process per backend cost a pytest start-up each, and the
+classes share nothing but the process.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -30,34 +34,54 @@ CASES = {
     "faulty-flipbyte": (CONTRACT, BYTE_EXACT, MOVED_OTHER_BYTES),
     "faulty-deadline": ("frozen", FROZEN, "neither returned nor raised within"),
 }
+REFERENCE = ("memory", "write or registration or close")  # the correct backend, the same tests
 
 
-def run_suite(tmp_path: Path, backend: str, selection: str) -> subprocess.CompletedProcess[str]:
+def class_name(backend: str) -> str:
+    return "Test" + "".join(part.title() for part in backend.split("-"))
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str | None]]:
+    """backend -> {test name: None if it passed, else what its failure (or error, or skip) said}, from one pytest run."""
+    tmp_path = tmp_path_factory.mktemp("faulty")
     site = tmp_path / "site"
     info = site / "faulty_backends-1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-backends\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[kvbridge]\nfaulty = kvbridge.testing.faulty\n")
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    (tmp_path / "test_suite.py").write_text(
-        "from kvbridge.testing.conformance import BackendConformance\n\n\n"
-        f"class TestIt(BackendConformance):\n    backend = {backend!r}\n")
+    runs = {**{b: sel for b, (sel, _, _) in CASES.items()}, REFERENCE[0]: REFERENCE[1]}
+    (tmp_path / "test_suite.py").write_text("from kvbridge.testing.conformance import BackendConformance\n" + "".join(
+        f"\n\nclass {class_name(b)}(BackendConformance):\n    backend = {b!r}\n" for b in runs))
+    # -k matches class names too: each class runs its own selection (no test name holds a class name).
+    selection = " or ".join(f"({class_name(b)} and ({sel}))" for b, sel in runs.items())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rf", "-k", selection, "test_suite.py"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-k", selection,
+                          "--junitxml", str(tmp_path / "report.xml"), "test_suite.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode in (0, 1) and (tmp_path / "report.xml").exists(), out.stdout[-4000:] + out.stderr[-2000:]
+    found: dict[str, dict[str, str | None]] = {b: {} for b in runs}
+    by_class = {class_name(b): b for b in runs}
+    for case in ET.parse(tmp_path / "report.xml").getroot().iter("testcase"):
+        backend = by_class[case.get("classname", "").rsplit(".", 1)[-1]]
+        failure = case.find("failure")
+        other = case.find("error") if case.find("error") is not None else case.find("skipped")
+        text = None if failure is None else failure.get("message", "") + "\n" + (failure.text or "")
+        if failure is None and other is not None:  # an error or a skip: not the failure expected, nor a pass
+            text = f"{other.tag}: {other.get('message')}\n{other.text or ''}"
+        found[backend][case.get("name", "")] = text
+    return found
 
 
 @pytest.mark.parametrize("backend", sorted(CASES))
-def test_the_suite_fails_a_backend_that_breaks_the_contract_naming_what(tmp_path, backend):
-    selection, test, says = CASES[backend]
-    out = run_suite(tmp_path, backend, selection)
-    assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-2000:]
-    failed = re.findall(r"^FAILED test_suite\.py::TestIt::(\w+)", out.stdout, re.M)
-    assert test in failed, out.stdout[-4000:]
-    assert says in out.stdout, out.stdout[-4000:]
+def test_the_suite_fails_a_backend_that_breaks_the_contract_naming_what(outcomes, backend):
+    _, test, says = CASES[backend]
+    ran = outcomes[backend]
+    assert test in ran, f"{backend}: {test} did not run; ran {sorted(ran)}"
+    assert ran[test] is not None and says in ran[test], f"{backend}: {test}: {ran[test]}"
 
 
-def test_the_correct_backend_they_are_built_on_passes_the_same_tests(tmp_path):
-    out = run_suite(tmp_path, "memory", "write or registration or close")
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert re.search(r"\b10 passed\b", out.stdout), out.stdout[-2000:]
+def test_the_correct_backend_they_are_built_on_passes_the_same_tests(outcomes):
+    ran = outcomes[REFERENCE[0]]
+    assert len(ran) == 10 and all(v is None for v in ran.values()), ran

@@ -268,12 +268,15 @@ def test_token_rows_to_fewer_decode_ranks_are_written_as_planned(tp_p, tp_d):
     assert all(s["windows"] == 0 for s in stats)
 
 
-def test_head_major_pages_and_decode_ranks_register_no_staging_buffer():
-    # HND: a head slice is contiguous in a page, nothing strided to gather; decode never sends.
+def test_head_major_pages_are_gathered_where_destination_pages_follow_each_other():
+    # HND: a head slice is one piece per page; destination pages 0, 1, 2 and 6, 7 follow each other, so
+    # gathering on prefill merges them (the staging buffer is registered whatever the layout since
+    # staging on both sides, core/transfer/relay.py): fewer descriptors posted than pieces, the same bytes.
     got, want, stats = _staged_pair(1, 4, layout="hnd")
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
-    assert stats == [None]
+    (s,) = stats
+    assert s["windows"] > 0 and s["posted"] < s["pieces"]
 
 
 def test_a_backend_that_opts_out_gets_every_descriptor_as_planned(monkeypatch):

@@ -287,8 +287,8 @@ class TestLayerwisePolicy(BackendHarness):
         writes: list[set[int | str]] = []
         write = mgr.transport.write
 
-        def recording(peer: str, plan: TransferPlan, deadline: float, live: Any = None) -> None:
-            write(peer, plan, deadline, live)  # returns once every byte has landed
+        def recording(peer: str, plan: TransferPlan, deadline: float, live: Any = None, announce: Any = None) -> None:
+            write(peer, plan, deadline, live, announce)  # returns once every byte has landed (and was scattered)
             writes.append({"row" if r.index_space == METADATA_SPACE else r.layer for r in mgr.kvargs.regions
                            if ((plan.src_addr >= r.addr) & (plan.src_addr < r.addr + r.nbytes)).any()})
 

@@ -131,9 +131,9 @@ def _count_writes(pm: PrefillManager) -> list[int]:
     seen: list[int] = []
     real = pm.transport.write
 
-    def write(peer: str, plan: Any, deadline: float, live: Any = None) -> None:
+    def write(peer: str, plan: Any, deadline: float, live: Any = None, announce: Any = None) -> None:
         seen.append(len(plan))
-        real(peer, plan, deadline, live)
+        real(peer, plan, deadline, live, announce)
 
     pm.transport.write = write  # type: ignore[method-assign]
     return seen

@@ -60,6 +60,7 @@ _FLAGS = {
     "fence_timeout": "--transfer-fence-timeout",
     "strict_index_lengths": "--transfer-strict-index-lengths",
     "checksum": "--transfer-checksum",
+    "staging": "--transfer-staging",
     "secret_file": "--transfer-secret-file",
 }
 
@@ -126,6 +127,8 @@ class TransferConfig:
     strict_index_lengths: bool = _SESSION.strict_index_lengths
     #: Verify each room end to end with a hash (CPU memory only; see SessionConfig.checksum).
     checksum: bool = _SESSION.checksum
+    #: Staging of fragmented host-memory windows: auto, on or off (see SessionConfig.staging).
+    staging: str = _SESSION.staging
     #: A file holding the secret that authenticates control messages (docs/security.md);
     #: unset: ``$KVBRIDGE_SECRET_FILE`` or ``$KVBRIDGE_SECRET``. The secret itself is never a setting.
     secret_file: str | None = _SESSION.secret_file
@@ -263,6 +266,7 @@ _ARG_DESTS = {
     "fence_timeout": "transfer_fence_timeout",
     "strict_index_lengths": "transfer_strict_index_lengths",
     "checksum": "transfer_checksum",
+    "staging": "transfer_staging",
     "secret_file": "transfer_secret_file",
 }
 
@@ -376,6 +380,10 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     group.add_argument("--transfer-checksum", dest="transfer_checksum", action="store_true",
                        help="verify every room end to end with a hash before SUCCESS (either side may ask; "
                             "CPU memory only; xxh3 with kvbridge[checksum], else crc32)")
+    group.add_argument("--transfer-staging", dest="transfer_staging", choices=("auto", "on", "off"),
+                       default=_SESSION.staging,
+                       help="stage fragmented host-memory writes: gather small pieces into a registered buffer, write "
+                            "few large descriptors, scatter them on decode (default: auto, where pieces are small)")
     group.add_argument("--transfer-secret-file", dest="transfer_secret_file", default=None, metavar="PATH",
                        help="file holding the secret that authenticates control messages (default: "
                             "$KVBRIDGE_SECRET_FILE, else $KVBRIDGE_SECRET; without one, loopback only)")

@@ -23,6 +23,7 @@ together, runs scattered), one block per region.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -31,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,8 @@ from kvbridge.core.sessions.session import (
 
 PAGE = 64 << 10
 RUN_PAGES = 16  # 1 MiB runs
+#: Rooms per timed repetition: pipelined (as configured), then one batch in flight (``serial``).
+ROOMS_PER_REP = 2
 
 
 def cases(pages: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -102,11 +105,11 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, reps: int, r
     ok = True
     try:
         for c, (name, (src, dst)) in enumerate(cases(pages).items()):
-            for rep in range(reps + 1):  # + the warm-up
-                recv = Receiver(mgr, 1000 * c + rep + 1, bootstrap=bootstrap)
+            for room in range(ROOMS_PER_REP * reps + 1):  # + the warm-up
+                recv = Receiver(mgr, 1000 * c + room + 1, bootstrap=bootstrap)
                 recv.init(dst, metadata_row=0)
                 if recv.wait(Poll.SUCCESS, 300) != Poll.SUCCESS:
-                    print(f"decode: {name} rep {rep}: {recv.poll().name} {recv.failure()}", file=sys.stderr)
+                    print(f"decode: {name} room {room}: {recv.poll().name} {recv.failure()}", file=sys.stderr)
                     ok = False
             for e, arr in enumerate(kv):
                 if not np.array_equal(arr[dst], source_bytes(e, src)):
@@ -159,14 +162,16 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
     options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
     child = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.bench.transfer", "--decode", server.address, "--transfer-backend", backend,
-         *options, *(["--transfer-checksum"] if config.checksum else []), "--reps", str(reps), "--regions", str(regions), "--total-mib", str(total_mib)],
+         *options, *(["--transfer-checksum"] if config.checksum else []), "--transfer-staging", config.staging, "--reps", str(reps), "--regions", str(regions), "--total-mib", str(total_mib)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     results = []
     local = [np.empty_like(a) for a in kv]
     try:
         for c, (name, (src, dst)) in enumerate(cases(pages).items()):
+            before = dict(mgr.transport.windows)
             kv_times: list[float] = []
+            serial_times: list[float] = []
             raw_times: list[float] = []
             mem_times: list[float] = []
             raw = _raw_for(backend)
@@ -175,16 +180,10 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
             # Rep 0 is an untimed warm-up (engines connect on the first write); then
             # kvbridge, raw engine and memcpy alternate so noise hits all three alike.
             for rep in range(reps + 1):
-                sender = Sender(mgr, 1000 * c + rep + 1, metadata_row=0)
-                sender.wait(Poll.WAITING_FOR_INPUT, 600)
-                t0 = time.perf_counter()
-                sender.send(src, last=True)
-                # Woken by the change: a host thread polling in a loop would compete with the sender's
-                # worker for the GIL, and the write it measures would pay for it.
-                sender.wait(Poll.SUCCESS, 600)
-                elapsed = time.perf_counter() - t0
-                if sender.poll() != Poll.SUCCESS:
-                    raise RuntimeError(f"{name}: {sender.failure()}")
+                if rep > 0:  # the same bytes, one batch in flight at a time (before pipelining); rooms in decode's order
+                    with serial(mgr):
+                        serial_times.append(send(mgr, 1000 * c + ROOMS_PER_REP * rep, src, name))
+                elapsed = send(mgr, 1000 * c + ROOMS_PER_REP * rep + 1, src, name)
                 if plan is None:
                     (peer,) = mgr.peers()
                     plan = peer.route.plan({KV_PAGE_SPACE: src}, {KV_PAGE_SPACE: dst})
@@ -211,6 +210,11 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
                 "kvbridge_GBps": gb / statistics.median(kv_times),
                 "kvbridge_min_GBps": gb / max(kv_times),
                 "kvbridge_max_GBps": gb / min(kv_times),
+                "kvbridge_serial_GBps": gb / statistics.median(serial_times),
+                "batches_in_flight": max(lane.in_flight for lane in mgr.transport.lanes),
+                "staging": config.staging,
+                # Windows of every kvbridge repetition (both columns), by how each was written (core/transfer/relay.py).
+                "windows": {k: v - before[k] for k, v in mgr.transport.windows.items()},
                 "raw_engine_GBps": gb / statistics.median(raw_times) if raw_times else None,
                 "memcpy_GBps": gb / statistics.median(mem_times),
                 "verified": verified,
@@ -224,6 +228,35 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
         mgr.close()
         server.close()
     return results
+
+
+def send(mgr: PrefillManager, room: int, src: np.ndarray, name: str) -> float:
+    """Seconds from ``send`` until the sender reports SUCCESS (every byte landed at decode)."""
+    sender = Sender(mgr, room, metadata_row=0)
+    sender.wait(Poll.WAITING_FOR_INPUT, 600)
+    t0 = time.perf_counter()
+    sender.send(src, last=True)
+    # Woken by the change: a host thread polling in a loop would compete with the sender's
+    # worker for the GIL, and the write it measures would pay for it.
+    sender.wait(Poll.SUCCESS, 600)
+    elapsed = time.perf_counter() - t0
+    if sender.poll() != Poll.SUCCESS:
+        raise RuntimeError(f"{name}: {sender.failure()}")
+    return elapsed
+
+
+@contextlib.contextmanager
+def serial(mgr: PrefillManager) -> Iterator[None]:
+    """Within: every lane of ``mgr`` posts one batch at a time (as before ``core/transfer/pipeline.py``)."""
+    lanes = mgr.transport.lanes
+    saved = [lane.in_flight for lane in lanes]
+    for lane in lanes:
+        lane.in_flight = 1
+    try:
+        yield
+    finally:
+        for lane, n in zip(lanes, saved):
+            lane.in_flight = n
 
 
 def finish_child(child: subprocess.Popen[str], timeout: float = 120) -> None:
@@ -242,12 +275,13 @@ def format_table(results: list[dict[str, Any]]) -> Any:
     def rate(value: float | None) -> str | None:
         return f"{value:.2f}" if value else None
 
-    columns = ["case", "backend", "desc", "kvbridge GB/s", "raw GB/s", "memcpy GB/s", "kvb/raw", "bytes ok"]
+    columns = ["case", "backend", "desc", "kvbridge GB/s", "1 in flight GB/s", "raw GB/s", "memcpy GB/s", "kvb/raw",
+               "bytes ok"]
     return ui.table(
         columns,
-        [(r["case"], r["backend"], r["descriptors"], rate(r["kvbridge_GBps"]), rate(r["raw_engine_GBps"]),
-          rate(r["memcpy_GBps"]), rate(r["kvbridge_vs_raw"]), r["verified"]) for r in results],
-        right=columns[2:7], nowrap=["backend"],
+        [(r["case"], r["backend"], r["descriptors"], rate(r["kvbridge_GBps"]), rate(r["kvbridge_serial_GBps"]),
+          rate(r["raw_engine_GBps"]), rate(r["memcpy_GBps"]), rate(r["kvbridge_vs_raw"]), r["verified"]) for r in results],
+        right=columns[2:8], nowrap=["backend"],
     )
 
 
@@ -268,22 +302,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: 256; cuda: {' '.join(map(str, CUDA_TOTAL_MIB))})")
     parser.add_argument("--regions", type=ui.int_at_least(1), default=None, metavar="N",
                         help="cpu only: buffers the bytes are split across (default: 1)")
-    parser.add_argument("--page-kib", type=ui.int_at_least(1), nargs="+", default=None, metavar="KIB",
-                        help=f"cuda only: page sizes in KiB, one case each (default: {' '.join(map(str, CUDA_PAGE_KIB))})")
+    parser.add_argument("--page-kib", type=ui.int_at_least(4), nargs="+", default=None, metavar="KIB",
+                        help=f"page sizes in KiB; cuda: one case each (default: {' '.join(map(str, CUDA_PAGE_KIB))}); "
+                             "cpu: the fragmentation axis instead of the three fixed cases: per page size, scattered, "
+                             "contiguous and head-sliced TP 1->2 and 2->1, each beside the contiguous rate")
+    parser.add_argument("--staging", choices=("on", "off", "auto"), nargs="+", default=None, metavar="MODE",
+                        help="cpu with --page-kib: prefill's staging setting per row, on, off and/or auto "
+                             "(SessionConfig.staging; default: off on)")
     parser.add_argument("--decode-gpu", type=ui.int_at_least(0), default=None, metavar="N",
                         help="cuda only: the decode process's GPU (default: 0, the prefill's)")
     common.add_output_arguments(parser, "rates in gigabytes per second: *_GBps")
     parser.add_argument("--decode", metavar="BOOTSTRAP", help=argparse.SUPPRESS)
+    parser.add_argument("--fragment", metavar="JSON", help=argparse.SUPPRESS)  # the fragmentation decode child's case
 
 
 def _device_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Fill the device's defaults; an option of the other device is a usage error."""
-    other = ("--page-kib", "--decode-gpu") if args.device == "cpu" else ("--regions",)
+    other = ("--decode-gpu",) if args.device == "cpu" else ("--regions", "--staging")
     given = [flag for flag in other if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
         ui.usage_error(parser, f"argument {given[0]}: applies to --device {'cuda' if args.device == 'cpu' else 'cpu'} "
                                f"only (this run is --device {args.device})")
     if args.device == "cpu":
+        if args.staging is not None and args.page_kib is None:
+            ui.usage_error(parser, "argument --staging: applies to the fragmentation axis only; give --page-kib too")
+        args.staging = args.staging or ["off", "on"]
         if args.total_mib is not None and len(args.total_mib) > 1:
             ui.usage_error(parser, f"argument --total-mib: takes one value with --device cpu, got {args.total_mib}")
         args.total_mib = args.total_mib[0] if args.total_mib else 256
@@ -314,11 +357,14 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
 
         args.transfer_backend = TransferConfig.from_args(args, parser).backend
         return gpu.run_from_args(args, parser)
+    if args.device == "cpu" and (args.page_kib is not None or args.fragment):
+        return _run_fragments(args, parser)
     pages = (args.total_mib << 20) // (args.regions * PAGE)
     if pages < RUN_PAGES or pages % RUN_PAGES:
         parser.error(f"--total-mib / --regions must be a multiple of {RUN_PAGES * PAGE >> 20} MiB")
     cfg = TransferConfig.from_args(args, parser)
-    config = dataclasses.replace(CONFIG, backend_options=dict(cfg.backend_options), checksum=cfg.checksum)
+    config = dataclasses.replace(CONFIG, backend_options=dict(cfg.backend_options), checksum=cfg.checksum,
+                                 staging=cfg.staging)
     if args.decode:
         return run_decode(cfg.backend, config, args.decode, args.reps, args.regions, pages)
     prog = "kvbridge bench transfer"
@@ -333,6 +379,35 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         return t
 
     return common.finish(args, prog, results, table, plot, all(r["verified"] for r in results))
+
+
+def _run_fragments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--device cpu --page-kib ...``: the fragmentation axis (:mod:`kvbridge.bench.fragment`)."""
+    from kvbridge.bench import fragment
+
+    cfg = TransferConfig.from_args(args, parser)
+    config = dataclasses.replace(fragment.CONFIG, backend_options=dict(cfg.backend_options), checksum=cfg.checksum)
+    if args.decode:
+        return fragment.run_decode(cfg.backend, config, args.decode, json.loads(args.fragment))
+    prog = "kvbridge bench transfer"
+    common.check_plot(args, prog)
+    n = len(args.page_kib) * len(fragment.GEOMETRIES)
+    with ui.progress(n, "cases", description=f"bench transfer fragmentation ({cfg.backend})") as tracker:
+        rows = fragment.run(cfg.backend, config, args.page_kib, args.total_mib, args.staging, args.reps, tracker)
+
+    def table() -> Any:
+        t = fragment.format_table(rows)
+        t.title = (f"{cfg.backend}: {args.total_mib} MiB a room, host memory, prefill -> decode over 127.0.0.1, "
+                   f"median of {args.reps}; windows: direct/gathered on prefill/staged on both sides")
+        return t
+
+    def draw(results: list[dict[str, Any]], path: str) -> None:
+        common.bars(path, f"Fragmented transfers ({cfg.backend}; GB/s)",
+                    [f"{r['page_KiB']} KiB {r['case']} {r['staging']}" for r in results],
+                    {"kvbridge": [r["kvbridge_GBps"] for r in results],
+                     "contiguous": [r["contiguous_GBps"] for r in results]}, "GB/s")
+
+    return common.finish(args, prog, rows, table, draw, all(r["verified"] for r in rows))
 
 
 def main(argv: list[str] | None = None) -> int:

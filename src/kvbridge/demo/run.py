@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import queue
@@ -431,10 +432,41 @@ def table(s: dict[str, Any]) -> Any:
     return t
 
 
+def import_interruptible(name: str) -> Any:
+    """``importlib.import_module(name)``; a Ctrl-C that comes during the import is raised once it returns.
+
+    A SIGINT landing inside ``import torch`` could be lost (seen here: in 5 of 16 bare ``import torch``
+    runs with a SIGINT 1-3 s in, Python's handler ran and the import still returned normally): the
+    KeyboardInterrupt raised inside the import can be caught there. So SIGINT is blocked in this
+    thread while the import runs (delivered, and raised, as soon as it ends), and a handler notes one
+    that still came through (another thread took it) to raise it after the import too. Where SIGINT
+    is not Python's to handle (ignored, or not the main thread), it is a plain import."""
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        return importlib.import_module(name)
+    handler: Callable[[int, Any], Any] = previous
+    seen: list[int] = []
+
+    def on_int(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        handler(signum, frame)  # Python's default_int_handler: raises KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_int)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        module = importlib.import_module(name)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a SIGINT held back is delivered now, and raised
+    if seen:
+        raise KeyboardInterrupt
+    return module
+
+
 def _environment_problem(device: str) -> str | None:
     """Why the demo cannot run here (a usage error, like an engine that is not installed), or None."""
     try:
-        import torch
+        torch = import_interruptible("torch")
     except ImportError:
         return ("the demo runs a PyTorch model and torch is not installed: install PyTorch's CPU build "
                 "(pip install torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu; from a checkout, "

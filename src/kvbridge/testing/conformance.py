@@ -372,6 +372,21 @@ class BackendConformance(BackendHarness):
         assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
 
     @requires("dram")  # pools in host memory
+    def test_fragmented_requests_staged_on_both_sides_arrive_byte_exact(self, children: Callable[..., Child]) -> None:
+        # Staging forced on (SessionConfig.staging="on"): scattered 4 KiB pages are gathered on prefill,
+        # written into decode's staging slots and scattered there before each Done (core/transfer/relay.py),
+        # checksummed where they land. Decode checks every destination byte and the sentinels.
+        sc = self.scenario(requests=12, max_pages=128, concurrency=6, max_chunks=3, page_nbytes=4096, prefill_pages=1024,
+                           decode_pages=4096, staging="on", checksum=True, deadline=120.0)
+        prefill = children("prefill", sc)
+        decode = children("decode", sc, bootstrap=prefill.bootstrap)
+        rc_d, d = decode.finish(sc.deadline + 10)
+        rc_p, p = prefill.finish()
+        assert rc_d == 0 and d is not None, f"decode exited with {rc_d}, last line {d}: {decode.stderr()[-3000:]}"
+        assert d["requests"] == sc.requests and d["failed"] == [] and d["mismatched_regions"] == 0
+        assert rc_p == 0 and p == {"role": "prefill", "failed": 0, "active_rooms": 0}, prefill.stderr()[-3000:]
+
+    @requires("dram")  # pools in host memory
     def test_thousands_of_one_page_requests_leave_no_rooms_behind(self, children: Callable[..., Child]) -> None:
         sc = self.scenario(requests=4096, max_pages=1, max_chunks=1, concurrency=64, deadline=60.0)
         prefill = children("prefill", sc)
@@ -444,8 +459,8 @@ class BackendConformance(BackendHarness):
         write = prefill.mgr.transport.write
         lo, hi = prefill.pools.meta.ctypes.data, prefill.pools.meta.ctypes.data + prefill.pools.meta.nbytes
 
-        def recording(peer: str, plan: TransferPlan, deadline: float, live: Any = None) -> None:
-            write(peer, plan, deadline, live)
+        def recording(peer: str, plan: TransferPlan, deadline: float, live: Any = None, announce: Any = None) -> None:
+            write(peer, plan, deadline, live, announce)
             writes.append(bool(((plan.src_addr >= lo) & (plan.src_addr < hi)).any()))
 
         prefill.mgr.transport.write = recording  # type: ignore[method-assign]
@@ -502,6 +517,20 @@ class BackendConformance(BackendHarness):
         all_succeeded(p, d)
         if prefill_tp < decode_tp and get_registry().backend_spec(self.backend).capabilities.host_staging:
             assert p["staged_windows"] > 0, "host memory, NHD pages, prefill TP < decode TP: core should have staged"
+
+    @requires("dram")  # pools in host memory
+    @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
+    def test_every_state_handler_arrives_byte_exact_across_tp_staged_on_both_sides(
+        self, children: Callable[..., Child], prefill_tp: int, decode_tp: int
+    ) -> None:
+        # The hybrid model with staging forced on (SessionConfig.staging="on"), both TP directions: token rows
+        # gathered on prefill (TP 1 -> 2), or written into decode's staging slots and scattered there (TP 2 -> 1,
+        # the strided destination), every rank's every buffer checked against the global tensors.
+        spec = self.hybrid_spec(prefill_tp=prefill_tp, decode_tp=decode_tp, layout="nhd", requests=1, staging="on")
+        p, d, _ = self.run_hybrid(children, spec)
+        all_succeeded(p, d)
+        if get_registry().backend_spec(self.backend).capabilities.host_staging:
+            assert p["staged_windows"] > 0, "staging forced on, host memory: core should have staged"
 
     # -- 4. layer-wise sending: each layer posted as the host finishes it -----------------------------
     def test_layerwise_every_state_handler_arrives_byte_exact_from_prefill_tp2_to_decode_tp4(

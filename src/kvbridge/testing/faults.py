@@ -41,6 +41,7 @@ import numpy as np
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender
 from kvbridge.core.transfer.transport import FENCE_BATCH_DESCRIPTORS
+from kvbridge.core.transfer.pipeline import FENCE_BATCHES_IN_FLIGHT
 from kvbridge.testing.e2e import Pools, Scenario, prefill_pools, schedule
 
 FAULTS = ("decode-kill", "decode-freeze", "prefill-kill", "prefill-freeze", "bootstrap-gone", "net-cut", "net-flap")
@@ -170,12 +171,13 @@ class Cell(msgspec.Struct, kw_only=True):
     @property
     def late_allowed(self) -> int:
         """Late pages after FAILED the guarantee allows (docs/failures.md, its two exceptions): none,
-        except one batch from a prefill frozen inside an engine call (mid-transfer), which may finish
-        that batch when it resumes, and then only in a room reported FAILED before it was fenced; and
+        except the batches a prefill frozen inside an engine call (mid-transfer) had posted, which it
+        may finish when it resumes, and then only in a room reported FAILED before it was fenced; and
         one batch into a decode that was itself stopped mid-transfer, which copies in on resuming what
         its kernel had already received. After ``fenced``: none, ever."""
         frozen_prefill = (self.fault, self.phase) == ("prefill-freeze", "mid-transfer") and self.fenced_at_failed is False
-        return FENCE_BATCH_DESCRIPTORS if frozen_prefill or self._stopped_decode else 0
+        # A frozen prefill finishes the batches it had posted (pipelined: up to FENCE_BATCHES_IN_FLIGHT).
+        return FENCE_BATCHES_IN_FLIGHT * FENCE_BATCH_DESCRIPTORS if frozen_prefill or self._stopped_decode else 0
 
     @property
     def _stopped_decode(self) -> bool:

@@ -38,7 +38,7 @@ import numpy as np
 import zmq
 
 from kvbridge.core.control import protocol as P
-from kvbridge.core.control.auth import Sealer, auth_for
+from kvbridge.core.control.auth import NO_INCARNATION, Sealer, auth_for, incarnation_name
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.control.channel import Channel
 from kvbridge.core.control.metrics import metrics
@@ -180,11 +180,11 @@ class FakePrefill:
         self.address = self.boot.bind("127.0.0.1")
         self.rank = Channel(ctx, zmq.ROUTER, self.auth, endpoint="fuzz", max_bytes=1 << 30)
         self.rank.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # count only frames the decode rank can receive
-        self.rank.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a decode rank that reconnects (same identity) takes over
         self.rank.sock.setsockopt(zmq.SNDTIMEO, 2000)  # and wait while its queue is full
         self.control = self.rank.bind("127.0.0.1")
         self.backend = auth_backend
         self.decode_ident: bytes | None = None
+        self.decode_incarnation = b""  # what the decode rank's Hello came from: sealed frames are addressed to it
         self.sent: Counter[str] = Counter()
         self.replayable: list[bytes] = []
 
@@ -200,6 +200,7 @@ class FakePrefill:
             got = self.rank.receive(frames)
             if got is not None and isinstance(got[1], P.Hello) and got[0] is not None:
                 self.decode_ident = got[0]
+                self.decode_incarnation = self.rank.sender_incarnation
                 # Accept, so the decode rank keeps this connection (a handshake left pending would time out).
                 self.rank.send_msg(P.HelloAck(kvargs=got[1].kvargs), got[0])
 
@@ -208,7 +209,9 @@ class FakePrefill:
         ident = self.decode_ident
         if ident is None:
             return False
-        seal = lambda payload: self.rank.seal(payload, ident)  # noqa: E731
+        inc = self.decode_incarnation
+        to = incarnation_name(inc) if inc else ident
+        seal = lambda payload: self.rank.seal(payload, to, inc or NO_INCARNATION)  # noqa: E731
         if what == "random":
             frame = mut.random_bytes()
         elif what == "random-sealed":
@@ -226,7 +229,7 @@ class FakePrefill:
             if len(self.replayable) < 256:
                 self.replayable.append(frame)
         elif what == "tampered":
-            sealed = bytearray(self.auth.seal(rng.choice(mut.valid), ident, Sealer()))
+            sealed = bytearray(self.auth.seal(rng.choice(mut.valid), to, Sealer(), inc or NO_INCARNATION))
             sealed[rng.randrange(len(sealed))] ^= 1 << rng.randrange(8)
             frame = bytes(sealed)
         elif what == "replayed" and self.replayable:

@@ -67,6 +67,7 @@ class Spec(msgspec.Struct, kw_only=True):
     # Prefill sends each chunk layer-wise: layer by layer in the first chunk, then all target
     # layers in one call and the draft layers in another.
     layerwise: bool = False
+    staging: str = "auto"  # SessionConfig.staging (both sides): auto, on, off
 
 
 PAGE, RATIO = 8, 4
@@ -215,7 +216,8 @@ def config(spec: Spec, side: str = "prefill") -> SessionConfig:
     strict = spec.strict or (side == "decode" and spec.decode_strict)
     return SessionConfig(bootstrap_timeout=30, waiting_timeout=spec.timeout, transfer_timeout=30,
                          heartbeat_interval=0.3, heartbeat_timeout=5, strict_index_lengths=strict,
-                         backend_options=dict(spec.backend_options), gpu_fast_path=spec.gpu_fast_path)
+                         backend_options=dict(spec.backend_options), gpu_fast_path=spec.gpu_fast_path,
+                         staging=spec.staging)
 
 
 def stage_layers(stage: int, pp: int) -> set[int] | None:

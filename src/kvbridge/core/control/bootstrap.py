@@ -12,6 +12,16 @@ backend); it is a *lease*: the prefill manager renews it every
 second manager registering a rank another manager holds is refused, saying
 who holds it, until that lease ends: a restarted prefill rank gets its place
 back within ``lease`` seconds, and nobody can take a live rank's place.
+
+Incarnations (:mod:`kvbridge.core.control.auth`): each registration names its
+manager's incarnation, and a restarted prefill process is a new one. It
+takes its rank's place at once, without waiting out the lease, when the
+holder is provably gone: the new registration comes from the holder's own
+control address (only one process listens on an address), or nobody listens
+at the holder's address any more (a TCP probe is refused,
+:mod:`kvbridge.core.control.liveness`; a frozen or unreachable holder keeps its
+place). A gone holder is left out of lookups from then on, and its
+incarnation is *retired*: its registrations, captured or late, are refused.
 """
 
 from __future__ import annotations
@@ -20,14 +30,15 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import zmq
 
 from . import protocol as P
-from .auth import Auth, auth_for, check_host
+from .auth import PREDATES, Auth, auth_for, check_host, new_incarnation
 from .channel import Channel, IOLoop
-from .metrics import metrics
+from .liveness import Probes
 
 __all__ = ["BootstrapServer", "LEASE", "MAX_RANKS", "RENEW", "check_rank", "register_rank"]
 
@@ -43,6 +54,8 @@ MAX_RANKS = 4096
 MAX_REQUEST_BYTES = 64 << 10
 #: Reasons that begin so are worth retrying: the rank's holder may be gone soon.
 HELD = "rank held:"
+#: Incarnations of replaced ranks remembered (their registrations are refused).
+MAX_RETIRED = 4096
 
 _ADDRESS = re.compile(r"[^\s/]{1,253}:\d{1,5}")
 _BACKEND = re.compile(r"[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}")  # a backend, or lanes: names separated by commas
@@ -73,6 +86,8 @@ def check_rank(rank: P.RankInfo, known_backends: frozenset[str] | None = None) -
 class _Entry:
     rank: P.RankInfo
     renewed: float
+    #: Nobody listens at its control address any more (a probe was refused): replaceable, not listed.
+    gone: bool = False
 
 
 class BootstrapServer:
@@ -93,19 +108,25 @@ class BootstrapServer:
 
         self._known = frozenset(get_registry().backends)
         self._ranks: dict[tuple[int, int], _Entry] = {}
+        #: Incarnations whose rank a newer one took (hex -> the one that replaced it).
+        self._retired: OrderedDict[str, str] = OrderedDict()
+        self._probes = Probes()
         self._lock = threading.Lock()
+        #: This endpoint's incarnation: a restarted bootstrap server is a new one (kvbridge.core.control.auth).
+        self.incarnation = new_incarnation()
         self._loop = IOLoop("kvbridge-bootstrap")
-        self._chan = Channel(self._loop.ctx, zmq.ROUTER, auth, endpoint="bootstrap", max_bytes=MAX_REQUEST_BYTES)
+        self._chan = Channel(self._loop.ctx, zmq.ROUTER, auth, endpoint="bootstrap", max_bytes=MAX_REQUEST_BYTES,
+                             incarnation=self.incarnation)
         self.address = self._chan.bind_port(host, port) if port else self._chan.bind(host)
         self._loop.add_socket(self._chan.sock, self._on_message)
         self._loop.start()
 
     @property
     def ranks(self) -> list[P.RankInfo]:
-        """The live registrations (renewed within the lease)."""
+        """The live registrations (renewed within the lease, holder not known gone)."""
         now = time.monotonic()
         with self._lock:
-            return [e.rank for e in self._ranks.values() if now - e.renewed <= self.lease]
+            return [e.rank for e in self._ranks.values() if now - e.renewed <= self.lease and not e.gone]
 
     def _on_message(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         got = self._chan.receive(frames)
@@ -114,7 +135,7 @@ class BootstrapServer:
         ident, msg = got
         assert ident is not None
         if isinstance(msg, P.Register):
-            problem = self._register(msg.rank)
+            problem = self._register(msg.rank, self._chan.sender_incarnation.hex())
             if problem is not None:
                 self._chan.reject(ident, f"registration of prefill tp{msg.rank.tp_rank}/pp{msg.rank.pp_rank} refused: {problem}")
                 return
@@ -127,19 +148,43 @@ class BootstrapServer:
             return
         self._chan.send_msg(reply, ident)
 
-    def _register(self, rank: P.RankInfo) -> str | None:
-        """Add or renew ``rank``; why not, or None."""
+    def _register(self, rank: P.RankInfo, sender: str = "") -> str | None:
+        """Add or renew ``rank`` (sent by incarnation ``sender``, hex, if its header named one); why not, or None."""
         problem = check_rank(rank, self._known)
         if problem is not None:
             return problem
+        if sender and rank.incarnation and rank.incarnation != sender:
+            return (f"the registration names incarnation {rank.incarnation!r} but was sent by {sender!r}: "
+                    "a manager registers its own rank")
         now = time.monotonic()
         with self._lock:
+            if rank.incarnation and rank.incarnation in self._retired:
+                return (f"incarnation {rank.incarnation} of prefill tp{rank.tp_rank}/pp{rank.pp_rank} was replaced by "
+                        f"incarnation {self._retired[rank.incarnation]} (a restarted process): a replayed or "
+                        "late registration of the old process")
             for key, entry in list(self._ranks.items()):
                 if now - entry.renewed > self.lease:
                     del self._ranks[key]
             key = (rank.tp_rank, rank.pp_rank)
             held = self._ranks.get(key)
-            if held is not None and held.rank.control_addr != rank.control_addr:
+            if held is not None and held.rank.incarnation != rank.incarnation:
+                same_address = held.rank.control_addr == rank.control_addr
+                if not (same_address or held.gone):
+                    self._probe(key, held)
+                    return (f"{HELD} the rank is registered by the manager at {held.rank.control_addr} (renewed "
+                            f"{now - held.renewed:.1f}s ago); a second manager gets it once that one has not renewed "
+                            f"for {self.lease:.0f}s or nobody listens at its address: stop the other one, or give "
+                            "this one another rank")
+                # The holder is gone: a new process listens at its address, or nobody does.
+                log.warning("bootstrap: prefill tp%d/pp%d restarted: incarnation %s at %s replaces %s at %s",
+                            rank.tp_rank, rank.pp_rank, rank.incarnation or "?", rank.control_addr,
+                            held.rank.incarnation or "?", held.rank.control_addr)
+                if held.rank.incarnation:
+                    self._retired[held.rank.incarnation] = rank.incarnation or "?"
+                    while len(self._retired) > MAX_RETIRED:
+                        self._retired.popitem(last=False)
+                del self._ranks[key]
+            elif held is not None and held.rank.control_addr != rank.control_addr:
                 return (f"{HELD} the rank is registered by the manager at {held.rank.control_addr} (renewed "
                         f"{now - held.renewed:.1f}s ago); a second manager gets it once that one has not renewed "
                         f"for {self.lease:.0f}s: stop the other one, or give this one another rank")
@@ -152,15 +197,28 @@ class BootstrapServer:
             self._ranks[key] = _Entry(rank, now)
         return None
 
+    def _probe(self, key: tuple[int, int], held: _Entry) -> None:
+        """Find out off the I/O thread whether anybody still listens at ``held``'s address (caller holds the lock)."""
+        def done(refused: bool) -> None:
+            if refused:
+                with self._lock:
+                    if self._ranks.get(key) is held:
+                        held.gone = True
+                log.warning("bootstrap: nobody listens at %s any more: prefill tp%d/pp%d (incarnation %s) is gone",
+                            held.rank.control_addr, key[0], key[1], held.rank.incarnation or "?")
+
+        self._probes.start(held.rank.control_addr, done)
+
     def close(self) -> None:
         self._loop.stop()
 
 
-def request(address: str, msg: P.Message, timeout: float, auth: Auth | None = None) -> P.Message:
-    """One request/reply with the bootstrap endpoint, bounded by ``timeout`` seconds."""
+def request(address: str, msg: P.Message, timeout: float, auth: Auth | None = None,
+            incarnation: bytes | None = None) -> P.Message:
+    """One request/reply with the bootstrap endpoint, bounded by ``timeout`` seconds (sent as ``incarnation``)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     chan = Channel(ctx, zmq.DEALER, auth or auth_for(), endpoint="prefill", max_bytes=MAX_REQUEST_BYTES << 4,
-                   to=address.encode())
+                   to=address.encode(), incarnation=incarnation)
     try:
         chan.connect(address)
         chan.send_msg(msg)
@@ -177,19 +235,24 @@ def request(address: str, msg: P.Message, timeout: float, auth: Auth | None = No
         chan.close()
 
 
-def register_rank(address: str, rank: P.RankInfo, timeout: float, auth: Auth | None = None) -> None:
-    """Register a prefill rank, retrying until ``timeout`` (the endpoint may start later, a past holder may be going)."""
+def register_rank(address: str, rank: P.RankInfo, timeout: float, auth: Auth | None = None,
+                  incarnation: bytes | None = None) -> None:
+    """Register a prefill rank, retrying until ``timeout`` (the endpoint may start later, a past holder may be going).
+
+    ``incarnation``: the registering manager's (``rank.incarnation`` names it in hex)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            reply = request(address, P.Register(rank=rank), min(1.0, max(0.05, deadline - time.monotonic())), auth)
+            reply = request(address, P.Register(rank=rank), min(1.0, max(0.05, deadline - time.monotonic())), auth,
+                            incarnation)
         except TimeoutError as exc:
             last = exc
             continue
         if isinstance(reply, P.RegisterAck):
             return
-        if isinstance(reply, P.Reject) and HELD in reply.reason:
+        if isinstance(reply, P.Reject) and (HELD in reply.reason or PREDATES in reply.reason):
+            # Held: the holder may be gone soon. Predates: sent while the endpoint was (re)starting.
             last = ConnectionError(reply.reason)
             time.sleep(min(RENEW / 4, max(0.0, deadline - time.monotonic())))
             continue

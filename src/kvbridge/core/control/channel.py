@@ -26,7 +26,9 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .auth import Auth, AuthError, Sealer
+from collections import OrderedDict
+
+from .auth import NO_INCARNATION, Auth, AuthError, Sealer, incarnation_name, new_incarnation
 from .metrics import metrics
 
 log = logging.getLogger(__name__)
@@ -207,15 +209,25 @@ class _Quiet:
 quiet = _Quiet()
 #: Refusals answered without a seal: the sender may not hold our secret, and the text reveals nothing.
 _ANSWER_PLAIN = ("unauthenticated", "forged")
+#: Connections whose sender incarnation a ROUTER remembers (to address its replies), least recent dropped first.
+MAX_ROUTES = 4096
 
 
 class Channel:
     """One control socket: its messages sealed and opened by ``auth``, its frames at most ``max_bytes``.
 
     ``endpoint`` (``"prefill"``, ``"decode"``, ``"bootstrap"``) labels logs
-    and the rejection counter. A ROUTER answers to the names in ``me``; a
-    DEALER sends to ``to`` and answers to its own identity (random unless
-    given), which the ROUTER replies to. Use it on one thread at a time.
+    and the rejection counter. ``incarnation`` is the endpoint's (its
+    manager's or bootstrap server's; random if not given): it travels in
+    every message's header, and a message addressed to another incarnation
+    is refused. A ROUTER answers to the names in ``me`` and addresses each
+    reply to the incarnation that connection's last accepted message came
+    from; a DEALER sends to ``to`` (the incarnation it last heard from there)
+    and answers to its incarnation. A DEALER sets no zmq identity unless
+    ``identity`` is given: the ROUTER assigns one per connection, so no
+    client can present another's. :attr:`sender_incarnation` is the
+    incarnation of the last message :meth:`receive` accepted. Use it on one
+    thread at a time.
     """
 
     def __init__(
@@ -229,20 +241,29 @@ class Channel:
         me: tuple[bytes, ...] = (),
         to: bytes = b"",
         identity: bytes | None = None,
+        incarnation: bytes | None = None,
     ) -> None:
         self.auth = auth
         self.endpoint = endpoint
         self.kind = kind
         self.to = to
+        self.incarnation = incarnation or new_incarnation()
         self.sock: zmq.Socket[bytes] = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         if kind == zmq.DEALER:
-            identity = identity or b"kvb-" + os.urandom(8).hex().encode()
-            self.sock.setsockopt(zmq.IDENTITY, identity)
-            me = (*me, identity)
+            me = (*me, incarnation_name(self.incarnation))
+            if identity:
+                self.sock.setsockopt(zmq.IDENTITY, identity)
+                me = (*me, identity)
         self.me = frozenset(me)
-        self._sealer = Sealer()
+        self._sealer = Sealer(self.incarnation)
+        #: The incarnation of the last message accepted here (``b""``: it carried none).
+        self.sender_incarnation = b""
+        #: DEALER: the incarnation last heard from at ``to`` (addressed in what it sends).
+        self.peer_incarnation = b""
+        #: ROUTER: each connection's last sender incarnation (replies are addressed to it).
+        self._routes: OrderedDict[bytes, bytes] = OrderedDict()
         #: The last refusal of a message received here (for failure reasons of silent peers).
         self.last_refusal: str | None = None
 
@@ -262,15 +283,27 @@ class Channel:
     def connect(self, address: str) -> None:
         self.sock.connect(f"tcp://{address}")
 
-    def seal(self, payload: bytes, to: bytes) -> bytes:
-        """``payload`` sealed for ``to`` as this channel seals what it sends (its replay counter)."""
-        return self.auth.seal(payload, to, self._sealer)
+    def seal(self, payload: bytes, to: bytes, to_inc: bytes = NO_INCARNATION) -> bytes:
+        """``payload`` sealed for ``to`` (incarnation ``to_inc``) as this channel seals what it sends (its replay
+        counter)."""
+        return self.auth.seal(payload, to, self._sealer, to_inc)
 
     def send(self, payload: bytes, ident: bytes | None = None) -> None:
         """Seal ``payload`` for ``ident`` (ROUTER) or this channel's peer (DEALER) and send it without blocking."""
-        to = ident if ident is not None else self.to
-        frame = self.seal(payload, to)
+        to, to_inc = self._address(ident)
+        frame = self.seal(payload, to, to_inc)
         _send(self.sock, [ident, frame] if ident is not None else [frame])
+
+    def _address(self, ident: bytes | None, sender: bytes = b"") -> tuple[bytes, bytes]:
+        """``(to, to_inc)`` for a message to ``ident`` (ROUTER) or this channel's peer (DEALER)."""
+        if ident is None:
+            return self.to, self.peer_incarnation or NO_INCARNATION
+        if sender and ident[:1] != b"\x00":
+            # A refusal on a connection that named itself (zmq's own ids start with a zero byte): answer
+            # the name, since the incarnation the refused frame claims may be another's (a replay).
+            return ident, NO_INCARNATION
+        inc = sender or self._routes.get(ident)
+        return (incarnation_name(inc), inc) if inc else (ident, NO_INCARNATION)
 
     def send_msg(self, msg: P.Message, ident: bytes | None = None) -> None:
         self.send(P.encode(msg), ident)
@@ -288,31 +321,45 @@ class Channel:
             return None
         ident = frames[0] if routed else None
         try:
-            data = self.auth.open(frames[-1], self.me)
+            opened = self.auth.open_frame(frames[-1], self.me, self.incarnation)
         except AuthError as exc:
-            self._refused(ident, exc.kind, str(exc), plain=exc.kind in _ANSWER_PLAIN)
+            self._refused(ident, exc.kind, str(exc), plain=exc.kind in _ANSWER_PLAIN,
+                          sender=Auth.sender_of(frames[-1]))
             if not routed and exc.kind == "unauthenticated":
                 self._peek(frames[-1])
             return None
         try:
-            return ident, P.decode(data)
+            msg = P.decode(opened.payload)
         except P.ProtocolError as exc:
-            self._refused(ident, "malformed", str(exc))
+            self._refused(ident, "malformed", str(exc), sender=opened.sender)
             return None
+        self.sender_incarnation = opened.sender
+        if opened.sender:
+            if ident is None:
+                self.peer_incarnation = opened.sender
+            else:
+                self._routes[ident] = opened.sender
+                self._routes.move_to_end(ident)
+                if len(self._routes) > MAX_ROUTES:
+                    self._routes.popitem(last=False)
+        return ident, msg
 
     def reject(self, ident: bytes, reason: str, room: int | None = None, kind: str = "refused") -> None:
         """Refuse a well-formed message: count it and answer ``ident`` with a Reject (ROUTER only)."""
         self._refused(ident, kind, reason, room=room)
 
     def _refused(self, ident: bytes | None, kind: str, reason: str, *, plain: bool = False,
-                 room: int | None = None) -> None:
+                 room: int | None = None, sender: bytes = b"") -> None:
         metrics().rejected(self.endpoint, kind)
         who = "" if ident is None else f" from {ident[:64]!r}"
         self.last_refusal = reason
         quiet.warning(f"{self.endpoint}:{kind}", "%s: refused a control message%s: %s", self.endpoint, who, reason)
         if ident is not None:
             reply = P.encode(P.Reject(reason=reason, room=room))
-            _send(self.sock, [ident, reply if plain else self.auth.seal(reply, ident, self._sealer)])
+            if not plain:
+                to, to_inc = self._address(ident, sender)
+                reply = self.auth.seal(reply, to, self._sealer, to_inc)
+            _send(self.sock, [ident, reply])
 
     def _peek(self, frame: bytes) -> None:
         """Explain an unauthenticated answer (typically: the other side has another secret, or none)."""

@@ -53,7 +53,8 @@ or call :func:`register_prometheus` with your own registry: counters ``kvbridge_
 ``kvbridge_transfer_descriptors_total`` {backend, state_type},
 ``kvbridge_rooms_succeeded_total`` {backend, role} and
 ``kvbridge_failures_total`` {backend, role, reason},
-``kvbridge_control_rejected_total`` {endpoint, reason}; histograms
+``kvbridge_control_rejected_total`` {endpoint, reason},
+``kvbridge_staging_windows_total`` {backend, how}; histograms
 ``kvbridge_transfer_seconds`` {backend} and ``kvbridge_bootstrap_seconds``
 {backend, role}. :func:`reset` resets those too.
 """
@@ -159,8 +160,14 @@ class Metrics:
             self._succeeded: dict[tuple[str, str], int] = {}
             self._failures: dict[tuple[str, str, str], int] = {}
             self._rejected: dict[tuple[str, str], int] = {}
+            self._windows: dict[tuple[str, str], int] = {}
 
     # -- recording (called by core) -------------------------------------------------
+    def window(self, backend: str, how: str) -> None:
+        """One window of a write, by how it was written: ``direct``, ``gather`` or ``both`` (``core/transfer/relay.py``)."""
+        with self._lock:
+            self._windows[backend, how] = self._windows.get((backend, how), 0) + 1
+
     def transfer(self, backend: str, totals: Mapping[str, tuple[int, int]], seconds: float) -> None:
         """One completed transfer job: ``totals`` is ``state_type -> (bytes, descriptors)``."""
         with self._lock:
@@ -213,6 +220,7 @@ class Metrics:
                     "bootstrap_seconds": {},
                     "rooms_succeeded": {},
                     "failures": {},
+                    "staging_windows": {},
                 }
             return backends[backend]
 
@@ -229,6 +237,8 @@ class Metrics:
                 entry(backend)["rooms_succeeded"][role] = n
             for (backend, role, reason), n in self._failures.items():
                 entry(backend)["failures"].setdefault(role, {})[reason] = n
+            for (backend, how), n in self._windows.items():
+                entry(backend)["staging_windows"][how] = n
             rejected: dict[str, dict[str, int]] = {}
             for (endpoint, reason), n in self._rejected.items():
                 rejected.setdefault(endpoint, {})[reason] = n
@@ -246,6 +256,7 @@ class Metrics:
             succeeded = dict(self._succeeded)
             failures = dict(self._failures)
             rejected = dict(self._rejected)
+            windows = dict(self._windows)
         fam = CounterMetricFamily("kvbridge_transfer_bytes", "Bytes written by completed transfer jobs",
                                   labels=["backend", "state_type"])
         for (backend, state_type), n in data_bytes.items():
@@ -275,6 +286,11 @@ class Metrics:
                                   labels=["backend", "role", "reason"])
         for (backend, role, reason), n in failures.items():
             fam.add_metric([backend, role, reason], n)
+        yield fam
+        fam = CounterMetricFamily("kvbridge_staging_windows", "Windows of writes by how they were written: direct, "
+                                  "gather (prefill only) or both (staged on both sides)", labels=["backend", "how"])
+        for (backend, how), n in windows.items():
+            fam.add_metric([backend, how], n)
         yield fam
         fam = CounterMetricFamily("kvbridge_control_rejected", "Control messages refused, by endpoint and reason",
                                   labels=["endpoint", "reason"])

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ..description.layout import KVArgs
+from ..description.layout import KVArgs, StagingOffer
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -40,6 +40,9 @@ __all__ = [
     "Fenced",
     "Heartbeat",
     "Reject",
+    "Staged",
+    "StagingOffer",
+    "Unstaged",
     "Message",
     "encode",
     "decode",
@@ -47,7 +50,7 @@ __all__ = [
     "unpack_indices",
 ]
 
-PROTOCOL_VERSION = 2  # 2: Hello carries per-lane backend metadata
+PROTOCOL_VERSION = 4  # 2: per-lane backend metadata in Hello; 3: incarnations; 4: staging (Hello.staging, Staged, Unstaged)
 MAX_LANES = 16  # backends a Hello may list
 
 
@@ -69,6 +72,8 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     control_addr: str
     #: The rank's lanes as a host names them ("nixl", "cuda_ipc,nixl").
     backend: str
+    #: The registering manager's incarnation (hex; ``kvbridge.core.control.auth``): a restarted rank is a new one.
+    incarnation: str = ""
 
 
 # -- bootstrap: prefill ranks register, decode ranks look them up -------------------
@@ -103,6 +108,9 @@ class Hello(_Msg, tag="hello", frozen=True):
     #: Decode's host (``kvbridge.core.transfer.backend.host_id``): lanes that reach one host only are used
     #: only between ranks that send the same.
     host: str = ""
+    #: Slots of decode's registered staging buffer lent to this prefill rank (``core/transfer/landing.py``);
+    #: None: write every descriptor into place.
+    staging: StagingOffer | None = None
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):
@@ -229,6 +237,24 @@ class Reject(_Msg, tag="reject", frozen=True):
     room: int | None = None
 
 
+class Staged(_Msg, tag="staged", frozen=True):
+    """Prefill -> decode: a window of these rooms' pieces landed, gathered back to back, in decode's
+    staging ``slot``; decode scatters it to ``dst`` (int64 little-endian addresses, ``nbytes`` each)
+    only while every room is live there, then answers :class:`Unstaged`. Sent before those rooms'
+    ``Done``, on the same connection: decode scatters before it can count a room's SUCCESS."""
+
+    rooms: tuple[int, ...]
+    slot: int
+    dst: bytes
+    nbytes: bytes
+
+
+class Unstaged(_Msg, tag="unstaged", frozen=True):
+    """Decode -> prefill: staging ``slot`` is free again (scattered, or dropped for a room given up)."""
+
+    slot: int
+
+
 Message = Union[
     Register,
     RegisterAck,
@@ -244,6 +270,8 @@ Message = Union[
     Fenced,
     Heartbeat,
     Reject,
+    Staged,
+    Unstaged,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -25,7 +25,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-__all__ = ["KV_PAGE_SPACE", "METADATA_SPACE", "ROLES", "ROLE_PATTERN", "MEMORY_KINDS", "check_role", "IndexSpace", "Shard", "Region", "KVArgs"]
+__all__ = ["KV_PAGE_SPACE", "METADATA_SPACE", "ROLES", "ROLE_PATTERN", "MEMORY_KINDS", "check_role", "IndexSpace", "Shard", "Region", "KVArgs", "StagingOffer"]
 
 #: What a region holds, for the buffers core's pools and the built-in state
 #: handlers describe. The vocabulary is open: a state handler names its other
@@ -345,3 +345,12 @@ def _check_aliases_inside(aliases: tuple[Region, ...], regions: tuple[Region, ..
             f"region of the same memory ({where}); an alias must be another view of bytes a region already "
             "registers: describe it as an ordinary region (in regions) if its memory is its own"
         )
+
+
+class StagingOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode's staging buffer and the slots of it one prefill rank may write windows into (sent in its
+    ``Hello``; kvbridge.core.transfer.landing)."""
+
+    region: Region
+    slots: tuple[int, ...]
+    slice_bytes: int

@@ -75,9 +75,14 @@ class BackendCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     #: between its own posts, instead of core cutting it into fence-sized batches and checking
     #: between those. For a copy kernel that moves a plan in a few launches (``cuda_ipc``).
     whole_plans: bool = False
+    #: Batches core may keep posted to one peer at once through ``Backend.post`` (pipelined: the
+    #: next batch is posted while the engine still moves the last). 1: ``Backend.write``, one batch
+    #: at a time. Core caps it (``kvbridge.core.transfer.pipeline.FENCE_BATCHES_IN_FLIGHT``) so the fence's
+    #: bound on what a frozen prefill can still write stays small (docs/failures.md).
+    batches_in_flight: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_descriptors_per_batch", "max_descriptors_in_flight", "max_bytes_per_batch"):
+        for name in ("max_descriptors_per_batch", "max_descriptors_in_flight", "max_bytes_per_batch", "batches_in_flight"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"BackendCapabilities.{name} must be a positive integer or None, got {value!r}")

@@ -6,16 +6,19 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..control import protocol as P
+from ..control.auth import PREDATES
 from ..control.bootstrap import MAX_RANKS, check_rank
 from ..control.channel import Channel
 from .checksum import verify
 from ..description.layout import KVArgs
+from ..transfer.landing import ScatterError
 from .manager import SessionConfig, TransferManager
 from .receiver import Receiver
 from .room import Poll, Room
@@ -29,6 +32,11 @@ log = logging.getLogger(__name__)
 
 LOOKUP_RETRY = 0.2  # seconds between bootstrap lookups while prefill ranks are still registering
 MAX_QUEUED = 1024  # messages kept for a server until its handshake completes
+#: Seconds a room waits, after a prefill rank's ``Failed``, for that rank's ``Fenced`` before it reports
+#: FAILED anyway (``Receiver.fenced`` False until it comes): a failure reaches decode's host within this (and a tick).
+FAILURE_NOTICE = 0.5
+#: Incarnations of prefill processes seen gone or replaced that are remembered (a lookup listing one waits).
+MAX_DEAD = 4096
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
@@ -46,6 +54,8 @@ class DecodeManager(TransferManager[Receiver]):
         self._retired: list[PrefillServer] = []
         #: Rooms reported FAILED without every prefill rank's ``Fenced`` (``Receiver.fenced`` False), by id.
         self._unconfirmed: dict[int, Receiver] = {}
+        #: Incarnations (hex) of prefill processes seen gone or replaced: a lookup still listing one is retried.
+        self._dead: OrderedDict[str, None] = OrderedDict()
         self.loop.start()
 
     # -- for receivers -----------------------------------------------------------------------
@@ -82,17 +92,13 @@ class DecodeManager(TransferManager[Receiver]):
                  time.monotonic() - (recv.ended or 0.0))
 
     def _start(self, server: PrefillServer) -> None:
-        """Connect to a new server; a retired one at the same address is closed first (I/O thread).
+        """Connect to a new server (I/O thread).
 
-        Its ranks' connections carried the same identity as the new ones (the prefill ROUTER hands an
-        identity over to its newest connection), and what they would still bring (``Fenced`` of rooms
-        given up on) comes through the new ones, matched by address.
+        A retired server at the same address keeps its connections while its rooms wait for
+        ``Fenced`` (the tick closes them after): every connection has its own route on prefill, and
+        a prefill rank sends a room's ``Fenced`` on the connection of the peer's latest handshake,
+        which may still be the old one. Either way it is matched by address.
         """
-        with self.lock:
-            old = [s for s in self._retired if s.address == server.address]
-            self._retired = [s for s in self._retired if s.address != server.address]
-        for s in old:
-            self._close_server(s)
         self._lookup(server)
 
     def send_to_ranks(self, server: PrefillServer, msg: P.Message) -> None:
@@ -114,9 +120,10 @@ class DecodeManager(TransferManager[Receiver]):
         room.abort(reason)
 
     # -- bootstrap and handshake (I/O thread) ------------------------------------------
-    def _channel(self, to: str, identity: bytes | None = None) -> Channel:
+    def _channel(self, to: str) -> Channel:
+        # No zmq identity: the prefill ROUTER gives each connection its own, which no one can claim.
         chan = Channel(self.loop.ctx, zmq.DEALER, self.auth, endpoint="decode",
-                       max_bytes=self.config.max_message_bytes, to=to.encode(), identity=identity)
+                       max_bytes=self.config.max_message_bytes, to=to.encode(), incarnation=self.incarnation)
         chan.connect(to)
         return chan
 
@@ -135,11 +142,15 @@ class DecodeManager(TransferManager[Receiver]):
         if got is None:
             return  # refused (counted, logged); the lookup is retried until bootstrap_timeout
         msg = got[1]
+        if isinstance(msg, P.Reject) and PREDATES in msg.reason:
+            return  # sent while the endpoint was (re)starting: the lookup is retried on tick
         if not isinstance(msg, P.LookupReply):
             self._fail_server(server, f"bootstrap endpoint {server.address} answered {msg}", "bootstrap")
             return
         if server.ranks or not msg.ranks:
             return  # already handshaking, or nobody registered yet (retry on tick)
+        if any(r.incarnation in self._dead for r in msg.ranks if r.incarnation):
+            return  # a rank whose process is gone is still listed (its replacement registers soon): retry
         # Every prefill rank (all TP ranks of all stages): each one tells this
         # rank Done for every room, even the ones it has nothing to send to.
         tp_size, pp_size = msg.ranks[0].tp_size, msg.ranks[0].pp_size
@@ -163,10 +174,13 @@ class DecodeManager(TransferManager[Receiver]):
             return
         self.loop.remove_socket(server.lookup.sock)
         server.lookup = None
-        hello = P.encode(P.Hello(peer_id=self.peer_id, lanes=self._meta, kvargs=self.kvargs, host=self.transport.host))
+        landing = self.transport.landing
         for key, info in sorted(wanted.items()):
+            offer = landing.offer((server.address, key)) if landing is not None else None
+            hello = P.encode(P.Hello(peer_id=self.peer_id, lanes=self._meta, kvargs=self.kvargs, host=self.transport.host,
+                                     staging=offer))
             rank = server.ranks[key] = PrefillRank(info)
-            rank.chan = self._channel(info.control_addr, identity=self.peer_id.encode())
+            rank.chan = self._channel(info.control_addr)
             self.loop.add_socket(rank.chan.sock, self._rank_handler(server, rank))
             rank.monitor = self._monitor(rank.chan)
             self.loop.add_socket(rank.monitor, self._monitor_handler(rank))
@@ -195,7 +209,18 @@ class DecodeManager(TransferManager[Receiver]):
         if got is None:
             return  # refused (counted, logged)
         msg = got[1]
+        incarnation = rank.chan.sender_incarnation
+        if isinstance(msg, P.HelloAck) and incarnation:
+            rank.incarnation = incarnation
+        elif rank.incarnation and incarnation and incarnation != rank.incarnation and not rank.gone:
+            # Another process answers at the rank's address: the one this server handshook with is gone.
+            self._gone(server, rank, f"it restarted: a new process (incarnation {incarnation.hex()}) replaced "
+                                     f"incarnation {rank.incarnation.hex()}, whose rooms are lost")
+            return
         rank.last_seen = time.monotonic()
+        if isinstance(msg, P.Staged):
+            self._on_staged(server, rank, msg)
+            return
         bad_row = self._place_row(server, msg.room, msg.row) if isinstance(msg, P.Done) and msg.row is not None else None
         bad_sum = None
         if isinstance(msg, P.Done) and (msg.checksum is not None or self.config.checksum):
@@ -245,10 +270,38 @@ class DecodeManager(TransferManager[Receiver]):
                     elif target.rank_done(rank.key, len(server.ranks)):
                         self.finish(target, Poll.SUCCESS)
                 else:
+                    # Prefill gave up itself: it has stopped starting writes, and its Fenced follows once
+                    # its running write returned. Reported FAILED by FAILURE_NOTICE at the latest.
                     kind = "aborted" if isinstance(msg, P.Abort) else "remote"
-                    target.fail(f"{rank.label}: {msg.reason}", kind)
+                    target.fail(f"{rank.label}: {msg.reason}", kind, FAILURE_NOTICE)
             elif isinstance(msg, P.Heartbeat) and msg.clock is not None:
                 rank.clock = msg.clock if rank.clock is None else max(rank.clock, msg.clock)
+
+    def _on_staged(self, server: PrefillServer, rank: PrefillRank, msg: P.Staged) -> None:
+        """Scatter a window that landed in this rank's staging slot (core/transfer/landing.py), under the lock and only
+        while every room it holds bytes of is live here; a room given up (fenced or not) gets nothing, and
+        the live rooms sharing the window fail (they would miss its bytes). The slot is given back either way."""
+        landing = self.transport.landing
+        assert rank.chan is not None
+        with self.lock:
+            targets = [self.rooms.get(room) for room in msg.rooms]
+            live = [t for t in targets if t is not None and t.server.address == server.address and not t.fencing]
+            problem, kind = None, "bad_request"
+            if landing is None:
+                problem = "a staged window came, but this decode rank lent no staging slots (staging off)"
+            elif len(live) < len(targets):
+                problem, kind = "a room sharing its staged window was given up here, so the window was dropped", "transfer_error"
+            else:
+                try:
+                    landing.scatter((server.address, rank.key), msg)
+                except ScatterError as exc:
+                    problem = str(exc)
+            if problem is not None:
+                if landing is not None:
+                    landing.dropped += 1
+                for target in live:
+                    target.fail(f"{rank.label}: {problem}", kind)
+        rank.chan.send(P.encode(P.Unstaged(slot=msg.slot)))
 
     def _place_row(self, server: PrefillServer, room: int, row: P.MetadataRow) -> str | None:
         """Copy the metadata row a ``Done`` carries into place, if the room is live here and the row is exactly
@@ -312,17 +365,38 @@ class DecodeManager(TransferManager[Receiver]):
         for r in server.ranks.values():
             r.chan = None
 
-    def _gone(self, server: PrefillServer, rank: PrefillRank) -> None:
+    def _gone(self, server: PrefillServer, rank: PrefillRank, why: str | None = None) -> None:
         """``rank``'s process is gone: it writes nothing more. Its rooms here stop waiting for its
-        ``Fenced``, and a server still in use fails its rooms now, not at ``heartbeat_timeout``."""
+        ``Fenced``, and a server still in use fails its rooms now, not at ``heartbeat_timeout``; one
+        still handshaking looks the ranks up again instead (a replacement may be registering)."""
         rank.gone = True
+        with self.lock:
+            for inc in {rank.incarnation.hex(), rank.info.incarnation} - {""}:
+                self._dead[inc] = None
+            while len(self._dead) > MAX_DEAD:
+                self._dead.popitem(last=False)
+        why = why or "the process is gone (its control connection closed and reconnecting is refused)"
+        if self._servers.get(server.address) is server and not server.ready:
+            log.warning("decode: %s: %s; looking the prefill ranks up again", rank.label, why)
+            self._relookup(server)
+            return
         if self._servers.get(server.address) is server:
-            why = "its control connection closed and reconnecting is refused"
-            self._fail_server(server, f"{rank.label}: the process is gone ({why})", "peer_dead")
+            self._fail_server(server, f"{rank.label}: {why}", "peer_dead")
         with self.lock:
             for recv in [*self.rooms.values(), *self._unconfirmed.values()]:
                 if recv.server.address == server.address:
                     recv.on_fenced(rank.key)
+
+    def _relookup(self, server: PrefillServer) -> None:
+        """Drop a handshaking server's ranks and ask its bootstrap endpoint again (I/O thread).
+
+        Nothing was requested through it yet (requests wait for every rank's HelloAck), so its
+        rooms keep waiting, bounded by ``bootstrap_timeout``. A rank that accepted the Hello keeps
+        this decode as a peer until it is silent long enough; the next Hello replaces it."""
+        self._close_server(server)
+        with self.lock:
+            server.ranks = {}
+        self._lookup(server)
 
     # -- timeouts, heartbeats (I/O thread) ---------------------------------------------
     def _tick(self) -> None:

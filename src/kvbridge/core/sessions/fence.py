@@ -10,6 +10,7 @@ to that peer runs any more (or, after a failed write, once the engine has certai
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,8 @@ class WriteFence:
     _writing: dict[tuple[int, str], int]
     #: ``Fenced`` messages waiting out an engine's drain: (when, room, peer id); sent by the tick.
     _deferred_fenced: list[tuple[float, int, str]]
+    #: decode peer id -> the connection of its latest accepted Hello (kept after a drop, for late Fenced).
+    _routes: OrderedDict[str, bytes]
     send: Callable[..., Any]
     fail_sender: Callable[[Sender, str, str], None]
 
@@ -111,19 +114,27 @@ class WriteFence:
             elif sender.poll() == Poll.FAILED:
                 self._fenced(sender.room, peer.peer_id)
 
+    def _route(self, peer_id: str) -> bytes | None:
+        """The connection to decode peer ``peer_id``: that of its latest accepted Hello (None: never had one)."""
+        return self._routes.get(peer_id)
+
     def _tell_failed(self, room: int, peer_id: str, reason: str) -> None:
         """Send ``Failed``, then ``Fenced`` unless a write to that peer is running (its end sends it)."""
-        ident = peer_id.encode()
-        self.send(lambda: self._chan, P.Failed(room=room, reason=reason), ident)
+        ident = self._route(peer_id)
+        if ident is not None:
+            self.send(lambda: self._chan, P.Failed(room=room, reason=reason), ident)
         if (room, peer_id) not in self._writing:
             self._fenced(room, peer_id)
 
-    def _fenced(self, room: int, peer_id: str) -> None:
+    def _fenced(self, room: int, peer_id: str, ident: bytes | None = None) -> None:
         """Tell ``peer_id`` nothing of ``room`` lands any more: now, or once the engine has certainly
-        stopped writing what a failed write to it left behind (``Transport.fence_delay``; sent by the tick)."""
+        stopped writing what a failed write to it left behind (``Transport.fence_delay``; sent by the tick).
+        ``ident``: answer on that connection (an unknown one) instead of the peer's route."""
         delay = self.transport.fence_delay(peer_id)
         with self.lock:
             if delay > 0:
                 self._deferred_fenced.append((time.monotonic() + delay, room, peer_id))
             else:
-                self.send(lambda: self._chan, P.Fenced(room=room), peer_id.encode())
+                ident = ident if ident is not None else self._route(peer_id)
+                if ident is not None:
+                    self.send(lambda: self._chan, P.Fenced(room=room), ident)

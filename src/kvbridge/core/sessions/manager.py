@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 from ..control import protocol as P
-from ..control.auth import auth_for, check_host
+from ..control.auth import auth_for, check_host, new_incarnation
 from ..control.channel import IOLoop, SocketGetter
 from .checksum import vram_problem
 from ..description.layout import KVArgs
@@ -69,6 +69,10 @@ class SessionConfig:
     #: the bytes it holds, a difference fails the room (kvbridge.core.sessions.checksum).
     #: Either side may ask. CPU memory only: refused with a GPU region.
     checksum: bool = False
+    #: Staging of fragmented host-memory windows (docs/performance.md, "Staging"): ``auto`` stages a
+    #: window when its pieces are small (``kvbridge.core.transfer.relay.choose``), ``on`` every window it can
+    #: (both sides where decode lends slots), ``off`` none (every descriptor written as planned).
+    staging: str = "auto"
     #: Prefill: a metadata row of at most this many bytes (all metadata regions together)
     #: in host memory on both sides travels inside ``Done`` instead of as an engine write
     #: (kvbridge.core.sessions.row); 0: always an engine write.
@@ -107,6 +111,8 @@ class SessionConfig:
         if self.inline_row_bytes > self.max_message_bytes // 2:
             raise ValueError(f"inline_row_bytes ({self.inline_row_bytes}) must be at most half of max_message_bytes "
                              f"({self.max_message_bytes}): the row travels in a control message")
+        if self.staging not in ("auto", "on", "off"):
+            raise ValueError(f"staging must be one of auto, on, off, got {self.staging!r}")
         if self.fence_timeout is not None and self.fence_timeout <= 0:
             raise ValueError(f"fence_timeout must be > 0 (or None for the default), got {self.fence_timeout}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
@@ -130,6 +136,9 @@ class TransferManager(Generic[R]):
         self.config = config or SessionConfig()
         #: Seals and opens every control message (docs/security.md).
         self.auth = auth_for(self.config.secret_file)
+        #: This manager's incarnation, in the header of every message it sends: a restarted
+        #: process is a new peer to the others (kvbridge.core.control.auth, docs/failures.md).
+        self.incarnation = new_incarnation()
         if self.config.checksum:
             problem = vram_problem(kvargs.regions, f"this {self.role} rank's")
             if problem is not None:
@@ -145,6 +154,8 @@ class TransferManager(Generic[R]):
         )
         self.backend_name = self.transport.name
         try:
+            self.transport.staging_mode = self.config.staging
+            self.transport.on_window = lambda how: metrics().window(self.backend_name, how)
             self.transport.register(kvargs.regions, sends=self.role == "prefill")
         except BaseException:
             self.transport.close()
@@ -216,11 +227,13 @@ class TransferManager(Generic[R]):
         :meth:`Room.advance`.
         """
         with self.lock:
-            changed = room.advance(state, reason, wake)
-            if changed and state == Poll.FAILED:
+            # Counted before the state changes: a host that sees the room final finds it counted.
+            will = not room.final and (state == Poll.FAILED or state > room.poll())
+            if will and state == Poll.FAILED:
                 metrics().failed(self.backend_name, self.role, kind)
-            elif changed and state == Poll.SUCCESS:
+            elif will and state == Poll.SUCCESS:
                 metrics().succeeded(self.backend_name, self.role)
+            changed = room.advance(state, reason, wake)
             if room.final and self.rooms.get(room.room) is room:
                 del self.rooms[room.room]
             return changed

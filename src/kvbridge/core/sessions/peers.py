@@ -49,9 +49,13 @@ class DecodePeer:
     long silence).
     """
 
-    def __init__(self, peer_id: str, route: Route, lease: float, inline_row_bytes: int = 0) -> None:
+    def __init__(self, peer_id: str, route: Route, lease: float, inline_row_bytes: int = 0, *,
+                 ident: bytes | None = None, incarnation: bytes = b"") -> None:
         self.peer_id = peer_id
-        self.ident = peer_id.encode()
+        #: The connection its authenticated Hello came on: the only route to it (never its claimed id).
+        self.ident = ident if ident is not None else peer_id.encode()
+        #: Its decode manager's incarnation: only that process may handshake again under this peer id.
+        self.incarnation = incarnation
         self.route = route
         #: The metadata row goes to this peer inside ``Done`` (small, host memory on both sides: kvbridge.core.sessions.row).
         self.inline_row = inline_row(route, inline_row_bytes)

@@ -6,6 +6,7 @@ import collections
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import numpy.typing as npt
@@ -30,6 +31,7 @@ __all__ = ["PrefillManager"]
 log = logging.getLogger(__name__)
 
 MAX_ABORTED = 65536  # rooms remembered as given up before their sender existed (bounded against floods)
+MAX_ROUTES = 4096  # decode peer ids whose last connection is remembered after the peer was dropped (late Fenced)
 GAP_WINDOW = 64  # layer-wise announcements whose fastest gap is the host's pace (PrefillManager.note_layer_gap)
 FORGET_AFTER = 3  # a decode peer silent for this many heartbeat_timeouts is forgotten (its rooms failed before)
 
@@ -63,11 +65,15 @@ class PrefillManager(TransferManager[Sender], WriteFence):
         self.layer_gap: float | None = None
         self._gaps: collections.deque[float] = collections.deque(maxlen=GAP_WINDOW)
         self._chan = Channel(self.loop.ctx, zmq.ROUTER, self.auth, endpoint="prefill",
-                             max_bytes=self.config.max_message_bytes)
-        # A decode that reconnects (after it gave up on this rank, say it was frozen) keeps its
-        # identity: the new connection must take it over, or its Hello is dropped. (Every message
-        # is still authenticated; holders of the secret are trusted alike: docs/security.md.)
-        self._chan.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+                             max_bytes=self.config.max_message_bytes, incarnation=self.incarnation)
+        # No ROUTER_HANDOVER: a connection never takes another's routing id. A decode peer's route is
+        # the connection its authenticated Hello came on (no route without proof: docs/security.md).
+        #: decode peer id -> the connection of its latest accepted Hello (kept after a drop, for late Fenced).
+        self._routes: OrderedDict[str, bytes] = OrderedDict()
+        #: connection -> the decode peer whose accepted Hello it carried, kept after the peer handshook
+        #: again or was dropped: an Abort on an old connection must be fenced as that peer's (its running
+        #: writes, its engine's drain), not as a stranger's.
+        self._route_peer: OrderedDict[bytes, str] = OrderedDict()
         self.control_address = self._chan.bind(self.config.host)
         self.loop.add_socket(self._chan.sock, self._on_message)
         # Handshakes are a token bucket: `handshake_rate` per second, bursts of twice as many.
@@ -75,12 +81,13 @@ class PrefillManager(TransferManager[Sender], WriteFence):
         self._hello_refill = time.monotonic()
         self.bootstrap = bootstrap
         self._rank = P.RankInfo(kvargs.tp_rank, kvargs.tp_size, kvargs.pp_rank, kvargs.pp_size, self.control_address,
-                                self.backend_name)
+                                self.backend_name, self.incarnation.hex())
         self._lease: Channel | None = None
+        self._bootstrap_incarnation = b""  # the bootstrap server's, as its last answer to a renewal said
         self._renewed = math.inf  # no renewals before the first registration
         self.loop.start()
         try:
-            register_rank(bootstrap, self._rank, self.config.bootstrap_timeout, self.auth)
+            register_rank(bootstrap, self._rank, self.config.bootstrap_timeout, self.auth, self.incarnation)
         except Exception:
             self.close()
             raise
@@ -95,6 +102,11 @@ class PrefillManager(TransferManager[Sender], WriteFence):
     def take_pending(self, room: int) -> Iterable[DecodeRequest]:
         """The requests that arrived for ``room`` before its sender was created (removed here)."""
         return self._pending.pop(room, {}).values()
+
+    def pending_rooms(self) -> list[int]:
+        """Rooms a decode asked for whose sender the host has not created yet (oldest first)."""
+        with self.lock:
+            return list(self._pending)
 
     def requested(self, room: int) -> bool:
         """Whether a decode's request for ``room`` waits for the host to create its sender."""
@@ -172,17 +184,23 @@ class PrefillManager(TransferManager[Sender], WriteFence):
         assert ident is not None
         if self.closed:
             return  # closing: each room's Failed is on its way; a "who are you" now would overtake it
-        peer_id = ident.decode(errors="replace")
         if isinstance(msg, P.Hello):
             self._on_hello(ident, msg)
             return
         with self.lock:
-            peer = self._peers.get(peer_id)
+            # Who sent it is the connection's, never what the message or the socket claims.
+            peer_id = self._route_peer.get(ident)
+            peer = self._peers.get(peer_id) if peer_id is not None else None
+            if peer is not None and peer.ident != ident:
+                peer = None  # an older connection of a peer that handshook again since
             if peer is None and isinstance(msg, P.Abort):
-                self._on_abort(None, peer_id, msg)
+                # Fenced as that peer's when the connection was one (a write of the room may still run).
+                self._on_abort(None, peer_id or ident.hex(), msg, ident)
                 return
             if peer is None:
-                reason = f"{type(msg).__name__} from {peer_id!r} before a handshake; send Hello first"
+                # A connection is a peer only once a Hello of its own was accepted.
+                who = f"connection {ident.hex()}" if ident[:1] == b"\x00" else repr(ident.decode(errors="replace"))
+                reason = f"{type(msg).__name__} from {who} before a handshake; send Hello first"
                 self._chan.reject(ident, reason, getattr(msg, "room", None))
                 return
             peer.last_seen = time.monotonic()
@@ -194,6 +212,8 @@ class PrefillManager(TransferManager[Sender], WriteFence):
                 self._on_request(peer, msg)
             elif isinstance(msg, P.Abort):
                 self._on_abort(peer, peer_id, msg)
+            elif isinstance(msg, P.Unstaged):
+                self.transport.unstaged(peer_id, msg.slot)
             else:
                 reason = f"prefill does not accept {type(msg).__name__} messages"
                 self._chan.reject(ident, reason, getattr(msg, "room", None))
@@ -212,14 +232,19 @@ class PrefillManager(TransferManager[Sender], WriteFence):
     def _on_hello(self, ident: bytes, msg: P.Hello) -> None:
         problem = None
         cfg = self.config
+        incarnation = self._chan.sender_incarnation
+        held = self._peers.get(msg.peer_id)
         if not self._hello_allowed():
             problem = (f"too many handshakes: this prefill rank accepts {cfg.handshake_rate:g} per second "
                        "(SessionConfig.handshake_rate); retry")
         elif msg.peer_id not in self._peers and len(self._peers) >= cfg.max_peers:
             problem = (f"this prefill rank already serves {len(self._peers)} decode ranks, its limit "
                        "(SessionConfig.max_peers)")
-        elif msg.peer_id.encode() != ident:
-            problem = f"Hello peer_id {msg.peer_id!r} does not match the connection identity"
+        elif held is not None and held.incarnation != incarnation:
+            # Another process claims a live peer's id: it must not take its route nor fail its rooms.
+            problem = (f"decode peer id {msg.peer_id[:64]!r} belongs to another process (incarnation "
+                       f"{held.incarnation.hex() or 'none'}, this Hello came from {incarnation.hex() or 'none'}); "
+                       "a restarted decode handshakes under a new id")
         elif not set(msg.lanes) & set(self.backend_name.split(",")):
             problem = f"decode uses backend {','.join(msg.lanes)!r} but this prefill rank uses {self.backend_name!r}"
         if problem is None:
@@ -231,7 +256,7 @@ class PrefillManager(TransferManager[Sender], WriteFence):
                         # A decode handshakes again only after it gave up on this rank: what
                         # it asked for before is dead on its side.
                         self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
-                self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host)
+                self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host, msg.staging)
             except IncompatibleLayoutError as exc:
                 problem = str(exc)
             except Exception as exc:
@@ -242,7 +267,14 @@ class PrefillManager(TransferManager[Sender], WriteFence):
             return
         with self.lock:
             self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route, self.config.heartbeat_timeout,
-                                                  self.config.inline_row_bytes)
+                                                  self.config.inline_row_bytes, ident=ident, incarnation=incarnation)
+            self._route_peer[ident] = msg.peer_id
+            self._route_peer.move_to_end(ident)
+            self._routes[msg.peer_id] = ident
+            self._routes.move_to_end(msg.peer_id)
+            for table in (self._routes, self._route_peer):
+                while len(table) > MAX_ROUTES:
+                    table.popitem(last=False)
         self._reply(ident, P.HelloAck(kvargs=self.kvargs))
 
     def _on_request(self, peer: DecodePeer, msg: P.TransferRequest) -> None:
@@ -269,12 +301,15 @@ class PrefillManager(TransferManager[Sender], WriteFence):
         if problem is not None:
             self._reply(peer.ident, P.Reject(reason=f"room {msg.room}: {problem}", room=msg.room))
 
-    def _on_abort(self, peer: DecodePeer | None, peer_id: str, msg: P.Abort) -> None:
+    def _on_abort(self, peer: DecodePeer | None, peer_id: str, msg: P.Abort, ident: bytes | None = None) -> None:
         """Stop what ``peer_id`` asked for in the room; answer ``Fenced`` once nothing of it is being written.
 
         A peer may abort only what it asked for, or a room nobody asked for
         yet (a decode whose ``init`` failed before its request went out). An
-        unknown peer (dropped, or never handshaken) only gets the answer.
+        unknown peer (dropped, or never handshaken) only gets the answer, on
+        ``ident`` (the connection it came on). A room given up on before its
+        sender exists is remembered (``bootstrap_timeout``): the sender fails
+        as the host creates it.
         """
         # One "aborted by decode" however the reason was written (a peer's default reason may already say it).
         reason = msg.reason if msg.reason.startswith("aborted by decode") else f"aborted by decode: {msg.reason}"
@@ -282,16 +317,22 @@ class PrefillManager(TransferManager[Sender], WriteFence):
             pending = self._pending.get(msg.room)
             sender = self.rooms.get(msg.room)
             if pending is not None:
-                pending.pop(peer_id, None)
+                if pending.pop(peer_id, None) is not None:
+                    self._remember_aborted(msg.room, reason)
                 if not pending:
                     del self._pending[msg.room]
-            elif sender is None and not msg.requested and len(self._aborted) < MAX_ABORTED:
-                self._aborted[msg.room] = (reason, time.monotonic())
+            elif sender is None and not msg.requested:
+                self._remember_aborted(msg.room, reason)
             if sender is not None and (sender.asked_by(peer_id) or
                                        (sender.poll() == Poll.BOOTSTRAPPING and not sender.peer_ids())):
                 self.fail_sender(sender, reason, "aborted")
         if (msg.room, peer_id) not in self._writing:
-            self._fenced(msg.room, peer_id)
+            self._fenced(msg.room, peer_id, ident if peer is None else None)
+
+    def _remember_aborted(self, room: int, reason: str) -> None:
+        """``room`` was given up on before its sender exists: fail the sender as the host creates it."""
+        if len(self._aborted) < MAX_ABORTED:
+            self._aborted[room] = (reason, time.monotonic())
 
     # -- the bootstrap lease (I/O thread) ----------------------------------------------
     def _renew(self, now: float) -> None:
@@ -301,7 +342,8 @@ class PrefillManager(TransferManager[Sender], WriteFence):
         self._renewed = now
         if self._lease is None:
             self._lease = Channel(self.loop.ctx, zmq.DEALER, self.auth, endpoint="prefill",
-                                  max_bytes=self.config.max_message_bytes, to=self.bootstrap.encode())
+                                  max_bytes=self.config.max_message_bytes, to=self.bootstrap.encode(),
+                                  incarnation=self.incarnation)
             self._lease.connect(self.bootstrap)
             self.loop.add_socket(self._lease.sock, self._on_lease)
         self._lease.send_msg(P.Register(rank=self._rank))
@@ -309,6 +351,17 @@ class PrefillManager(TransferManager[Sender], WriteFence):
     def _on_lease(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         assert self._lease is not None
         got = self._lease.receive(frames)
+        incarnation = self._lease.sender_incarnation
+        if got is not None and incarnation and incarnation != self._bootstrap_incarnation:
+            if self._bootstrap_incarnation:
+                # A restarted bootstrap server refuses renewals addressed to the one it replaced: register now.
+                log.warning("prefill: the bootstrap endpoint %s restarted (incarnation %s, was %s); registering again",
+                            self.bootstrap, incarnation.hex(), self._bootstrap_incarnation.hex())
+                self._bootstrap_incarnation = incarnation
+                if isinstance(got[1], P.Reject):
+                    self._lease.send_msg(P.Register(rank=self._rank))
+                    return
+            self._bootstrap_incarnation = incarnation
         if got is not None and isinstance(got[1], P.Reject):
             level = logging.WARNING if HELD in got[1].reason else logging.ERROR
             log.log(level, "prefill: the bootstrap endpoint %s refused to renew this rank: %s", self.bootstrap, got[1].reason)
@@ -324,12 +377,15 @@ class PrefillManager(TransferManager[Sender], WriteFence):
             if due:
                 self._deferred_fenced = [d for d in self._deferred_fenced if d[0] > now]
                 for _, room, peer_id in due:
-                    self._reply(peer_id.encode(), P.Fenced(room=room))
+                    ident = self._route(peer_id)
+                    if ident is not None:
+                        self._reply(ident, P.Fenced(room=room))
             for room, reqs in list(self._pending.items()):
                 if now - min(r.received for r in reqs.values()) > cfg.sender_grace:
                     reason = f"no sender was created for room {room} within sender_grace={cfg.sender_grace}s of decode's request"
                     log.warning("prefill: %s", reason)
                     del self._pending[room]
+                    self._remember_aborted(room, reason)  # a sender created after all fails at once
                     for peer_id in reqs:
                         self._tell_failed(room, peer_id, reason)
             for room, (_, when) in list(self._aborted.items()):

@@ -108,10 +108,12 @@ class Receiver(Room):
         self.fail(reason, "aborted")
 
     # -- core's (the manager's I/O thread, under its lock) ---------------------------------
-    def fail(self, reason: str, kind: str) -> None:
+    def fail(self, reason: str, kind: str, wait: float | None = None) -> None:
         """Give up on the room: FAILED now if nothing was asked of prefill, else once it is fenced.
 
-        ``kind`` is the failure's metrics label. The first reason wins.
+        ``kind`` is the failure's metrics label. The first reason wins. ``wait``: report FAILED
+        (unfenced) after at most this many seconds instead of ``fence_wait`` (prefill failed the
+        room itself: its failure must reach the host promptly).
         """
         m = self.manager
         with m.lock:
@@ -120,7 +122,8 @@ class Receiver(Room):
             if not self._sent:
                 m.finish(self, Poll.FAILED, reason, kind)
                 return
-            self._fencing = (reason, kind, time.monotonic() + m.config.fence_wait)
+            patience = m.config.fence_wait if wait is None else min(wait, m.config.fence_wait)
+            self._fencing = (reason, kind, time.monotonic() + patience)
             self.manager.send_to_ranks(self.server, P.Abort(room=self.room, reason=reason))
             self._check_fenced()
 

@@ -42,15 +42,20 @@ class PrefillRank:
         self.clock: float | None = None
         #: zmq's events of ``chan``'s connection (a PAIR socket), to tell a dead process from a silent one.
         self.monitor: zmq.Socket | None = None
-        self.dropped_at: float | None = None  # when the connection closed (None: connected, or never was)
+        # Not connected yet counts as closed since now: an address nobody listens at (a process that died
+        # after it registered) is seen gone as a closed connection is, instead of waited on.
+        self.dropped_at: float | None = time.monotonic()  # when the connection closed (None: connected)
         self.retries = 0  # reconnects zmq scheduled since then (the first when it closed)
         self.gone = False  # its process is gone: it writes nothing more
+        #: The incarnation its HelloAck came from: a message from another one means the process was replaced.
+        self.incarnation = b""
 
     def on_event(self, event: int) -> None:
         """A zmq monitor event of the control connection."""
         if event == zmq.EVENT_DISCONNECTED:
-            if self.dropped_at is None:
-                self.dropped_at, self.retries = time.monotonic(), 0
+            # Always from now: the connection's CONNECTED may have come before the monitor started, so
+            # "not connected since creation" must not shorten GONE_GRACE for a connection that was up.
+            self.dropped_at, self.retries = time.monotonic(), 0
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self.retries += self.dropped_at is not None
         elif event == zmq.EVENT_CONNECTED:

@@ -80,6 +80,7 @@ def write(s: WritingRoom, job: Job, plans: Sequence[TransferPlan | None], what: 
     try:
         for p in plans:
             if p is not None and len(p):
+                # No announce: layer-wise writes are not staged on both sides (docs/architecture.md, "Staging").
                 m.transport.write(peer.peer_id, p, deadline, lambda: m.live(s, peer, wait=True))
     except TransferCancelled:
         return False  # the room failed (live() says why); end_write fences it
@@ -311,6 +312,9 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
                 rows_in_done[id(w)] = read_row(w.job.meta_plan, req.metadata_row)
     with m.lock:  # failing a room takes the lock too: Done never follows Failed
         live = [w for w in live if m.live(w.sender, peer)]
+        for w in live:  # counted before SUCCESS or Done is visible: a snapshot of final rooms is whole
+            if w.job.totals:  # something was written
+                metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
         # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
         # wake-up of decode's host fewer per request).
         finished = False
@@ -320,9 +324,6 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
                     finished = m.finish(w.sender, Poll.SUCCESS, wake=False) or finished
         m.notify(peer, *(P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w))) if w.last
                          else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live), wake=finished)
-    for w in live:
-        if w.job.totals:  # something was written
-            metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
 
 
 def write_live(
@@ -344,11 +345,22 @@ def write_live(
         if not writes or not len(plan):
             return writes
         try:
-            m.transport.write(peer.peer_id, plan, deadline, functools.partial(all_live, m, peer, writes))
+            rooms = {w.sender.room for w in writes}
+            # Staged on both sides only for one room: decode drops a window with any room it gave up in it, so a
+            # window shared by rooms would fail the others with one given up (docs/architecture.md, "Staging").
+            m.transport.write(peer.peer_id, plan, deadline, functools.partial(all_live, m, peer, writes),
+                              functools.partial(announce, m, peer, tuple(rooms)) if len(rooms) == 1 else None)
             return writes
         except TransferCancelled:
             continue  # a room stopped being live (live() failed it and says why): redo without it
     raise AssertionError("unreachable: every redo drops a room")  # pragma: no cover
+
+
+def announce(m: PrefillSide, peer: DecodePeer, rooms: tuple[int, ...], slot: int, pieces: TransferPlan) -> None:
+    """Tell decode a window of these rooms' pieces landed in its staging ``slot`` (sessions/landing.py):
+    sent before their ``Done``, on the same connection, so decode scatters it first."""
+    m.notify(peer, P.Staged(rooms=rooms, slot=slot,
+                            dst=pieces.dst_addr.astype("<i8").tobytes(), nbytes=pieces.nbytes.astype("<i8").tobytes()))
 
 
 def all_live(m: PrefillSide, peer: DecodePeer, writes: list[ChunkWrite]) -> bool:

@@ -17,7 +17,9 @@ identical for every backend and driven by the backend's declared
 
 Threading: core calls :meth:`Backend.write` from its transfer worker threads,
 at most one write per peer at a time and never from the host's scheduler
-thread. ``write`` blocks until every byte of the batch has landed at the
+thread (a backend declaring ``batches_in_flight`` > 1 gets :meth:`Backend.post`
+instead: up to that many batches posted to a peer, from one thread, each
+waited for in order). ``write`` blocks until every byte of the batch has landed at the
 destination or raises; it must return or raise by ``deadline``
 (``time.monotonic()`` seconds), shortening the engine's own timeouts to match.
 Once ``write`` has returned or raised, the engine must have no work left for
@@ -77,6 +79,10 @@ def checkpoint(where: str = "between posts") -> None:
     check = _checkpoint.get()
     if check is not None:
         check(where)
+
+
+def _landed(deadline: float) -> None:
+    """The ``wait`` of a batch :meth:`Backend.post` wrote synchronously: nothing left to wait for."""
 
 
 def expired(deadline: float) -> bool:
@@ -200,6 +206,19 @@ class Backend(abc.ABC):
         past ``deadline``) on failure; bytes of a failed write may have partly
         landed.
         """
+
+    def post(self, peer: str, batch: TransferPlan, deadline: float) -> Callable[[float], None]:
+        """Post one batch into ``peer`` and return its ``wait(deadline)``, which returns once every byte
+        of it has landed or raises as :meth:`write` does (pipelined writes: a backend declaring
+        ``BackendCapabilities.batches_in_flight`` > 1 overrides this; core then posts the next batch
+        before waiting for this one).
+
+        Core posts one peer's batches from one thread, in order, and calls every ``wait`` it got, oldest
+        first, before its write returns, failed or not (so the engine has no work left once it returns,
+        as :meth:`write` promises). Default: :meth:`write`, then a ``wait`` with nothing left to wait for.
+        """
+        self.write(peer, batch, deadline)
+        return _landed
 
     @abc.abstractmethod
     def close(self) -> None:

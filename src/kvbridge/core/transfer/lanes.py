@@ -25,6 +25,7 @@ from ..planning.regions import RegionTable
 from ..planning.transferplan import Memory, TransferPlan
 from ..description.plugins import SAME_HOST_LANES, get_registry
 from ..description.records import BackendCapabilities, BackendSpec
+from .pipeline import in_flight
 from .staging import Staging
 
 __all__ = [
@@ -56,6 +57,9 @@ class Lane:
 
     def __post_init__(self) -> None:
         caps = self.capabilities
+        #: Batches core keeps posted to one peer at once (core/transfer/pipeline.py), and the most seen.
+        self.in_flight = in_flight(caps)
+        self.peak_in_flight = 0
         if caps.whole_plans:  # the backend checks the fence between its own posts (backend.checkpoint)
             self.batch_descriptors = caps.batch_descriptors or 1 << 62
             self.batch_bytes = caps.max_bytes_per_batch or 1 << 62

@@ -21,15 +21,16 @@ written peer), the window is written as it is. Memory is bounded:
 :data:`SLICES` slices of :data:`SLICE_BYTES`, registered once with the rest.
 
 Prefill TP > decode TP is the mirror case (source contiguous, destination
-strided): gathering on prefill cannot merge anything there; it would need a
-staging buffer on decode, scattered before ``SUCCESS``. Not done; see
-``docs/architecture.md``.
+strided), and scattered small pages are a third: gathering on prefill merges
+nothing there. Those windows are staged on both sides (:meth:`Staging.stage_to`
+gathers the window into one descriptor aimed at a staging slot decode lent,
+``core/transfer/landing.py`` scatters it, ``core/transfer/relay.py`` chooses per window).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ import numpy as np
 from ..description.layout import Region
 from ..planning.regions import RegionTable
 from ..planning.transferplan import TransferPlan
+from ..planning.stage_index import gather_into
 
 __all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "MAX_PIECE"]
 
@@ -59,15 +61,6 @@ def wanted(regions: Sequence[Region]) -> bool:
     staging shortens.
     """
     return any(r.mem == "dram" and r.shard.kind == "split" and r.shard.outer > 1 for r in regions)
-
-
-class _Raw:
-    """A numpy view of ``count`` items of ``itemsize`` bytes at a raw address (no copy, no ctypes type)."""
-
-    def __init__(self, addr: int, count: int, itemsize: int) -> None:
-        self.__array_interface__ = {
-            "shape": (count,), "typestr": f"|V{itemsize}", "data": (addr, False), "version": 3,
-        }
 
 
 class Staging:
@@ -97,43 +90,47 @@ class Staging:
         total = window.total_bytes
         if n < 2 or total > min(self.slice_bytes, max_bytes) or total > n * MAX_PIECE:
             return None
-        src, dst, nbytes = window.src_addr, window.dst_addr, window.nbytes
+        dst, nbytes = window.dst_addr, window.nbytes
         joins = dst[:-1] + nbytes[:-1] == dst[1:]  # neighbours contiguous in the destination
         if 2 * (n - int(np.count_nonzero(joins))) > n:
             return None
-        if not self._sources.locate(src, nbytes)[1].all():
+        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+        offsets = np.cumsum(nbytes) - nbytes
+        return self._gather(window, lambda addr: TransferPlan(addr + offsets[starts], dst[starts].copy(),
+                                                               np.add.reduceat(nbytes, starts)))
+
+    def stage_to(self, window: TransferPlan, dst_addr: int, max_bytes: int) -> Staged | None:
+        """Gather ``window`` into a free slice posted as one descriptor to ``dst_addr`` (a staging
+        slot of the peer's, scattered there: ``core/transfer/landing.py``), else ``None`` (no free slice, a
+        source outside this rank's host memory, or pieces too odd to gather by units)."""
+        total = window.total_bytes
+        if len(window) < 2 or total > min(self.slice_bytes, max_bytes):
+            return None
+        return self._gather(window, lambda addr: TransferPlan(np.array([addr], np.int64), np.array([dst_addr], np.int64),
+                                                               np.array([total], np.int64)))
+
+    def _gather(self, window: TransferPlan, runs_of: Callable[[int], TransferPlan]) -> Staged | None:
+        """Gather ``window``'s pieces back to back into a free slice; ``runs_of(slice address)`` says what to post."""
+        src, nbytes = window.src_addr, window.nbytes
+        regions, inside = self._sources.locate(src, nbytes)
+        if not inside.all():
             return None  # a source outside this rank's registered host memory (GPU, or a plan built elsewhere)
-        base = int(src.min())
-        rel = src - base
-        unit = int(np.gcd.reduce(np.concatenate((nbytes, rel))))  # every piece is whole units of this
-        units = total // unit
-        if units > 4 * n:
-            return None  # odd sizes or offsets: the index array would outgrow the descriptors
         with self._lock:
             if not self._free:
                 return None
             slot = self._free.pop()
         try:
             start = slot * self.slice_bytes
-            out = self._buf[start:start + total].view(f"V{unit}")
-            first = rel // unit
-            if units == n:
-                idx = first
-            else:  # pieces of several sizes: every unit of every piece
-                count = nbytes // unit
-                idx = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(units, dtype=np.int64)
-            span = (int((src + nbytes).max()) - base) // unit
-            np.take(np.asarray(_Raw(base, span, unit)), idx, out=out, mode="clip")  # clip: no buffered copy of out
-            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-            offsets = np.cumsum(nbytes) - nbytes
-            runs = TransferPlan(self.region.addr + start + offsets[starts], dst[starts].copy(),
-                                np.add.reduceat(nbytes, starts))
+            if not gather_into(self._buf[start:start + window.total_bytes], src, nbytes, regions):
+                self._release(slot)
+                return None  # odd sizes or offsets: the index arrays would outgrow the descriptors
+            runs = runs_of(self.region.addr + start)
         except BaseException:
             self._release(slot)
             raise
         with self._lock:
             self.windows += 1
-            self.pieces += n
+            self.pieces += len(window)
             self.posted += len(runs)
         return Staged(self, slot, runs)
 

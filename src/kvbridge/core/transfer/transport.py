@@ -26,14 +26,16 @@ from typing import Any, Union
 
 import numpy as np
 
-from . import staging
+from . import relay, staging
+from .landing import Landing
 from .lanes import FENCE_BATCH_BYTES, FENCE_BATCH_DESCRIPTORS, Lane, Route, backend_name, lane_names, make_route, route_peer
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, host_id
-from ..description.layout import Region
+from ..description.layout import Region, StagingOffer
 from ..planning.regions import RegionTable
 from ..planning.transferplan import Memory, TransferPlan
 from ..description.plugins import PluginError, get_registry, import_object
 from ..description.records import BackendCapabilities, BackendSpec, assign_options
+from .pipeline import Pipeline, Wait
 
 __all__ = ["FENCE_BATCH_BYTES", "FENCE_BATCH_DESCRIPTORS", "BackendChoice", "Lane", "Transport", "lane_names",
            "open_transport"]
@@ -66,6 +68,10 @@ class _Peer:
     resets: int = 0
     #: Until when an engine may still write what a failed write to it left (``drain_after_failure``).
     drain_until: float = 0.0
+    #: The staging slots it lent this rank (staging on both sides: ``core/transfer/relay.py``); None: none.
+    slots: relay.RemoteSlots | None = None
+    #: Whether it runs on this host (``relay.choose``: engines cost more per descriptor across hosts).
+    same_host: bool = True
 
 
 class Transport:
@@ -84,6 +90,14 @@ class Transport:
         self._regions: list[Region] = []
         self._local = RegionTable(())
         self._peers: dict[str, _Peer] = {}
+        #: ``SessionConfig.staging``: auto, on or off (``core/transfer/relay.py``); set before :meth:`register`.
+        self.staging_mode = "auto"
+        #: Decode's staging slots, scattered into place (``core/transfer/landing.py``); None on prefill.
+        self.landing: Landing | None = None
+        #: Windows written per staging choice (``relay.choose``), for ``describe()`` and the benchmarks.
+        self.windows = {"direct": 0, "gather": 0, "both": 0}
+        #: Called with each window's choice (the manager counts it in its metrics; the transport knows none).
+        self.on_window: Callable[[str], None] = lambda how: None
         #: One lane: the route of a peer it was not told of (the backend refuses a peer it does not know).
         self._single = Route(0, RegionTable(()), np.zeros((0, 0), np.int64)) if len(self.lanes) == 1 else None
 
@@ -114,20 +128,26 @@ class Transport:
                 )
 
     def register(self, regions: Sequence[Region], *, sends: bool = True) -> None:
-        """Register with each lane the regions of the kinds it moves; a rank that ``sends`` strided host
-        pieces also registers a staging buffer with the first lane moving host memory
-        (``core/transfer/staging.py``), unless that backend opts out."""
+        """Register with each lane the regions of the kinds it moves. Unless ``staging_mode`` is off, the
+        first lane moving host memory also registers a staging buffer (unless that backend opts out):
+        gathered windows on a rank that ``sends`` (``core/transfer/staging.py``), landing slots on the other
+        (``core/transfer/landing.py``)."""
         self.check_memory(regions, "local")
-        staged = False
+        staged = self.staging_mode == "off"
         for lane in self.lanes:
             caps = lane.capabilities
             mine = list(lane.backend.select([r for r in regions if r.mem in caps.memory_kinds]))
             stage = None
-            if (sends and not staged and "dram" in caps.memory_kinds and caps.host_staging
-                    and staging.wanted(mine)):
-                stage = staging.Staging(mine)
+            extra: list[Region] = []
+            if not staged and "dram" in caps.memory_kinds and caps.host_staging:
+                if sends:
+                    stage = staging.Staging(mine)
+                    extra.append(stage.region)
+                else:
+                    self.landing = Landing(mine)
+                    extra.append(self.landing.region)
             staged = staged or "dram" in caps.memory_kinds
-            lane.backend.register([*mine, stage.region] if stage is not None else mine)
+            lane.backend.register([*mine, *extra])
             lane.regions, lane.staging = mine, stage
         self._regions = list(regions)
         self._local = RegionTable(regions)
@@ -138,12 +158,14 @@ class Transport:
 
     def add_peer(
         self, peer: str, metadata: Mapping[str, bytes] | bytes, regions: Sequence[Region], host: str | None = None,
+        staging_offer: StagingOffer | None = None,
     ) -> None:
         """Prepare writes to ``peer``: every lane it runs too and can reach (``host``: its
         :func:`~kvbridge.core.transfer.backend.host_id`; None: this host) adds it; each pair of regions goes to
         the first lane holding both. Raises :class:`TransferError` if some pair has none, naming what
         each lane said. ``metadata``: the peer's :meth:`metadata` (plain bytes: the one lane's, for a
-        transport of one)."""
+        transport of one). ``staging_offer``: the peer's staging slots lent to this rank (its
+        ``Hello``), written like its regions and used where ``staging_mode`` allows."""
         if isinstance(metadata, (bytes, bytearray)):
             if len(self.lanes) != 1:
                 raise TypeError(f"peer {peer!r}: metadata for the lanes {self.name!r} must be a dict by backend name")
@@ -151,6 +173,12 @@ class Transport:
         host = self.host if host is None else host
         self.check_memory(regions, f"peer {peer!r}")
         self.remove_peer(peer)
+        state = self._state(peer)
+        state.same_host = host == self.host
+        state.slots = None
+        if staging_offer is not None and any(lane.staging for lane in self.lanes):  # used where staging_mode allows
+            regions = [*regions, staging_offer.region]
+            state.slots = relay.RemoteSlots(staging_offer)
         if len(self.lanes) == 1:  # nothing to share out: the backend takes the peer or refuses it
             self.lanes[0].backend.add_peer(peer, metadata.get(self.lanes[0].name, b""), regions)
             self._state(peer).route = make_route(np.zeros((len(self._regions), len(regions)), np.int64), self._local,
@@ -220,9 +248,19 @@ class Transport:
         """``plan`` as the last lane receives it (views): cut and split within its declared limits."""
         return self.lanes[-1].batches(plan)
 
-    def write(self, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None = None) -> None:
+    def unstaged(self, peer: str, slot: int) -> bool:
+        """Decode scattered (or dropped) the window in its staging ``slot``: it may be written again."""
+        state = self._peers.get(peer)
+        return state is not None and state.slots is not None and state.slots.give_back(slot)
+
+    def write(self, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None = None,
+              announce: Callable[[int, TransferPlan], None] | None = None) -> None:
         """Write a validated ``plan`` into ``peer``, each part through its lane, batch by batch; the
         deadline and ``live()`` are checked before each batch.
+
+        ``announce(slot, pieces)``: tells the peer a window landed in its staging ``slot``, to be
+        scattered to ``pieces`` (destination addresses and sizes); staging on both sides is used only
+        when given (the caller names the rooms: ``P.Staged``).
 
         Raises :class:`TransferTimeout` once the deadline has passed and
         :class:`TransferCancelled` once ``live()`` is false (no further batch
@@ -236,7 +274,7 @@ class Transport:
         check = _checkpoint.set(lambda where: self._check(peer, deadline, live, where))
         try:
             if route.whole is not None and (route.memory is not None or not route.table.places):
-                self._write_lane(self.lanes[route.whole], peer, plan, deadline, live, route.memory)
+                self._write_lane(self.lanes[route.whole], peer, plan, deadline, live, route.memory, announce)
                 return
             # Located once: each part goes to its lane, one memory kind and device a side per part.
             src = self._local.locate(plan.src_addr, plan.nbytes)[0]
@@ -249,39 +287,77 @@ class Transport:
                 part = plan if pick.all() else TransferPlan(plan.src_addr[pick], plan.dst_addr[pick], plan.nbytes[pick])
                 lane, rest = divmod(k, n_src * n_dst)
                 memory = Memory(*self._local.places[rest // n_dst], *route.table.places[rest % n_dst])
-                self._write_lane(self.lanes[lane], peer, part, deadline, live, memory)
+                self._write_lane(self.lanes[lane], peer, part, deadline, live, memory, announce)
         finally:
             _checkpoint.reset(check)
             _live.reset(token)
 
     def _write_lane(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None,
-                    memory: Memory | None) -> None:
-        """``plan`` through ``lane``, batch by batch, each batch told where its descriptors are (``memory``)."""
-        landed = 0
+                    memory: Memory | None, announce: Callable[[int, TransferPlan], None] | None = None) -> None:
+        """``plan`` through ``lane``, batch by batch, each batch told where its descriptors are (``memory``);
+        up to ``lane.in_flight`` batches posted at once (``core/transfer/pipeline.py``), the fence checked before each."""
+        pipe = Pipeline(lane.in_flight, lane.capabilities.max_descriptors_in_flight)
+        state = self._state(peer)
         posted = 0
 
-        def post(batch: TransferPlan, of: str = "") -> None:
-            nonlocal landed, posted
-            batch.memory = memory
-            self._check(peer, deadline, live, f"after {posted}{of} batches ({landed} of {plan.total_bytes} B landed)")
-            state = self._state(peer)
-            state.overdue = deadline + RESET_GRACE
+        def guarded(step: Callable[[], None]) -> None:
+            """``step`` (a post or a wait); a failure resets the peer's connections and is raised naming
+            what had landed, once every batch still in flight was waited for."""
             try:
-                self._post(lane, peer, batch, deadline, lambda: self._check(peer, deadline, live, "before a retry"))
+                step()
             except TransferError as exc:
-                if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing
+                pipe.abandon(deadline)
+                state.overdue = math.inf
+                if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing more
                     state.drain_until = time.monotonic() + lane.backend.drain_after_failure
                     self.reset(peer, f"a write failed: {type(exc).__name__}")
                 if posted == 0:
                     raise
-                raise type(exc)(f"{exc} (batch {posted + 1}; the {posted} before it, {landed} B, landed)") from exc
-            finally:
-                state.overdue = math.inf
-            landed += batch.total_bytes
+                raise type(exc)(f"{exc} (after {posted} batch(es) posted; {pipe.landed} B had landed)") from exc
+
+        def post(batch: TransferPlan, of: str = "") -> None:
+            nonlocal posted
+
+            def step() -> None:
+                pipe.make_room(deadline, len(batch))
+                self._check(peer, deadline, live, f"after {posted}{of} batches ({pipe.landed} of {plan.total_bytes} B landed)")
+                state.overdue = deadline + RESET_GRACE
+                retry = lambda: self._check(peer, deadline, live, "before a retry")  # noqa: E731
+                if pipe.limit == 1 or state.resets:  # one at a time; after a reset, with _post's retries
+                    self._post(lane, peer, batch, deadline, retry)
+                    pipe.landed_now(batch.total_bytes)
+                else:
+                    pipe.add(self._post_async(lane, peer, batch, deadline), batch.total_bytes, len(batch))
+                if not pipe.pending:
+                    state.overdue = math.inf
+
+            batch.memory = memory
+            guarded(step)
             posted += 1
 
-        for window in self._windows(lane, plan):
-            staged = lane.staging.stage(window, lane.batch_bytes) if lane.staging is not None else None
+        def settle() -> None:
+            guarded(lambda: pipe.drain(deadline))
+            state.overdue = math.inf
+
+        host = memory is not None and memory.src_kind == memory.dst_kind == "dram"
+        slots = state.slots if host and announce is not None else None
+        for window in self._windows(lane, plan, state, slots is not None):
+            how = relay.choose(window, self.staging_mode, state.same_host, slots is not None) if lane.staging else "direct"
+            staged = slot = None
+            if how == "both":
+                assert slots is not None and lane.staging is not None
+                slot = slots.take(lambda where: self._check(peer, deadline, live, where))
+                staged = lane.staging.stage_to(window, slots.address(slot), lane.batch_bytes)
+                if staged is None:
+                    slots.give_back(slot)
+                    slot = None
+            elif how == "gather":
+                staged = lane.staging.stage(window, lane.batch_bytes)  # type: ignore[union-attr]
+            how = how if staged is not None else "direct"
+            self.windows[how] += 1
+            self.on_window(how)
+            if slot is None and slots is not None:  # written into place: after every window staged before it
+                slots.settle(lambda where: self._check(peer, deadline, live, where))  # not under its later scatter
             if staged is None:
                 batches = lane.batches(window)
                 of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
@@ -294,9 +370,46 @@ class Transport:
             try:
                 for batch in staged.batches(lane.batch_descriptors):
                     post(batch)
+                settle()  # the slice is reused once the engine reads it no more
+            except BaseException:
+                if slot is not None:
+                    slots.retire()  # type: ignore[union-attr]  # the engine may still land bytes in it
+                raise
             finally:
                 memory = local
-                staged.release()  # write() returned or raised: the engine reads the slice no more
+                staged.release()  # landed, or failed and waited for: the engine reads the slice no more
+            if slot is not None:  # landed in the peer's slot (a failed write keeps it: bytes may still land there)
+                assert slots is not None and announce is not None
+                try:
+                    announce(slot, relay.runs(window))
+                except BaseException:
+                    slots.give_back(slot)
+                    raise
+        settle()
+        if slots is not None:  # returns once decode scattered every window: in place, as a direct write is
+            slots.settle(lambda where: self._check(peer, deadline, live, where))
+        lane.peak_in_flight = max(lane.peak_in_flight, pipe.peak)
+
+    def _post_async(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float) -> Wait:
+        """``backend.post``, its engine's own exceptions (and its wait's) raised as the contract's."""
+        def named(exc: Exception) -> TransferError:
+            return TransferError(f"{lane.name}: write to peer {peer!r} failed: {type(exc).__name__}: {exc}")
+
+        try:
+            wait = lane.backend.post(peer, batch, deadline)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise named(exc) from exc
+
+        def checked(deadline: float) -> None:
+            try:
+                wait(deadline)
+            except TransferError:
+                raise
+            except Exception as exc:
+                raise named(exc) from exc
+        return checked
 
     def _post(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float, check: Callable[[], None]) -> None:
         """``backend.write``, again if it failed (not timed out) as the first write since :meth:`reset`
@@ -325,13 +438,18 @@ class Transport:
                 self.reset(peer, f"a write failed: {failed}")
                 raise
 
-    @staticmethod
-    def _windows(lane: Lane, plan: TransferPlan) -> Iterator[TransferPlan]:
+    def _windows(self, lane: Lane, plan: TransferPlan, state: _Peer, remote: bool) -> Iterator[TransferPlan]:
         """The plan in windows that staging may gather (one slice each), or whole when it cannot help."""
-        if lane.staging is None or len(plan) < 2 or plan.total_bytes > len(plan) * staging.MAX_PIECE:
-            yield plan  # pieces too large on average to be worth copying: the batches of today
+        limit = relay.MAX_PIECE if state.same_host else relay.MAX_PIECE_REMOTE
+        if (lane.staging is None or self.staging_mode == "off" or len(plan) < 2
+                or (self.staging_mode == "auto" and plan.total_bytes > len(plan) * limit)):
+            yield plan  # pieces too large on average to be worth copying: written as planned
             return
-        yield from plan.batches(staging.WINDOW_DESCRIPTORS, min(lane.staging.slice_bytes, lane.batch_bytes))
+        most = relay.REMOTE_WINDOW_DESCRIPTORS if remote else staging.WINDOW_DESCRIPTORS
+        size = min(lane.staging.slice_bytes, lane.batch_bytes)
+        if remote and state.slots is not None:
+            size = min(size, state.slots.offer.slice_bytes)
+        yield from plan.batches(most, size)
 
     def _check(self, peer: str, deadline: float, live: Callable[[], bool] | None, where: str) -> None:
         """The one check before every batch: the deadline, then whether the room is still live."""
@@ -345,8 +463,11 @@ class Transport:
                                "lanes": {p: self.lanes_of(p) for p in sorted(self._peers) if self._peers[p].route}}
         for lane in self.lanes:
             if lane.staging is not None:
-                out["staging"] = lane.staging.stats()
+                out["staging"] = {**lane.staging.stats(), "mode": self.staging_mode, "windows_by_choice": dict(self.windows)}
+            out.setdefault("batches_in_flight", {})[lane.name] = {"limit": lane.in_flight, "peak": lane.peak_in_flight}
             out.update(lane.backend.describe())
+        if self.landing is not None:
+            out["landing"] = {**self.landing.stats(), "mode": self.staging_mode}
         return out
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.core import Backend, BackendConfig, TransferCancelled, TransferError, TransferTimeout, may_post
@@ -183,6 +183,32 @@ class MooncakeBackend(Backend):
                 f"returned rc {rc}; it may have partly landed. The engine's log above says why "
                 "(peer gone, address not registered, timeout)"
             )
+
+    def post(self, peer: str, batch: TransferPlan, deadline: float) -> Callable[[float], None]:
+        """Post ``batch`` with one ``batch_transfer_async_write``; the returned wait blocks in
+        ``get_batch_transfer_status`` (GIL released) until it landed, failed or timed out."""
+        engine = self._live_engine()
+        session = self._peers.get(peer)
+        if session is None:
+            known = ", ".join(sorted(self._peers)) or "none"
+            raise TransferError(f"mooncake: unknown peer {peer!r} (known peers: {known}); call add_peer first")
+        src, dst, nbytes = batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist()
+        if not may_post():
+            raise TransferCancelled(f"mooncake: write to peer {peer!r} not posted: its room is no longer live")
+        batch_id = engine.batch_transfer_async_write(session, src, dst, nbytes)
+        if not batch_id:
+            raise TransferError(f"mooncake: posting a write to peer {peer!r} ({session}) of {len(batch)} descriptors, "
+                                f"{batch.total_bytes} B failed (batch id 0); the engine's log above says why")
+
+        def wait(deadline: float) -> None:
+            rc = engine.get_batch_transfer_status([batch_id])
+            if rc != 0:
+                error = TransferTimeout if expired(deadline) else TransferError
+                raise error(
+                    f"mooncake: write to peer {peer!r} ({session}) of {len(batch)} descriptors, {batch.total_bytes} B "
+                    f"(posted asynchronously) ended with rc {rc}; it may have partly landed. The engine's log above says why"
+                )
+        return wait
 
     def close(self) -> None:
         """Deregister memory and drop the engine. Idempotent."""

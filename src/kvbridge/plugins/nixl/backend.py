@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -293,37 +293,61 @@ class NixlBackend(Backend):
     def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
         """Post ``batch`` to ``peer`` as one WRITE request and poll it until DONE, ERR or ``deadline``
         (the post itself may overrun it by the time its CMA copy takes)."""
+        self.post(peer, batch, deadline)(deadline)
+
+    def post(self, peer: str, batch: TransferPlan, deadline: float) -> Callable[[float], None]:
+        """Post ``batch`` to ``peer`` as one WRITE request; the returned wait polls it until DONE, ERR
+        or its deadline, then releases it (core keeps several posted: ``batches_in_flight``)."""
         self._live_agent()
         p = self._begin(peer)
         try:
             # Core posts each batch with one memory kind and device a side (TransferPlan.memory): a NIXL
             # descriptor list holds one kind. A batch from elsewhere (a direct call) is placed here.
             m = batch.memory or memory_of(batch, self._local_regions, p.regions)
-            self._post(p, batch, (m.src_kind == "vram", m.src_device), (m.dst_kind == "vram", m.dst_device), deadline)
-        finally:
+            handle, state, t0 = self._start(p, batch, (m.src_kind == "vram", m.src_device), (m.dst_kind == "vram", m.dst_device))
+        except BaseException:
             self._end(p)
+            raise
 
-    def _post(self, p: _Peer, batch: TransferPlan, src: _Side, dst: _Side, deadline: float) -> None:
-        """One WRITE request: create, post, poll until DONE, ERR or ``deadline``, release."""
+        def wait(deadline: float) -> None:
+            try:
+                self._finish(p, batch, handle, state, t0, deadline)
+            finally:
+                self._end(p)
+        return wait
+
+    def _start(self, p: _Peer, batch: TransferPlan, src: _Side, dst: _Side) -> tuple[nixl_xfer_handle, str, float]:
+        """Create a WRITE request and post it (unless the room died meanwhile): (request, state, when)."""
         agent = self._live_agent()
-        peer = p.name
         t0 = time.monotonic()
         handle = None
         try:
             handle = self._request(p, batch, src, dst)
             if not may_post():  # checked after preparing, right before the post that copies
                 self._release(handle)
-                raise TransferCancelled(f"nixl: write to peer {peer!r} ({_what(batch)}) not posted: its room is no longer live")
-            state = self._wait(agent, handle, agent.transfer(handle), deadline)
+                raise TransferCancelled(f"nixl: write to peer {p.name!r} ({_what(batch)}) not posted: its room is no longer live")
+            return handle, agent.transfer(handle), t0
         except self._errors as exc:
-            if handle is not None:
-                self._release(handle)
-            if type(exc).__name__ == "nixlRemoteDisconnectError":
-                self._reload(p)
-            raise TransferError(
-                f"nixl: write to peer {peer!r} (agent {p.agent}; {_what(batch)}) failed: {type(exc).__name__}: {exc}. "
-                + error_hint(type(exc).__name__)
-            ) from exc
+            raise self._failed(p, batch, handle, exc) from exc
+
+    def _failed(self, p: _Peer, batch: TransferPlan, handle: nixl_xfer_handle | None, exc: BaseException) -> TransferError:
+        if handle is not None:
+            self._release(handle)
+        if type(exc).__name__ == "nixlRemoteDisconnectError":
+            self._reload(p)
+        return TransferError(
+            f"nixl: write to peer {p.name!r} (agent {p.agent}; {_what(batch)}) failed: {type(exc).__name__}: {exc}. "
+            + error_hint(type(exc).__name__)
+        )
+
+    def _finish(self, p: _Peer, batch: TransferPlan, handle: nixl_xfer_handle, state: str, t0: float,
+                deadline: float) -> None:
+        """Poll a posted request until DONE, ERR or ``deadline``, then release it."""
+        peer = p.name
+        try:
+            state = self._wait(self._live_agent(), handle, state, deadline)
+        except self._errors as exc:
+            raise self._failed(p, batch, handle, exc) from exc
         released = self._release(handle)
         if state == "PROC":
             raise TransferTimeout(

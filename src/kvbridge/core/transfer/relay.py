@@ -1,0 +1,144 @@
+"""Prefill's side of staging on both sides: which windows to stage, and decode's slots lent to it.
+
+Per window, from the descriptors themselves (:func:`choose`): a window of
+small pieces (mean at most :data:`MAX_PIECE` bytes on the same host,
+:data:`MAX_PIECE_REMOTE` across hosts, where every descriptor costs the
+engine a network work request) whose sources are in this rank's registered
+host memory and whose destinations are in the peer's host memory is
+
+- ``"both"``: gathered on prefill, written as one descriptor into one of the
+  decode slots lent to this rank (:class:`RemoteSlots`), and scattered there
+  (:mod:`kvbridge.core.transfer.landing`), when the peer lent slots and merging
+  neighbours in the destination would leave runs under :data:`GATHER_RUN`
+  bytes on average (scattered pages, prefill TP > decode TP, head slices into
+  scattered pages);
+- ``"gather"``: gathered on prefill and posted as the runs contiguous in the
+  destination (:mod:`kvbridge.core.transfer.staging`), when that at least halves the
+  descriptors (prefill TP < decode TP: token rows back to back on decode) and
+  ``"both"`` does not apply;
+- ``"direct"``: written as planned.
+
+``SessionConfig.staging``: ``auto`` as above, ``on`` stages every window of two
+or more host pieces that fits a slice (both sides where the peer lent slots,
+else gathered), ``off`` never stages.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from ..description.layout import StagingOffer
+from ..planning.transferplan import TransferPlan
+
+__all__ = ["MODES", "MAX_PIECE", "MAX_PIECE_REMOTE", "REMOTE_WINDOW_DESCRIPTORS", "RemoteSlots", "choose", "runs"]
+
+#: ``SessionConfig.staging`` values.
+MODES = ("auto", "on", "off")
+#: Mean bytes per piece up to which ``auto`` stages a window on the same host (copying a piece
+#: costs less than posting it there; measured: ``kvbridge bench transfer``, ``kvbridge bench tp``).
+MAX_PIECE = 16 << 10
+#: The same across hosts: an engine's work request per descriptor costs more on a NIC than a
+#: CMA iovec (sgl-project/sglang#35036: 4 KiB entries at 15.5 MB/s against 4,792 MB/s staged).
+#: Not measured here (one host).
+MAX_PIECE_REMOTE = 256 << 10
+#: Most pieces in one window staged on both sides: its ``Staged`` message carries 16 bytes a run.
+REMOTE_WINDOW_DESCRIPTORS = 16384
+#: ``auto`` gathers on prefill alone (no round trip to decode per window) when the runs merging neighbours in
+#: the destination leaves average at least this many bytes; below that, with slots lent, both sides
+#: (measured, ucx, head slices TP 1 -> 2 of 64 KiB pages: 32 KiB runs gathered 0.38 GB/s, both sides 0.72).
+GATHER_RUN = 64 << 10
+#: How often a write waiting for a free decode slot checks its deadline and room.
+SLOT_POLL = 0.01
+
+
+def choose(window: TransferPlan, mode: str, same_host: bool, remote: bool) -> str:
+    """``"both"``, ``"gather"`` or ``"direct"`` for ``window`` (module docstring). ``remote``: the
+    peer lent slots and this write can announce them; the caller checked the memory kinds."""
+    n = len(window)
+    if mode == "off" or n < 2:
+        return "direct"
+    total = window.total_bytes
+    limit = MAX_PIECE if same_host else MAX_PIECE_REMOTE
+    if mode == "auto" and total > n * limit:
+        return "direct"
+    dst, nbytes = window.dst_addr, window.nbytes
+    runs = n - int(np.count_nonzero(dst[:-1] + nbytes[:-1] == dst[1:]))
+    merges = 2 * runs <= n  # gathering alone at least halves the descriptors
+    if remote and (mode == "on" or not merges or total < runs * GATHER_RUN):
+        return "both"  # one descriptor a window, whatever the destination
+    if mode == "on" or merges:
+        return "gather"
+    return "direct"
+
+
+def runs(window: TransferPlan) -> TransferPlan:
+    """Where a window gathered back to back goes: its pieces in order, neighbours contiguous in the
+    destination merged (``src_addr``: each run's offset in the slice; ``dst_addr``, ``nbytes``)."""
+    dst, nbytes = window.dst_addr, window.nbytes
+    joins = dst[:-1] + nbytes[:-1] == dst[1:]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    offsets = np.cumsum(nbytes) - nbytes
+    return TransferPlan(offsets[starts], dst[starts].copy(), np.add.reduceat(nbytes, starts))
+
+
+class RemoteSlots:
+    """Decode's staging slots lent to this prefill rank for one peer: free ones, taken by writes and
+    given back by decode's ``Unstaged`` (the I/O thread)."""
+
+    def __init__(self, offer: StagingOffer) -> None:
+        self.offer = offer
+        self._free = list(offer.slots)
+        self._retired = 0
+        self._cond = threading.Condition()
+
+    def address(self, slot: int) -> int:
+        return self.offer.region.addr + slot * self.offer.slice_bytes
+
+    def take(self, check: Callable[[str], None]) -> int:
+        """A free slot, waiting for decode to give one back; ``check(where)`` raises when the write's
+        deadline passed or its room died (the fence) and is called at least every :data:`SLOT_POLL`."""
+        while True:
+            with self._cond:
+                if not self._free:
+                    self._cond.wait(SLOT_POLL)
+                if self._free:
+                    return self._free.pop()
+            # Outside the condition's lock: the check takes the manager's lock, which the I/O thread
+            # holds while it gives a slot back (give_back), so checking under ours would deadlock.
+            check("waiting for decode to free a staging slot")
+
+    def settle(self, check: Callable[[str], None]) -> None:
+        """Wait until decode scattered every window announced so far (every slot is back, but those a failed
+        write retired): a direct write after a staged one must not land before it, or decode's later scatter
+        of the staged window would overwrite newer bytes (a chunk rewriting the page a previous chunk ended in)."""
+        while True:
+            with self._cond:
+                if len(self._free) + self._retired >= len(self.offer.slots):
+                    return
+                self._cond.wait(SLOT_POLL)
+                if len(self._free) + self._retired >= len(self.offer.slots):
+                    return
+            check("waiting for decode to scatter the staged windows before a direct write")
+
+    def retire(self) -> None:
+        """A write into a taken slot failed: the engine may still land bytes there, so it is never written
+        again (this peer stages with the slots left; a new handshake lends them afresh)."""
+        with self._cond:
+            self._retired += 1
+
+    def give_back(self, slot: int) -> bool:
+        """Decode scattered (or dropped) ``slot``: free again. False for a slot not lent or not taken."""
+        with self._cond:
+            if slot not in self.offer.slots or slot in self._free:
+                return False
+            self._free.append(slot)
+            self._cond.notify()
+            return True
+
+    def free(self) -> int:
+        with self._cond:
+            return len(self._free)
+

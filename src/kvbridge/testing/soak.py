@@ -1,0 +1,379 @@
+"""A bounded chaos soak: rooms flow while a prefill process is killed, frozen, its bootstrap restarted, flooded.
+
+The soak (this process) holds the bootstrap server and a decode rank, and
+keeps ``concurrency`` rooms in flight to a prefill *process*
+(:mod:`kvbridge.testing.restart`'s, which serves every room decode asks for),
+each room on its own destination pages. Every ``every`` seconds it injects
+the next fault, in turn, once the previous one is over (its prefill served a
+room again, or :data:`RECOVERY` seconds passed):
+
+- ``prefill-freeze``: SIGSTOP it for ``freeze`` seconds, then SIGCONT;
+- ``bootstrap-restart``: close the bootstrap server and start a new one on
+  its address (the prefill re-registers; no room needs it meanwhile);
+- ``hostile``: 200 hostile frames (random bytes, bare and sealed garbage,
+  another decode's claimed id) at the prefill's control endpoint and the
+  bootstrap endpoint;
+- ``prefill-kill``: SIGKILL the prefill process and start a new one at once
+  (a new port; the bootstrap server survives).
+
+After ``seconds`` no fault starts, and the soak goes on until the last one
+is over (at most :data:`RECOVERY` seconds more), then lets every room end.
+
+It reports, per fault kind: the faults injected, the rooms that ended while
+that kind was the latest fault and their outcomes, *wrong successes* (a
+SUCCESS whose pages differ from the source pattern, computed with plain numpy
+indexing), *late writes* (pages of a FAILED room that changed after it was
+fenced, watched for ``settle`` seconds before the pages are used again), the
+time from the fault to FAILED of the rooms in flight (on decode, the other
+side), the time from a restarted/resumed prefill's readiness to the first
+SUCCESS after it, and the soak process's threads, file descriptors and RSS
+at start and end. Network cuts (namespaces) are the fault matrix's
+(``python -m kvbridge.testing.faults --fault net-cut``), not the soak's.
+
+``python -m kvbridge.testing.soak --backend nixl --seconds 60`` prints the
+table; ``tests/test_soak.py`` runs it briefly on two backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import zmq
+
+from kvbridge.core.control import protocol as P
+from kvbridge.core.control.auth import Sealer
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.sessions.session import DecodeManager, Poll, Receiver
+from kvbridge.testing.e2e import Pools, pattern
+from kvbridge.testing.restart import PAGES, RESTART, PrefillProcess, source_pages
+
+#: In this order (the kill last: a new process takes longest to come back on a loaded box).
+KINDS = ("prefill-freeze", "bootstrap-restart", "hostile", "prefill-kill")
+#: Seconds the soak goes on after its time, for the last fault's prefill to serve again.
+RECOVERY = 30.0
+#: Short timeouts so a fault ends every room it touches within seconds (heartbeat_timeout 2 s: on a loaded
+#: 2-core box a live prefill process can be starved of the CPU for a second).
+SOAK = msgspec.structs.replace(RESTART, bootstrap_timeout=5.0, transfer_timeout=2.0, heartbeat_interval=0.2,
+                               heartbeat_timeout=2.0)
+
+
+class KindStats(msgspec.Struct, kw_only=True):
+    """One fault kind's results (``none``: before the first fault)."""
+
+    faults: int = 0
+    rooms: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    wrong_successes: int = 0
+    late_writes: int = 0
+    #: For each late write: the room, its failure reason, and the pages (of its own) that changed.
+    late_rooms: list[str] = []
+    #: Seconds from the fault to FAILED on decode of each room in flight at it (max over rooms, per fault).
+    to_failed_s: list[float] = []
+    #: Seconds from the prefill (restarted or resumed) being ready, or the fault, to the next SUCCESS.
+    to_success_s: list[float] = []
+
+
+class Report(msgspec.Struct, kw_only=True):
+    backend: str
+    seconds: float
+    rooms: int = 0
+    rooms_per_s: float = 0.0
+    unfinished: int = 0
+    kinds: dict[str, KindStats] = {}
+    resources_start: dict[str, int] = {}
+    resources_end: dict[str, int] = {}
+    error: str | None = None
+
+
+def resources() -> dict[str, int]:
+    """This process's threads, open file descriptors and resident memory (bytes)."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")), "rss": rss}
+
+
+class _Slot:
+    """Destination pages for one room at a time; quarantined after a FAILED room until no late write can come."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.pages = np.arange(index * PAGES, (index + 1) * PAGES)
+        self.recv: Receiver | None = None
+        self.snapshot: list[np.ndarray] | None = None  # its pages when the FAILED room was fenced
+        self.free_at = 0.0  # when the pages are compared with the snapshot and used again
+        self.accounted = False
+        self.failed_at = 0.0
+
+
+class Soak:
+    def __init__(self, backend: str, workdir: Path, concurrency: int, every: float, freeze: float,
+                 settle: float, seed: int, kinds: tuple[str, ...] = KINDS) -> None:
+        self.order = kinds
+        self.backend = backend
+        self.workdir = workdir
+        self.sc = msgspec.structs.replace(SOAK, backend=backend, decode_pages=concurrency * PAGES)
+        self.pools = Pools(self.sc, self.sc.decode_pages, meta_rows=concurrency)
+        self.slots = [_Slot(i) for i in range(concurrency)]
+        self.every, self.freeze_s, self.settle = every, freeze, settle
+        self.rng = random.Random(seed)
+        self.words = self.sc.page_nbytes // 4
+        self.kinds = {k: KindStats() for k in ("none", *KINDS)}
+        self.current = "none"
+        self.next_room = 1
+        self.procs: list[PrefillProcess] = []
+        self.server = BootstrapServer("127.0.0.1")
+        self.mgr = DecodeManager(self.pools.kvargs, backend, config=self.sc.session_config())
+        #: (kind, fault time, rooms in flight at it, when the prefill is ready again or None, first SUCCESS seen)
+        self.pending: list[dict[str, object]] = []
+
+    # -- the prefill process --------------------------------------------------------------------------
+    def start_prefill(self) -> PrefillProcess:
+        proc = PrefillProcess(self.backend, self.server.address, self.workdir / f"prefill-{len(self.procs)}")
+        self.procs.append(proc)
+        return proc
+
+    # -- rooms ----------------------------------------------------------------------------------------
+    def _expected(self, room: int) -> list[np.ndarray]:
+        return [pattern(e, source_pages(room), self.words) for e in range(len(self.pools.kv))]
+
+    def _open(self, slot: _Slot) -> None:
+        room = self.next_room
+        self.next_room += 1
+        for a in self.pools.kv:
+            a[slot.pages] = 0
+        slot.recv = Receiver(self.mgr, room, bootstrap=self.server.address)
+        slot.recv.init(slot.pages, metadata_row=slot.index)
+
+    def _account(self, slot: _Slot) -> None:
+        """Count a room that just became final (once)."""
+        recv = slot.recv
+        assert recv is not None and recv.final
+        slot.accounted = True
+        stats = self.kinds[self.current]
+        stats.rooms += 1
+        if recv.poll() == Poll.SUCCESS:
+            stats.succeeded += 1
+            got = [a[slot.pages] for a in self.pools.kv]
+            if any(not np.array_equal(g, e) for g, e in zip(got, self._expected(recv.room))):
+                stats.wrong_successes += 1
+            for ev in self.pending:
+                ready = ev["ready"]
+                if ev["success"] is None and ready is not None and recv.ended is not None \
+                        and recv.ended >= ready and recv.created >= ev["at"]:  # type: ignore[operator]
+                    ev["success"] = recv.ended - ready  # type: ignore[operator]
+            return
+        stats.failed += 1
+        for ev in self.pending:
+            if recv.room in ev["inflight"] and recv.ended is not None:  # type: ignore[operator]
+                ev["failed"] = max(ev["failed"] or 0.0, recv.ended - ev["at"])  # type: ignore[operator,arg-type]
+
+    def _release(self, slot: _Slot) -> None:
+        slot.recv, slot.snapshot, slot.free_at, slot.accounted = None, None, 0.0, False
+
+    def step(self, now: float) -> None:
+        """Count rooms that ended, watch FAILED rooms' pages for late writes, keep every slot busy."""
+        for slot in self.slots:
+            recv = slot.recv
+            if recv is not None and recv.final:
+                if not slot.accounted:
+                    self._account(slot)
+                    slot.failed_at = now
+                if recv.poll() == Poll.SUCCESS:
+                    self._release(slot)
+                elif slot.snapshot is None:
+                    if recv.fenced:  # nothing lands from now on: what changes after this is a late write
+                        slot.snapshot = [a[slot.pages].copy() for a in self.pools.kv]
+                        slot.free_at = now + self.settle
+                    elif now - slot.failed_at > 30.0:
+                        self.unfenced += 1
+                        self._release(slot)
+                elif now >= slot.free_at:
+                    changed = sum(int((a[slot.pages] != s).any(axis=1).sum()) for a, s in zip(self.pools.kv, slot.snapshot))
+                    if changed:
+                        self.kinds[self.current].late_writes += 1
+                        self.kinds[self.current].late_rooms.append(f"room {recv.room}: {changed} pages; {recv.failure()}")
+                    self._release(slot)
+            if slot.recv is None:
+                self._open(slot)
+
+    # -- faults ---------------------------------------------------------------------------------------
+    def inject(self, kind: str, now: float) -> None:
+        self.current = kind
+        self.kinds[kind].faults += 1
+        inflight = {s.recv.room for s in self.slots if s.recv is not None and not s.recv.final}
+        ev: dict[str, object] = {"kind": kind, "at": now, "inflight": inflight, "ready": None, "success": None,
+                                 "failed": None}
+        self.pending.append(ev)
+        proc = self.procs[-1]
+        if kind == "prefill-kill":
+            proc.kill()
+            fresh = self.start_prefill()
+            threading.Thread(target=self._when_ready, args=(fresh, ev), daemon=True).start()
+        elif kind == "prefill-freeze":
+            proc.freeze()
+
+            def thaw() -> None:
+                time.sleep(self.freeze_s)
+                proc.thaw()
+                ev["ready"] = time.monotonic()
+
+            threading.Thread(target=thaw, daemon=True).start()
+        elif kind == "bootstrap-restart":
+            host, _, port = self.server.address.rpartition(":")
+            self.server.close()
+            deadline = time.monotonic() + 5.0
+            while True:
+                try:
+                    self.server = BootstrapServer(host, int(port))
+                    break
+                except zmq.ZMQError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            ev["ready"] = time.monotonic()
+        else:
+            self._hostile()
+            ev["ready"] = time.monotonic()
+
+    def _recovered(self, now: float) -> bool:
+        """Whether the last fault is over: its prefill served a room again (or 10 s passed), so the
+        next fault hits a serving prefill, not one still starting (a loaded box starts one slowly)."""
+        if not self.pending:
+            return True
+        last = self.pending[-1]
+        return last["success"] is not None or now - float(last["at"]) > RECOVERY  # type: ignore[arg-type]
+
+    def _when_ready(self, proc: PrefillProcess, ev: dict[str, object]) -> None:
+        ready = proc.ready()
+        ev["ready"] = time.monotonic() - (time.time() - ready)
+
+    def _hostile(self) -> None:
+        ctx = zmq.Context.instance()
+        prefill = self.server.ranks[0].control_addr if self.server.ranks else None
+        for address in filter(None, (prefill, self.server.address)):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.mgr.peer_id.encode())  # another decode's plaintext id
+            sock.connect(f"tcp://{address}")
+            for i in range(100):
+                choice = i % 4
+                if choice == 0:
+                    frame = os.urandom(self.rng.randrange(1, 300))
+                elif choice == 1:
+                    frame = self.mgr.auth.seal(os.urandom(64), address.encode(), Sealer())
+                elif choice == 2:
+                    frame = P.encode(P.Abort(room=self.rng.randrange(self.next_room + 1), reason="hostile"))
+                else:
+                    frame = P.encode(P.Hello(peer_id=self.mgr.peer_id, lanes={}, kvargs=self.pools.kvargs))
+                sock.send(frame)
+            sock.close(0)
+
+    # -- the run --------------------------------------------------------------------------------------
+    def run(self, seconds: float) -> Report:
+        report = Report(backend=self.backend, seconds=seconds)
+        self.unfenced = 0
+        try:
+            self.start_prefill().ready()
+            report.resources_start = resources()
+            t0 = time.monotonic()
+            next_fault = t0 + self.every
+            turn = 0
+            while (now := time.monotonic()) < t0 + seconds or (not self._recovered(now) and now < t0 + seconds + RECOVERY):
+                self.step(now)
+                if now >= next_fault and now < t0 + seconds and self._recovered(now):
+                    self.inject(self.order[turn % len(self.order)], now)
+                    turn += 1
+                    next_fault = now + self.every
+                self.mgr.wait_any([s.recv for s in self.slots if s.recv is not None], 0.01)
+            # Drain: no new rooms; every room must end (bounded by the timeouts).
+            end = time.monotonic() + 15.0
+            while time.monotonic() < end and any(s.recv is not None and not s.recv.final for s in self.slots):
+                time.sleep(0.01)
+            for slot in self.slots:
+                if slot.recv is not None and slot.recv.final and not slot.accounted:
+                    self._account(slot)
+            report.unfinished = sum(1 for s in self.slots if s.recv is not None and not s.recv.final) + self.unfenced
+            for ev in self.pending:
+                stats = self.kinds[str(ev["kind"])]
+                if ev["failed"] is not None:
+                    stats.to_failed_s.append(round(float(ev["failed"]), 3))  # type: ignore[arg-type]
+                if ev["success"] is not None:
+                    stats.to_success_s.append(round(float(ev["success"]), 3))  # type: ignore[arg-type]
+            report.kinds = self.kinds
+            report.rooms = sum(k.rooms for k in self.kinds.values())
+            report.seconds = round(time.monotonic() - t0, 1)
+            report.rooms_per_s = report.rooms / report.seconds
+            report.resources_end = resources()
+        except Exception as exc:
+            report.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            for p in self.procs:
+                p.kill()
+            self.mgr.close()
+            self.server.close()
+        return report
+
+
+def soak(backend: str, seconds: float, *, concurrency: int = 8, every: float = 3.0, freeze: float = 3.0,
+         settle: float = 0.3, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> Report:
+    """Run the soak on ``backend`` for ``seconds`` (plus a bounded drain); see the module docstring.
+
+    ``kinds``: the faults to inject, in this order, in turn."""
+    with tempfile.TemporaryDirectory(prefix="kvbridge-soak-") as tmp:
+        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds).run(seconds)
+
+
+def table(reports: list[Report]) -> str:
+    def span(v: list[float]) -> str:
+        return "-" if not v else (f"{v[0]:.2f} s" if len(v) == 1 else f"{min(v):.2f}-{max(v):.2f} s "
+                                  f"(median {statistics.median(v):.2f})")
+    rows = ["| backend | fault | faults | rooms | SUCCESS / FAILED | wrong SUCCESS | late writes | fault -> FAILED "
+            "on decode | ready -> first SUCCESS |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        for kind, k in r.kinds.items():
+            rows.append(f"| {r.backend} | {kind} | {k.faults} | {k.rooms} | {k.succeeded} / {k.failed} | "
+                        f"{k.wrong_successes} | {k.late_writes} | {span(k.to_failed_s)} | {span(k.to_success_s)} |")
+        rows.append(f"| {r.backend} | all | | {r.rooms} ({r.rooms_per_s:.0f}/s), {r.unfinished} unfinished | | | | "
+                    f"threads/fds/RSS MB: {r.resources_start.get('threads')}/{r.resources_start.get('fds')}/"
+                    f"{r.resources_start.get('rss', 0) >> 20} -> {r.resources_end.get('threads')}/"
+                    f"{r.resources_end.get('fds')}/{r.resources_end.get('rss', 0) >> 20} | |"
+                    + (f" error: {r.error}" if r.error else ""))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvbridge.testing.soak", description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", action="append", help="repeatable (default: memory)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="soak time per backend (plus a drain)")
+    parser.add_argument("--concurrency", type=int, default=8, help="rooms in flight")
+    parser.add_argument("--every", type=float, default=3.0, help="seconds between faults")
+    parser.add_argument("--fault", action="append", choices=KINDS, help=f"repeatable (default: {', '.join(KINDS)})")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    kinds = tuple(args.fault or KINDS)
+    reports = [soak(b, args.seconds, concurrency=args.concurrency, every=args.every, kinds=kinds)
+               for b in args.backend or ["memory"]]
+    print(json.dumps([msgspec.to_builtins(r) for r in reports]) if args.json else table(reports))
+    for r in reports:
+        for kind, k in r.kinds.items():
+            for late in k.late_rooms:
+                print(f"late write ({r.backend}, {kind}): {late}")
+    bad = any(r.error or r.unfinished or any(k.wrong_successes or k.late_writes for k in r.kinds.values())
+              for r in reports)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Staging on both sides (core/transfer/relay.py, core/transfer/landing.py, core/planning/stage_index.py), host memory.
+
+A window of small pieces is gathered on prefill, written as one descriptor into a
+staging slot decode lent, and scattered there before the room's ``Done``. Rooms run
+between an in-process prefill and decode manager over the ``memory`` backend (the
+control plane is the real one); the bytes are checked against pages copied with
+plain numpy indexing. The same paths run in processes over mooncake, nixl and ucx
+in the conformance suite (``staging="on"`` tests) and in ``kvbridge bench transfer``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from kvbridge.core.description import plugins
+from kvbridge.core.control import protocol as P
+from kvbridge.core.transfer.backend import BackendConfig
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.transfer.landing import SLOTS_PER_PEER, Landing, ScatterError
+from kvbridge.core.description.layout import Region
+from kvbridge.core.control.metrics import metrics
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.transfer.relay import choose, runs
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
+from kvbridge.core.planning.stage_index import gather_into, scatter_from
+from kvbridge.testing.e2e import Pools, Scenario, prefill_pools
+from kvbridge.testing.faulty import FlipsByte
+from kvbridge.testing.harness import START_WAIT, finished, wait_until
+from kvbridge.testing.memory import MemoryBackend
+
+PAGES = 24
+SRC = np.arange(PAGES) * 2
+DST = (np.arange(PAGES)[::-1] * 3) % 97  # scattered: no two neighbours follow each other
+
+
+# -- index logic ------------------------------------------------------------------------------------
+def _two_regions() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of several sizes in two arrays at unrelated addresses: (a, b, addr, nbytes, region of each)."""
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, 256, 4096, dtype=np.uint8), rng.integers(0, 256, 3000, dtype=np.uint8)[1:]  # b: odd address
+    addr = np.array([a.ctypes.data + 1024, b.ctypes.data + 0, a.ctypes.data + 0, b.ctypes.data + 1536,
+                     a.ctypes.data + 2048], np.int64)
+    nbytes = np.array([256, 512, 128, 512, 512], np.int64)
+    return a, b, addr, nbytes, np.array([0, 1, 0, 1, 0], np.int64)
+
+
+def test_a_gather_packs_pieces_of_several_sizes_and_regions_back_to_back() -> None:
+    a, b, addr, nbytes, groups = _two_regions()
+    out = np.zeros(int(nbytes.sum()), np.uint8)
+    assert gather_into(out, addr, nbytes, groups)
+    want = np.concatenate([a[1024:1280], b[0:512], a[0:128], b[1536:2048], a[2048:2560]])
+    np.testing.assert_array_equal(out, want)
+
+
+def test_a_scatter_puts_them_back_where_they_came_from() -> None:
+    a, b, addr, nbytes, groups = _two_regions()
+    packed = np.concatenate([a[1024:1280], b[0:512], a[0:128], b[1536:2048], a[2048:2560]])
+    a2, b2 = a.copy(), b.copy()
+    a[:] = 0
+    b[:] = 0
+    scatter_from(packed, addr, nbytes, groups)
+    touched_a = np.zeros(a.size, bool)
+    touched_a[np.r_[1024:1280, 0:128, 2048:2560]] = True
+    touched_b = np.zeros(b.size, bool)
+    touched_b[np.r_[0:512, 1536:2048]] = True
+    np.testing.assert_array_equal(a, np.where(touched_a, a2, 0))
+    np.testing.assert_array_equal(b, np.where(touched_b, b2, 0))
+
+
+def test_pieces_at_odd_offsets_are_not_gathered_by_units() -> None:
+    # 3-byte offsets: a unit of 1 byte, 100 units a piece: the index would outgrow the descriptors.
+    mem = np.zeros(2000, np.uint8)
+    out = np.zeros(300, np.uint8)
+    addr = mem.ctypes.data + np.array([0, 3, 1000], np.int64)
+    assert not gather_into(out, addr, np.array([100, 100, 100], np.int64), np.zeros(3, np.int64))
+
+
+def _window(dst: list[int], size: int) -> TransferPlan:
+    n = len(dst)
+    return TransferPlan(np.arange(n, dtype=np.int64) * size, np.array(dst, np.int64) * size, np.full(n, size, np.int64))
+
+
+@pytest.mark.parametrize("mode, dst, size, same_host, remote, want", [
+    ("auto", list(range(16)), 8192, True, True, "gather"),     # one 128 KiB run: prefill alone
+    ("auto", [0, 1, 2, 3], 4096, True, True, "both"),          # a 16 KiB run: both sides
+    ("auto", [0, 1, 2, 3], 4096, True, False, "gather"),       # ... unless decode lent no slots
+    ("auto", [0, 5, 2, 9], 4096, True, True, "both"),          # scattered small pages, slots lent
+    ("auto", [0, 5, 2, 9], 4096, True, False, "direct"),       # scattered, no slots: nothing to gain
+    ("auto", [0, 5, 2, 9], 64 << 10, True, True, "direct"),    # 64 KiB pages on one host: posted as planned
+    ("auto", [0, 5, 2, 9], 64 << 10, False, True, "both"),     # ... across hosts a descriptor costs more
+    ("on", [0, 5, 2, 9], 1 << 20, True, True, "both"),         # forced
+    ("off", [0, 5, 2, 9], 4096, True, True, "direct"),
+    ("on", [7], 4096, True, True, "direct"),                   # one piece: nothing to merge
+])
+def test_each_window_is_staged_by_its_own_descriptors(mode, dst, size, same_host, remote, want) -> None:
+    assert choose(_window(dst, size), mode, same_host, remote) == want
+
+
+def test_scatter_runs_merge_neighbours_that_follow_each_other_in_the_destination() -> None:
+    r = runs(_window([4, 5, 6, 1, 9, 10], 100))
+    assert r.dst_addr.tolist() == [400, 100, 900] and r.nbytes.tolist() == [300, 100, 200]
+    assert r.src_addr.tolist() == [0, 300, 400]  # where each run starts in the gathered slice
+
+
+# -- decode's landing slots -------------------------------------------------------------------------
+def _landing() -> tuple[Landing, np.ndarray]:
+    pages = np.zeros((16, 256), np.uint8)
+    region = Region(name="k", addr=pages.ctypes.data, nbytes=pages.nbytes, stride=256, role="k", index_space="kv_page")
+    return Landing([region], slots=4, slice_bytes=4096), pages
+
+
+def test_each_prefill_rank_is_lent_two_slots_and_the_pool_is_bounded() -> None:
+    landing, _ = _landing()
+    a, b, again = landing.offer("a"), landing.offer("b"), landing.offer("a")
+    assert a is not None and b is not None and again == a
+    assert len(a.slots) == SLOTS_PER_PEER and not set(a.slots) & set(b.slots)
+    assert landing.offer("c") is None, "4 slots: two prefill ranks, then every slot is lent"
+
+
+def test_a_scatter_outside_this_ranks_memory_or_from_a_slot_not_lent_writes_nothing() -> None:
+    landing, pages = _landing()
+    offer = landing.offer("a")
+    assert offer is not None
+    outside = P.Staged(rooms=(1,), slot=offer.slots[0], dst=np.array([pages.ctypes.data + pages.nbytes], "<i8").tobytes(),
+                       nbytes=np.array([256], "<i8").tobytes())
+    with pytest.raises(ScatterError, match="outside this rank's registered host regions"):
+        landing.scatter("a", outside)
+    with pytest.raises(ScatterError, match="not one lent to this prefill rank"):
+        landing.scatter("b", outside)
+    assert not pages.any()
+
+
+# -- rooms end to end (in-process managers, the real control plane) ---------------------------------
+def config(staging: str, checksum: bool = False) -> SessionConfig:
+    return SessionConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0, transfer_timeout=10.0, staging=staging,
+                         checksum=checksum)
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Sender, Receiver, Pools, Pools, PrefillManager,
+                                                                          DecodeManager]]]:
+    """One room between an in-process prefill and decode manager (as tests/test_checksum.py's ``pair``)."""
+    # The faulty backends installed as a plugin in this process (bootstrap accepts installed backends only).
+    faulty = md.EntryPoint("faulty", "kvbridge.testing.faulty", "kvbridge")
+    monkeypatch.setattr(plugins, "_cached", plugins.build_registry([*plugins._entry_points(), faulty]))
+    made: list[object] = []
+
+    def make(staging: str, backend: type[MemoryBackend] = MemoryBackend, checksum: bool = False, page_nbytes: int = 4096,
+             send: bool = True) -> tuple[Sender, Receiver, Pools, Pools, PrefillManager, DecodeManager]:
+        sc = Scenario(backend="memory", prefill_pages=64, decode_pages=128, page_nbytes=page_nbytes)
+        src, dst = prefill_pools(sc), Pools(sc, sc.decode_pages, meta_rows=2)
+        server = BootstrapServer("127.0.0.1")
+        made.append(server)
+        pm = PrefillManager(src.kvargs, backend(BackendConfig(name="p")), bootstrap=server.address,
+                            config=config(staging, checksum))
+        made.append(pm)
+        dm = DecodeManager(dst.kvargs, backend(BackendConfig(name="d")), config=config(staging, checksum))
+        made.append(dm)
+        sender = Sender(pm, 7, metadata_row=0)
+        recv = Receiver(dm, 7, bootstrap=server.address)
+        recv.init(DST, metadata_row=1)
+        wait_until(lambda: sender.poll() == Poll.WAITING_FOR_INPUT, START_WAIT, "the request")
+        if send:
+            sender.send(SRC[: PAGES // 2], last=False)
+            sender.send(SRC[PAGES // 2:], last=True)
+            wait_until(finished(recv), 30, "the receiver")
+            wait_until(finished(sender), 30, "the sender")
+        return sender, recv, src, dst, pm, dm
+
+    yield make
+    for obj in reversed(made):
+        obj.close()  # type: ignore[attr-defined]
+
+
+def landed(src: Pools, dst: Pools) -> bool:
+    """Independent oracle: decode page DST[i] holds prefill page SRC[i], in every region."""
+    return all(np.array_equal(d[DST], s[SRC]) for s, d in zip(src.kv, dst.kv))
+
+
+@pytest.mark.parametrize("staging", ["on", "auto"])
+def test_scattered_small_pages_are_staged_on_both_sides_and_land_byte_exact(pair, staging) -> None:
+    before = metrics().snapshot()["backends"].get("memory", {}).get("staging_windows", {}).get("both", 0)
+    sender, recv, src, dst, pm, dm = pair(staging)
+    assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
+    assert landed(src, dst)
+    both = pm.transport.describe()["staging"]["windows_by_choice"]["both"]
+    assert both > 0
+    assert metrics().snapshot()["backends"]["memory"]["staging_windows"]["both"] - before == both
+    landing = dm.transport.describe()["landing"]
+    assert landing["windows"] > 0 and landing["dropped"] == 0
+    assert landing["lent"] * landing["slice_bytes"] <= 2 * landing["slice_bytes"], "2 slices for the one prefill rank"
+
+
+def test_staging_off_writes_every_page_as_planned_and_registers_no_staging_memory(pair) -> None:
+    sender, recv, src, dst, pm, dm = pair("off")
+    assert recv.poll() == Poll.SUCCESS and landed(src, dst)
+    assert "staging" not in pm.transport.describe() and "landing" not in dm.transport.describe()
+
+
+def test_a_byte_flipped_in_the_landing_slot_is_caught_by_the_checksum_where_it_lands(pair) -> None:
+    # FlipsByte inverts a destination byte of every batch: with staging, a byte of decode's slot, which
+    # the scatter then copies into a page; decode hashes the pages, so the room fails naming the checksum.
+    _sender, recv, src, dst, _pm, _dm = pair("on", FlipsByte, checksum=True)
+    assert recv.poll() == Poll.FAILED and "checksum mismatch (" in (recv.failure() or "")
+    assert not landed(src, dst)
+
+
+def test_a_room_given_up_on_decode_has_nothing_scattered_into_its_pages(pair) -> None:
+    _sender, recv, _src, dst, _pm, dm = pair("on", send=False)
+    recv.abort("given up by the test")
+    server = next(iter(dm._servers.values()))
+    rank = next(iter(server.ranks.values()))
+    landing = dm.transport.landing
+    assert landing is not None
+    offer = landing.offer((server.address, rank.key))
+    assert offer is not None
+    slot = offer.slots[0]
+    landing._buf[slot * landing.slice_bytes:(slot + 1) * landing.slice_bytes] = 0xAB  # what a late window holds
+    page = dst.kv[0][DST[0]]
+    before = page.copy()
+    msg = P.Staged(rooms=(7,), slot=slot, dst=np.array([page.ctypes.data], "<i8").tobytes(),
+                   nbytes=np.array([page.nbytes], "<i8").tobytes())
+    dm.loop.call(lambda: dm._on_staged(server, rank, msg))
+    deadline = time.monotonic() + 10
+    while landing.stats()["dropped"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert landing.stats()["dropped"] == 1 and landing.stats()["windows"] == 0
+    np.testing.assert_array_equal(page, before)
