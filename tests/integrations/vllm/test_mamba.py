@@ -18,10 +18,13 @@ import random
 
 import pytest
 import torch
+from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm_harness import (BLOCK, LAYERS, MAMBA_HEAD_DIM, MAMBA_HEADS, block_ids, layer_name, make_request,
                           make_server, model_config, prefill_request, status, step_until)
 from vllm.v1.request import RequestStatus
+
+from kvbridge.integrations.vllm.layout import mamba_groups
 
 ATTENTION, MAMBA = (0, 2), (1, 3)
 
@@ -37,8 +40,16 @@ def states(rank, layer: int, block: int, spec: MambaSpec) -> list[torch.Tensor]:
     return out
 
 
+def rows_first(conv: torch.Tensor) -> torch.Tensor:
+    """A conv state as (rows, channels), whichever of vLLM's conv layouts (SD or DS) stores it."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return conv.t() if is_conv_state_dim_first() else conv
+
+
 def split_conv(conv: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rank's (rows, x | B | C) conv state as (x channels, B|C channels)."""
+    """A rank's x | B | C conv state as (x channels, B|C channels), each (rows, channels)."""
+    conv = rows_first(conv)
     x = MAMBA_HEADS * MAMBA_HEAD_DIM // tp
     return conv[:, :x], conv[:, x:]
 
@@ -54,9 +65,20 @@ def expected(prefill, layer: int, block: int, spec: MambaSpec, d_rank: int, d_tp
     return [torch.cat([x[:, d_rank * xs:(d_rank + 1) * xs], bc], dim=1), ssm[d_rank * hs:(d_rank + 1) * hs]]
 
 
-@pytest.mark.parametrize("backend,p_tp,d_tp", [("memory", 1, 1), ("memory", 2, 2), ("nixl", 1, 1),
-                                               ("memory", 1, 2), ("memory", 2, 1), ("nixl", 1, 2), ("nixl", 2, 1)])
-def test_mamba_hybrid_state_moves_byte_exact(model, bootstrap, backend, p_tp, d_tp):
+@pytest.mark.parametrize("backend,p_tp,d_tp,variant", [
+    ("memory", 1, 1, ""), ("memory", 2, 2, ""), ("nixl", 1, 1, ""), ("memory", 1, 2, ""), ("memory", 2, 1, ""),
+    ("nixl", 1, 2, ""), ("nixl", 2, 1, ""),
+    ("memory", 2, 1, "DS"),  # vLLM's other conv layout: (channels, rows)
+    ("memory", 2, 2, "whole"),  # no n_groups in the config: the state moves as one item, rank to rank
+])
+def test_mamba_hybrid_state_moves_byte_exact(request, monkeypatch, model, bootstrap, backend, p_tp, d_tp, variant,
+                                            tmp_path):
+    if variant == "DS":  # vLLM fixes the layout per process (an lru_cache): set it for this test, then back
+        monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+        get_conv_state_layout.cache_clear()
+        request.addfinalizer(get_conv_state_layout.cache_clear)  # the next read, environment restored, is SD again
+    if variant == "whole":
+        model = model_config(tmp_path / "model", n_groups=0)
     prefill = make_server(model, "kv_producer", {"backend": backend, "bootstrap": bootstrap}, tp=p_tp, mamba=True,
                           fill=True, seed=3)
     decode = make_server(model, "kv_consumer", {"backend": backend}, tp=d_tp, mamba=True)
@@ -64,6 +86,9 @@ def test_mamba_hybrid_state_moves_byte_exact(model, bootstrap, backend, p_tp, d_
         groups = prefill.sched.kv_cache_config.kv_cache_groups
         assert [type(g.kv_cache_spec) for g in groups] == [FullAttentionSpec, MambaSpec]
         p_spec = groups[1].kv_cache_spec
+        conv_rows, conv_channels = p_spec.shapes[0][::-1] if variant == "DS" else p_spec.shapes[0]
+        assert conv_rows == 3 and conv_channels == (64 // p_tp + 32), p_spec.shapes  # the layout asked for
+        assert (mamba_groups(model.hf_text_config) is None) == (variant == "whole")
         d_spec = decode.sched.kv_cache_config.kv_cache_groups[1].kv_cache_spec
         prompt = [random.randrange(10, 900) for _ in range(4 * BLOCK + 5)]
         prefill_request(prefill, "held", prompt[:BLOCK])  # holds prefill's first blocks: m1 gets others than decode
@@ -92,8 +117,10 @@ def test_mamba_hybrid_state_moves_byte_exact(model, bootstrap, backend, p_tp, d_
         for r, d in enumerate(decode.ranks):
             for layer in MAMBA:
                 for s, t in state_blocks:
-                    for want, got in zip(expected(prefill, layer, s, p_spec, r, d_tp), states(d, layer, t, d_spec)):
-                        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)), (r, layer, s, t)
+                    got_conv, got_ssm = states(d, layer, t, d_spec)
+                    for want, got in zip(expected(prefill, layer, s, p_spec, r, d_tp), (rows_first(got_conv), got_ssm)):
+                        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), \
+                            (r, layer, s, t)
             if p_tp == d_tp:  # equal TP: rank r's attention pages come from prefill's rank r (heads: test_e2e)
                 for layer in ATTENTION:
                     for s, t in zip(src[0], dst[0]):
