@@ -49,14 +49,18 @@ HEAD = 16
 KV_HEADS = 4  # the model's total; TP 2 holds 2 per rank, TP 4 one
 LAYERS = 4
 WINDOW = 32  # the hybrid model's sliding window (layers 1 and 3)
-# The Mamba hybrid's Mamba2 layers (1 and 3), as vLLM's mamba2_state_shape sizes them: 4 heads of 16, one group,
-# state 16, conv kernel 4 -> conv state (x|B|C = 64 + 16 + 16 channels / TP, 3 rows) DS, SSM state (heads/TP, 16, 16).
+# The Mamba hybrid's Mamba2 layers (1 and 3), sized by vLLM's own mamba2_state_shape: 4 heads of 16, one group,
+# state 16, conv kernel 4 -> conv state (3 rows, x|B|C channels: 64/TP + 16 + 16, the one group on every rank),
+# SSM state (heads/TP, 16, 16).
 MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 4, 16, 16, 1, 4
 
 
 def mamba_shapes(tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    conv_dim = MAMBA_HEADS * MAMBA_HEAD_DIM + 2 * MAMBA_GROUPS * MAMBA_STATE
-    return (conv_dim // tp, MAMBA_CONV - 1), (MAMBA_HEADS // tp, MAMBA_HEAD_DIM, MAMBA_STATE)
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    return MambaStateShapeCalculator.mamba2_state_shape(
+        tp_world_size=tp, intermediate_size=MAMBA_HEADS * MAMBA_HEAD_DIM, n_groups=MAMBA_GROUPS,
+        num_heads=MAMBA_HEADS, head_dim=MAMBA_HEAD_DIM, state_size=MAMBA_STATE, conv_kernel=MAMBA_CONV)
 EOS = 2
 TOKEN = 7
 
@@ -64,12 +68,13 @@ TOKEN = 7
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": KV_HEADS * HEAD * 2,
          "intermediate_size": 128, "num_attention_heads": KV_HEADS * 2, "num_key_value_heads": KV_HEADS,
          "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 1024,
-         "torch_dtype": "float16", "rms_norm_eps": 1e-5, "eos_token_id": EOS}
+         "torch_dtype": "float16", "rms_norm_eps": 1e-5, "eos_token_id": EOS,
+         "n_groups": MAMBA_GROUPS}  # read only by the Mamba hybrid (a Mamba2 config's field)
 
 
-def model_config(folder: Path) -> ModelConfig:
+def model_config(folder: Path, **overrides: Any) -> ModelConfig:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(MODEL))
+    (folder / "config.json").write_text(json.dumps({**MODEL, **overrides}))
     return ModelConfig(model=str(folder), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=512)
 
 

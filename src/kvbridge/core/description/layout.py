@@ -207,12 +207,26 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # weakref: describe() keeps the pool objects a KVArgs was made from alive for as long as it lives.
-class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, weakref=True):
+# omit_defaults: a KVArgs without aliases encodes exactly as before they existed, so a peer running
+# the previous version still decodes it (its decoder forbids unknown fields; omitted ones take the
+# same defaults). One with aliases fails that peer's Hello as a malformed message, naming the field.
+class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, weakref=True, omit_defaults=True):
     """Everything one rank registers, plus the model facts both sides must share.
 
     Validated on construction (and on decoding from the wire): region names
     and keys are unique, regions do not overlap in memory, every region's
     index space is declared and fits inside it.
+
+    ``aliases``: regions that lie inside memory a region of ``regions``
+    already covers (another view of the same bytes: vLLM lays a Mamba
+    layer's state pages over an attention layer's KV pages). They are paired
+    and planned like regions, but never registered with a backend, never in
+    a ``RegionTable`` and exempt from the overlap check: each must lie wholly
+    inside one region of the same memory kind and device, whose registration
+    covers its bytes. Their items may be padded (stride larger than a split
+    shard's item). Everything that registers memory reads ``regions`` only.
+    A layer-wise send groups an alias's bytes with the layer of the region
+    that holds them (its own layer id names no layer group).
     """
 
     regions: tuple[Region, ...]
@@ -223,6 +237,7 @@ class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, weakref=Tr
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    aliases: tuple[Region, ...] = ()
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -238,7 +253,8 @@ class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, weakref=Tr
             spaces[space.name] = space
         names: set[str] = set()
         keys: dict[tuple[str, str, int, bool], str] = {}
-        for r in self.regions:
+        aliases = {r.name for r in self.aliases}
+        for r in (*self.regions, *self.aliases):
             if r.name in names:
                 raise ValueError(f"region name {r.name!r} is used twice")
             names.add(r.name)
@@ -259,23 +275,31 @@ class KVArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, weakref=Tr
                 if why:
                     raise ValueError(f"region {r.name!r}: {why}")
                 want = r.shard.item_nbytes(self.tp_rank, self.tp_size)
-                if want != r.stride:
+                if want != r.stride and not (r.name in aliases and want < r.stride):
                     raise ValueError(
                         f"region {r.name!r}: its shard describes {want}-byte items on TP rank "
                         f"{self.tp_rank} of {self.tp_size} (outer {r.shard.outer} x "
                         f"{want // (r.shard.outer * r.shard.unit_nbytes)} units x {r.shard.unit_nbytes} B) "
                         f"but the stride is {r.stride}"
                     )
-            if declared.count * r.stride > r.nbytes:
+            # An item's bytes: the stride, but a padded (alias) item's padding after its last item need not exist.
+            item = r.shard.item_nbytes(self.tp_rank, self.tp_size) if r.shard.kind == "split" else r.stride
+            if (declared.count - 1) * r.stride + item > r.nbytes:
                 raise ValueError(
                     f"region {r.name!r}: index space {declared.name!r} has {declared.count} items "
-                    f"of {r.stride} B = {declared.count * r.stride} B, but the region holds "
-                    f"only {r.nbytes} B"
+                    f"of {item} B, {r.stride} B apart = {(declared.count - 1) * r.stride + item} B, but the "
+                    f"region holds only {r.nbytes} B"
                 )
         _check_no_overlap(self.regions)
+        _check_aliases_inside(self.aliases, self.regions)
+
+    @property
+    def all_regions(self) -> tuple[Region, ...]:
+        """``regions`` then ``aliases``: every region the planner pairs (registration reads ``regions``)."""
+        return (*self.regions, *self.aliases)
 
     def region(self, name: str) -> Region:
-        for r in self.regions:
+        for r in self.all_regions:
             if r.name == name:
                 return r
         raise KeyError(f"no region named {name!r}")
@@ -305,6 +329,22 @@ def _check_no_overlap(regions: tuple[Region, ...]) -> None:
                 f"region {b.name!r} [{b.addr:#x}, {b.end:#x}) overlaps region "
                 f"{a.name!r} [{a.addr:#x}, {a.end:#x})"
             )
+
+
+def _check_aliases_inside(aliases: tuple[Region, ...], regions: tuple[Region, ...]) -> None:
+    """Each alias lies wholly inside one region of its memory (kind, device): that region registers its bytes."""
+    for a in aliases:
+        same = [r for r in regions if (r.mem, r.device) == (a.mem, a.device)]
+        if any(r.addr <= a.addr and a.end <= r.end for r in same):
+            continue
+        near = min(same, key=lambda r: min(abs(a.addr - r.addr), abs(a.addr - r.end)), default=None)
+        where = (f"nearest: {near.name!r} [{near.addr:#x}, {near.end:#x})" if near is not None
+                 else f"no region is in {a.mem} memory of device {a.device}")
+        raise ValueError(
+            f"alias region {a.name!r} [{a.addr:#x}, {a.end:#x}) ({a.mem}, device {a.device}) lies inside no "
+            f"region of the same memory ({where}); an alias must be another view of bytes a region already "
+            "registers: describe it as an ordinary region (in regions) if its memory is its own"
+        )
 
 
 class StagingOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -201,9 +201,10 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
     if dst.pp_size != 1:
         problems.append(f"decode PP {dst.pp_size} is not supported; run decode with PP 1 (prefill may use PP > 1)")
 
-    dst_by_key = {r.key: r for r in dst.regions}
-    src_keys = {r.key for r in src.regions}
-    missing = [r for r in src.regions if r.key not in dst_by_key]
+    # Aliases (KVArgs.aliases) pair and plan like regions; only registration skips them.
+    dst_by_key = {r.key: r for r in dst.all_regions}
+    src_keys = {r.key for r in src.all_regions}
+    missing = [r for r in src.all_regions if r.key not in dst_by_key]
     if missing:
         problems.append(
             f"decode registered no region for {len(missing)} prefill region(s): "
@@ -212,7 +213,7 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
             + "; both sides must run the same model config"
         )
     if src.pp_size == 1:
-        extra = [r for r in dst.regions if r.key not in src_keys]
+        extra = [r for r in dst.all_regions if r.key not in src_keys]
         if extra:
             problems.append(
                 f"prefill registered no region for {len(extra)} decode region(s): "
@@ -226,7 +227,7 @@ def pair_layouts(src: KVArgs, dst: KVArgs) -> Route:
     # (space, state type, src stride, dst stride, segments) -> [(src region, dst region)]
     grouped: dict[tuple[str, str, int, int, bytes], list[tuple[Region, Region, npt.NDArray[np.int64]]]] = {}
     used_spaces: set[str] = set()
-    for s in src.regions:
+    for s in src.all_regions:
         d = dst_by_key.get(s.key)
         if d is None:
             continue

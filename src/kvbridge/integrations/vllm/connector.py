@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .layout import describe_vllm_caches
+from .layout import describe_vllm_caches, mamba_groups
 from .metadata import KVBridgeMetadata
 from .scheduler import SchedulerSide
 from .settings import ConnectorSettings
@@ -112,7 +112,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         owners: dict[str, int] = {}
         kvargs = describe_vllm_caches(kv_caches, self._kv_cache_config,
                                       total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
-                                      tp_rank=self._w.tp_rank, tp_size=pc.tensor_parallel_size, owners=owners)
+                                      tp_rank=self._w.tp_rank, tp_size=pc.tensor_parallel_size, owners=owners,
+                                      mamba_n_groups=mamba_groups(self._vllm_config.model_config.hf_text_config))
         log.info("kvbridge: registering %d region(s) of %d block(s) over backend %r", len(kvargs.regions),
                  kvargs.index_spaces[0].count, self.settings.transfer.backend)
         self._w.register(kvargs, owners, next(iter(kv_caches.values()), None))

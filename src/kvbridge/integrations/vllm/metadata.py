@@ -15,11 +15,14 @@ class SendSpec:
 
     ``layerwise``: a decode-first request's last prefill step; its layers go
     out as ``save_kv_layer`` reports them, if decode's blocks are known by then.
+    ``state_groups``: the groups (Mamba) whose blocks are state blocks, sent in
+    the ``mamba_page`` index space; the others' blocks are ``kv_page`` indices.
     """
 
     room: int
     block_ids: tuple[tuple[int, ...], ...]
     layerwise: bool = False
+    state_groups: tuple[int, ...] = ()
 
 
 @dataclass
@@ -28,13 +31,15 @@ class RecvSpec:
 
     ``error`` set: nothing is asked for; the worker reports every block of
     ``block_ids`` as failed (a bad ``kv_transfer_params``, a block prefill
-    no longer holds).
+    no longer holds). ``state_ids``: the request's Mamba state blocks
+    (``mamba_page`` indices, in prefill's order), apart from ``block_ids``.
     """
 
     room: int
     bootstrap: str
     block_ids: tuple[int, ...]
     error: str | None = None
+    state_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -16,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .decode_first import DecodeFirstPrefill, is_decode_first
+from .layout import mamba_groups, mamba_split
 from .metadata import KVBridgeMetadata, RecvSpec, SendSpec
 from .params import BadTransferParams, RoomCounter, parse_decode_first, parse_remote_prefill, prefill_params
 
@@ -50,8 +51,12 @@ class SchedulerSide:
             if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0
             for g in groups
         ]
-        # Mamba pages move whole, rank to same-numbered rank (layout.py): only between equal TP sizes.
-        self.has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
+        # Mamba groups' blocks are state blocks (layout.py's mamba_page space). Mamba2 states whose conv and SSM
+        # state layout.py can slice move between any TP sizes; other kinds whole, between equal TP sizes only.
+        self.state_groups = tuple(g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, MambaSpec))
+        n_groups = mamba_groups(vllm_config.model_config.hf_text_config)
+        self.mamba_whole = any(mamba_split(groups[g].kv_cache_spec, self.tp_size, n_groups) is None
+                               for g in self.state_groups)
         self.to_send: dict[str, SendSpec] = {}
         self.to_recv: dict[str, RecvSpec] = {}
         self.sending: set[str] = set()  # finished prefill requests whose blocks the workers still hold
@@ -94,13 +99,14 @@ class SchedulerSide:
                     f"computed {remote.num_tokens} (kvbridge_num_tokens); send decode the prompt prefill ran"
                 )
             remote_tp = params.get("tp_size", self.tp_size)
-            if self.has_mamba and remote_tp != self.tp_size:
+            if self.mamba_whole and remote_tp != self.tp_size:
                 raise BadTransferParams(
                     f"request {request.request_id!r}: prefill runs TP {remote_tp}, decode TP {self.tp_size}; "
-                    "KVBridgeConnector moves Mamba / linear-attention state between equal TP sizes only"
+                    "KVBridgeConnector moves this model's Mamba / linear-attention state whole, between equal TP "
+                    "sizes only (it slices Mamba2 state whose config names n_groups)"
                 )
-            dst = self._pair(request.request_id, remote.block_ids, local)
-            self.to_recv[request.request_id] = RecvSpec(remote.room, remote.bootstrap, dst)
+            dst, state = self._pair(request.request_id, remote.block_ids, local)
+            self.to_recv[request.request_id] = RecvSpec(remote.room, remote.bootstrap, dst, state_ids=state)
         except BadTransferParams as exc:
             log.error("kvbridge: %s; its %d block(s) are reported as failed loads", exc, len(flat))
             self.to_recv[request.request_id] = RecvSpec(0, "", flat, error=str(exc))
@@ -116,9 +122,12 @@ class SchedulerSide:
             )
         return RecvSpec(room, bootstrap, local[0])
 
-    def _pair(self, req_id: str, remote: tuple[tuple[int, ...], ...], local: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
-        """Decode's destination blocks, in the order prefill sends its own (each group's tail, group by group)."""
+    def _pair(self, req_id: str, remote: tuple[tuple[int, ...], ...],
+              local: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Decode's destination KV blocks and state blocks, each in the order prefill sends its own (each
+        group's tail, group by group)."""
         dst: list[int] = []
+        state: list[int] = []
         remote = self._clip(remote)
         for g, (src_ids, dst_ids) in enumerate(zip(remote, local)):
             if len(dst_ids) > len(src_ids):
@@ -131,8 +140,8 @@ class SchedulerSide:
                     f"request {req_id!r}: decode hit its prefix cache in group {g} ({len(dst_ids)} of {len(src_ids)} "
                     "blocks to load); with several KV cache groups KVBridgeConnector loads whole requests only"
                 )
-            dst.extend(dst_ids)
-        return tuple(dst)
+            (state if g in self.state_groups else dst).extend(dst_ids)
+        return tuple(dst), tuple(state)
 
     # -- prefill -----------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -154,7 +163,7 @@ class SchedulerSide:
         if not any(clipped):
             return False, None
         room = self.rooms.next()
-        self.to_send[request.request_id] = SendSpec(room, clipped)
+        self.to_send[request.request_id] = SendSpec(room, clipped, state_groups=self.state_groups)
         self.sending.add(request.request_id)
         return True, prefill_params(room=room, bootstrap=self.bootstrap, block_ids=clipped,
                                     num_tokens=request.num_computed_tokens, engine_id=self.engine_id,

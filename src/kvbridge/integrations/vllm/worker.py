@@ -25,6 +25,7 @@ from typing import Any
 from kvbridge import BootstrapServer, DecodeManager, Poll, PrefillManager, Receiver, Sender
 
 from .layerwise import LayerwiseSends, send_when_ready
+from .layout import MAMBA_SPACE
 from .metadata import KVBridgeMetadata, RecvSpec, SendSpec
 
 __all__ = ["WorkerSide"]
@@ -91,7 +92,7 @@ class WorkerSide:
             sender = self._sender(req_id, spec.room)
             sent = False
             if spec.layerwise and sender.poll() == Poll.WAITING_FOR_INPUT:  # decode's blocks are known: per layer
-                sender.send(self._source_blocks(sender, spec), last=True, layerwise=True)
+                sender.send(self._source_blocks(sender, spec), last=True, layerwise=True)  # one group: no state
                 self.layerwise.start(req_id, sender)
                 sent = True
             elif spec.layerwise and sender.poll() == Poll.BOOTSTRAPPING:
@@ -112,7 +113,7 @@ class WorkerSide:
             if self.decode is None:
                 raise RuntimeError("KVBridgeConnector: asked to receive on a worker without kv_consumer role")
             recv = Receiver(self.decode, spec.room, bootstrap=spec.bootstrap)
-            recv.init(spec.block_ids)
+            recv.init(spec.block_ids, {MAMBA_SPACE: spec.state_ids} if spec.state_ids else None)
             self.receivers[req_id] = (recv, spec)
 
     def results(self, finished_req_ids: set[str] = frozenset()) -> tuple[set[str], set[str], set[str]]:  # type: ignore[assignment]
@@ -136,7 +137,7 @@ class WorkerSide:
                 if spec.layerwise:  # its last prefill step may still run on the GPU
                     send_when_ready(sender, self._source_blocks(sender, spec), self.any_cache)
                 else:  # a finished request: its step's output was processed, the bytes are final
-                    sender.send(self._source_blocks(sender, spec), last=True)
+                    sender.send(self._source_blocks(sender, spec), self._state_blocks(spec), last=True)
                 self.senders[req_id] = (sender, spec, True)
                 state = sender.poll()
             if state in (Poll.SUCCESS, Poll.FAILED) and req_id not in self.running:
@@ -170,11 +171,19 @@ class WorkerSide:
                     failed.add(req_id)
                 else:
                     self.load_errors.update(spec.block_ids)
+                    self.load_errors.update(spec.state_ids)
         return sent, recvd, failed
 
+    @staticmethod
+    def _state_blocks(spec: SendSpec) -> dict[str, list[int]] | None:
+        """The request's Mamba state blocks (``mamba_page`` indices), or None without Mamba groups."""
+        if not spec.state_groups:
+            return None
+        return {MAMBA_SPACE: [b for g in spec.state_groups for b in spec.block_ids[g]]}
+
     def _source_blocks(self, sender: Sender, spec: SendSpec) -> list[int]:
-        """Prefill's blocks in decode's order: every group's, or (one group) the tail decode asked for."""
-        flat = [b for g in spec.block_ids for b in g]
+        """Prefill's KV blocks in decode's order: every attention group's, or (one group) the tail decode asked for."""
+        flat = [b for g, ids in enumerate(spec.block_ids) if g not in spec.state_groups for b in ids]
         asked = {len(req.indices["kv_page"].array) for pid in sender.peer_ids()
                  if (req := sender.request(pid)) is not None and "kv_page" in req.indices}
         if len(asked) == 1 and not self.multi_group:
