@@ -127,7 +127,7 @@ class TransferConfig:
     strict_index_lengths: bool = _SESSION.strict_index_lengths
     #: Verify each room end to end with a hash (CPU memory only; see SessionConfig.checksum).
     checksum: bool = _SESSION.checksum
-    #: Staging of fragmented host-memory windows: auto, on or off (see SessionConfig.staging).
+    #: Staging of fragmented host-memory windows: gather, auto, on or off (see SessionConfig.staging).
     staging: str = _SESSION.staging
     #: A file holding the secret that authenticates control messages (docs/security.md);
     #: unset: ``$KVBRIDGE_SECRET_FILE`` or ``$KVBRIDGE_SECRET``. The secret itself is never a setting.
@@ -380,10 +380,11 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     group.add_argument("--transfer-checksum", dest="transfer_checksum", action="store_true",
                        help="verify every room end to end with a hash before SUCCESS (either side may ask; "
                             "CPU memory only; xxh3 with kvbridge[checksum], else crc32)")
-    group.add_argument("--transfer-staging", dest="transfer_staging", choices=("auto", "on", "off"),
+    group.add_argument("--transfer-staging", dest="transfer_staging", choices=("gather", "auto", "on", "off"),
                        default=_SESSION.staging,
-                       help="stage fragmented host-memory writes: gather small pieces into a registered buffer, write "
-                            "few large descriptors, scatter them on decode (default: auto, where pieces are small)")
+                       help="stage fragmented host-memory writes: gather small pieces into a registered buffer and "
+                            "write few large descriptors; auto/on also scatter them on decode (both sides, opt-in: "
+                            "docs/performance.md) (default: gather, on prefill where the destination merges them)")
     group.add_argument("--transfer-secret-file", dest="transfer_secret_file", default=None, metavar="PATH",
                        help="file holding the secret that authenticates control messages (default: "
                             "$KVBRIDGE_SECRET_FILE, else $KVBRIDGE_SECRET; without one, loopback only)")

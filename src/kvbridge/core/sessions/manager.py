@@ -69,10 +69,12 @@ class SessionConfig:
     #: the bytes it holds, a difference fails the room (kvbridge.core.sessions.checksum).
     #: Either side may ask. CPU memory only: refused with a GPU region.
     checksum: bool = False
-    #: Staging of fragmented host-memory windows (docs/performance.md, "Staging"): ``auto`` stages a
-    #: window when its pieces are small (``kvbridge.core.transfer.relay.choose``), ``on`` every window it can
-    #: (both sides where decode lends slots), ``off`` none (every descriptor written as planned).
-    staging: str = "off"
+    #: Staging of fragmented host-memory windows (docs/performance.md, "Staging"): ``gather`` (the default)
+    #: gathers a window of small pieces on prefill where that merges them in the destination; ``auto`` also
+    #: stages on both sides (decode lends slots) when its pieces are small
+    #: (``kvbridge.core.transfer.relay.choose``); ``on`` every window it can; ``off`` none (every descriptor
+    #: written as planned). Both-sides staging is opt-in: see docs/performance.md.
+    staging: str = "gather"
     #: Prefill: a metadata row of at most this many bytes (all metadata regions together)
     #: in host memory on both sides travels inside ``Done`` instead of as an engine write
     #: (kvbridge.core.sessions.row); 0: always an engine write.
@@ -111,8 +113,8 @@ class SessionConfig:
         if self.inline_row_bytes > self.max_message_bytes // 2:
             raise ValueError(f"inline_row_bytes ({self.inline_row_bytes}) must be at most half of max_message_bytes "
                              f"({self.max_message_bytes}): the row travels in a control message")
-        if self.staging not in ("auto", "on", "off"):
-            raise ValueError(f"staging must be one of auto, on, off, got {self.staging!r}")
+        if self.staging not in ("gather", "auto", "on", "off"):
+            raise ValueError(f"staging must be one of gather, auto, on, off, got {self.staging!r}")
         if self.fence_timeout is not None and self.fence_timeout <= 0:
             raise ValueError(f"fence_timeout must be > 0 (or None for the default), got {self.fence_timeout}")
         if self.heartbeat_timeout <= self.heartbeat_interval:

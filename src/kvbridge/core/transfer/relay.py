@@ -36,7 +36,7 @@ from ..planning.transferplan import TransferPlan
 __all__ = ["MODES", "MAX_PIECE", "MAX_PIECE_REMOTE", "REMOTE_WINDOW_DESCRIPTORS", "RemoteSlots", "choose", "runs"]
 
 #: ``SessionConfig.staging`` values.
-MODES = ("auto", "on", "off")
+MODES = ("gather", "auto", "on", "off")
 #: Mean bytes per piece up to which ``auto`` stages a window on the same host (copying a piece
 #: costs less than posting it there; measured: ``kvbridge bench transfer``, ``kvbridge bench tp``).
 MAX_PIECE = 16 << 10

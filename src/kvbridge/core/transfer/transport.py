@@ -63,7 +63,7 @@ class Transport(LaneWrites):
         self._local = RegionTable(())
         self._peers: dict[str, _Peer] = {}
         #: ``SessionConfig.staging``: auto, on or off (``core/transfer/relay.py``); set before :meth:`register`.
-        self.staging_mode = "auto"
+        self.staging_mode = "gather"
         #: Decode's staging slots, scattered into place (``core/transfer/landing.py``); None on prefill.
         self.landing: Landing | None = None
         #: Windows written per staging choice (``relay.choose``), for ``describe()`` and the benchmarks.
@@ -115,7 +115,7 @@ class Transport(LaneWrites):
                 if sends:
                     stage = staging.Staging(mine)
                     extra.append(stage.region)
-                else:
+                elif self.staging_mode in ("auto", "on"):  # gather: prefill's side only, decode lends no slots
                     self.landing = Landing(mine)
                     extra.append(self.landing.region)
             staged = staged or "dram" in caps.memory_kinds

@@ -112,9 +112,14 @@ class LaneWrites:
             state.overdue = math.inf
 
         host = memory is not None and memory.src_kind == memory.dst_kind == "dram"
-        slots = state.slots if host and announce is not None else None
+        slots = state.slots if host and announce is not None and self.staging_mode != "gather" else None
+        # Windows staged to this peer by any earlier write land at their scatter: whatever this write puts in
+        # place waits for them, announced or not (a layer-wise write rewriting a page an earlier chunk's
+        # staged window ended in must not land under that window's later scatter).
+        earlier = state.slots if host else None
         for window in self._windows(lane, plan, state, slots is not None):
-            how = relay.choose(window, self.staging_mode, state.same_host, slots is not None) if lane.staging else "direct"
+            mode = "auto" if self.staging_mode == "gather" else self.staging_mode  # gather: auto without slots
+            how = relay.choose(window, mode, state.same_host, slots is not None) if lane.staging else "direct"
             staged = slot = None
             if how == "both":
                 assert slots is not None and lane.staging is not None
@@ -128,8 +133,8 @@ class LaneWrites:
             how = how if staged is not None else "direct"
             self.windows[how] += 1
             self.on_window(how)
-            if slot is None and slots is not None:  # written into place: after every window staged before it
-                slots.settle(lambda where: self._check(peer, deadline, live, where))  # not under its later scatter
+            if slot is None and earlier is not None:  # written into place: after every window staged before it
+                earlier.settle(lambda where: self._check(peer, deadline, live, where))  # not under its later scatter
             if staged is None:
                 batches = lane.batches(window)
                 of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
@@ -214,7 +219,7 @@ class LaneWrites:
         """The plan in windows that staging may gather (one slice each), or whole when it cannot help."""
         limit = relay.MAX_PIECE if state.same_host else relay.MAX_PIECE_REMOTE
         if (lane.staging is None or self.staging_mode == "off" or len(plan) < 2
-                or (self.staging_mode == "auto" and plan.total_bytes > len(plan) * limit)):
+                or (self.staging_mode in ("auto", "gather") and plan.total_bytes > len(plan) * limit)):
             yield plan  # pieces too large on average to be worth copying: written as planned
             return
         most = relay.REMOTE_WINDOW_DESCRIPTORS if remote else staging.WINDOW_DESCRIPTORS
