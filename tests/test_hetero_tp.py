@@ -213,6 +213,7 @@ def _transports(n, sends):
     out = []
     for r in range(n):
         t = open_transport("memory", host="127.0.0.1", name=f"{'p' if sends else 'd'}{r}", transfer_timeout=5, options={})
+        t.staging_mode = "gather"  # opt-in (SessionConfig.staging); these tests are of the gather
         out.append(t)
     return out
 
@@ -229,6 +230,8 @@ def _staged_pair(tp_p, tp_d, *, sends=True, layout="nhd", capabilities=None):
     src_t, dst_t = _transports(tp_p, True), _transports(tp_d, False)
     if capabilities is not None:  # what a backend declaring them would get from open_transport
         src_t = [Transport.of(t.backend, t.name, capabilities) for t in src_t]
+        for t in src_t:
+            t.staging_mode = "gather"
     try:
         for t, a in zip(src_t, src_args):
             t.register(a.regions, sends=sends)

@@ -512,7 +512,8 @@ class BackendConformance(BackendHarness):
         # with token-major pages sends strided token rows; where the backend allows host staging
         # (BackendCapabilities.host_staging, the default), core gathers them into its registered
         # staging buffer and posts contiguous runs: that path must land the same bytes.
-        spec = self.hybrid_spec(prefill_tp=prefill_tp, decode_tp=decode_tp, layout="nhd", draft=True, requests=2)
+        spec = self.hybrid_spec(prefill_tp=prefill_tp, decode_tp=decode_tp, layout="nhd", draft=True, requests=2,
+                                staging="gather")
         p, d, _ = self.run_hybrid(children, spec)
         all_succeeded(p, d)
         if prefill_tp < decode_tp and get_registry().backend_spec(self.backend).capabilities.host_staging:

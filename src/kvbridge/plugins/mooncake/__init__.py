@@ -21,7 +21,7 @@ OPTIONS = (
 # flight can wedge the peer for good (docs/engines.md, Mooncake), so core sends at most one
 # queue's worth per write. The non-CUDA wheel moves host memory only.
 CAPABILITIES = BackendCapabilities(memory_kinds=("dram",), max_descriptors_per_batch=1024,
-                                   max_descriptors_in_flight=1024, batches_in_flight=4)
+                                   max_descriptors_in_flight=1024, batches_in_flight=1)
 
 
 @hookimpl
