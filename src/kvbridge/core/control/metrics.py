@@ -246,7 +246,7 @@ class Metrics:
 
     def _families(self) -> Iterator[Any]:
         """Prometheus metric families built from the current values (one consistent read)."""
-        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import HistogramMetricFamily
 
         with self._lock:
             data_bytes = dict(self._bytes)
@@ -257,16 +257,10 @@ class Metrics:
             failures = dict(self._failures)
             rejected = dict(self._rejected)
             windows = dict(self._windows)
-        fam = CounterMetricFamily("kvbridge_transfer_bytes", "Bytes written by completed transfer jobs",
-                                  labels=["backend", "state_type"])
-        for (backend, state_type), n in data_bytes.items():
-            fam.add_metric([backend, state_type], n)
-        yield fam
-        fam = CounterMetricFamily("kvbridge_transfer_descriptors", "Planned descriptors of completed transfer jobs",
-                                  labels=["backend", "state_type"])
-        for (backend, state_type), n in data_desc.items():
-            fam.add_metric([backend, state_type], n)
-        yield fam
+        yield _counter("kvbridge_transfer_bytes", "Bytes written by completed transfer jobs", ["backend", "state_type"],
+                       data_bytes)
+        yield _counter("kvbridge_transfer_descriptors", "Planned descriptors of completed transfer jobs",
+                       ["backend", "state_type"], data_desc)
         hist = HistogramMetricFamily("kvbridge_transfer_seconds", "Transfer job start to its last byte landing",
                                      labels=["backend"])
         for backend, (buckets, total) in transfer.items():
@@ -278,25 +272,13 @@ class Metrics:
         for (backend, role), (buckets, total) in boot.items():
             hist.add_metric([backend, role], buckets, total)
         yield hist
-        fam = CounterMetricFamily("kvbridge_rooms_succeeded", "Rooms that reached SUCCESS", labels=["backend", "role"])
-        for (backend, role), n in succeeded.items():
-            fam.add_metric([backend, role], n)
-        yield fam
-        fam = CounterMetricFamily("kvbridge_failures", "Rooms that reached FAILED, by reason",
-                                  labels=["backend", "role", "reason"])
-        for (backend, role, reason), n in failures.items():
-            fam.add_metric([backend, role, reason], n)
-        yield fam
-        fam = CounterMetricFamily("kvbridge_staging_windows", "Windows of writes by how they were written: direct, "
-                                  "gather (prefill only) or both (staged on both sides)", labels=["backend", "how"])
-        for (backend, how), n in windows.items():
-            fam.add_metric([backend, how], n)
-        yield fam
-        fam = CounterMetricFamily("kvbridge_control_rejected", "Control messages refused, by endpoint and reason",
-                                  labels=["endpoint", "reason"])
-        for (endpoint, reason), n in rejected.items():
-            fam.add_metric([endpoint, reason], n)
-        yield fam
+        yield _counter("kvbridge_rooms_succeeded", "Rooms that reached SUCCESS", ["backend", "role"], succeeded)
+        yield _counter("kvbridge_failures", "Rooms that reached FAILED, by reason", ["backend", "role", "reason"],
+                       failures)
+        yield _counter("kvbridge_staging_windows", "Windows of writes by how they were written: direct, gather "
+                       "(prefill only) or both (staged on both sides)", ["backend", "how"], windows)
+        yield _counter("kvbridge_control_rejected", "Control messages refused, by endpoint and reason",
+                       ["endpoint", "reason"], rejected)
 
 
 class _Collector:
@@ -355,3 +337,13 @@ def register_prometheus(registry: Any = None) -> bool:
         log.debug("kvbridge metrics are already registered in %r", target)
     METRICS.prometheus = True
     return True
+
+
+def _counter(name: str, doc: str, labels: list[str], values: dict[Any, int]) -> Any:
+    """One counter family: a sample per key of ``values`` (a label value, or a tuple of them)."""
+    from prometheus_client.core import CounterMetricFamily  # optional, as in collect()
+
+    fam = CounterMetricFamily(name, doc, labels=labels)
+    for key, n in values.items():
+        fam.add_metric(list(key) if isinstance(key, tuple) else [key], n)
+    return fam

@@ -164,18 +164,23 @@ class MooncakeBackend(Backend):
     def abort_peer(self, peer: str, stuck: bool = False) -> int:
         return self._tcp.abort_peer(peer, stuck)
 
-    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
-        """Write ``batch`` into ``peer`` with one ``batch_transfer_sync_write`` call."""
+    def _prepare(self, peer: str, batch: TransferPlan) -> tuple[Any, str, tuple[list[int], list[int], list[int]]]:
+        """The engine, ``peer``'s session and ``batch`` as the engine's int lists, checked right before a post."""
         engine = self._live_engine()
         session = self._peers.get(peer)
         if session is None:
             known = ", ".join(sorted(self._peers)) or "none"
             raise TransferError(f"mooncake: unknown peer {peer!r} (known peers: {known}); call add_peer first")
         # tolist() converts whole arrays in C; the engine wants Python int lists.
-        src, dst, nbytes = batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist()
+        lists = (batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist())
         if not may_post():
             raise TransferCancelled(f"mooncake: write to peer {peer!r} not posted: its room is no longer live")
-        rc = engine.batch_transfer_sync_write(session, src, dst, nbytes)
+        return engine, session, lists
+
+    def write(self, peer: str, batch: TransferPlan, deadline: float) -> None:
+        """Write ``batch`` into ``peer`` with one ``batch_transfer_sync_write`` call."""
+        engine, session, lists = self._prepare(peer, batch)
+        rc = engine.batch_transfer_sync_write(session, *lists)
         if rc != 0:
             error = TransferTimeout if expired(deadline) else TransferError
             raise error(
@@ -187,15 +192,8 @@ class MooncakeBackend(Backend):
     def post(self, peer: str, batch: TransferPlan, deadline: float) -> Callable[[float], None]:
         """Post ``batch`` with one ``batch_transfer_async_write``; the returned wait blocks in
         ``get_batch_transfer_status`` (GIL released) until it landed, failed or timed out."""
-        engine = self._live_engine()
-        session = self._peers.get(peer)
-        if session is None:
-            known = ", ".join(sorted(self._peers)) or "none"
-            raise TransferError(f"mooncake: unknown peer {peer!r} (known peers: {known}); call add_peer first")
-        src, dst, nbytes = batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.nbytes.tolist()
-        if not may_post():
-            raise TransferCancelled(f"mooncake: write to peer {peer!r} not posted: its room is no longer live")
-        batch_id = engine.batch_transfer_async_write(session, src, dst, nbytes)
+        engine, session, lists = self._prepare(peer, batch)
+        batch_id = engine.batch_transfer_async_write(session, *lists)
         if not batch_id:
             raise TransferError(f"mooncake: posting a write to peer {peer!r} ({session}) of {len(batch)} descriptors, "
                                 f"{batch.total_bytes} B failed (batch id 0); the engine's log above says why")
