@@ -105,7 +105,7 @@ def _probes(kvargs: KVArgs, backend: str) -> st.SearchStrategy[Probe]:
     before_hello = st.builds(
         lambda msg: Probe(
             P.encode(msg), False,
-            _reject(f"{type(msg).__name__} from {{ident!r}} before a handshake; send Hello first", getattr(msg, "room", None)),
+            _reject(f"{type(msg).__name__} from {{ident!r}} before a handshake; send Hello first", None),  # of the connection
             f"{type(msg).__name__} before Hello",
         ),
         st.one_of(

@@ -297,6 +297,45 @@ def test_an_abort_on_decode_reaches_prefill_within_a_second() -> None:
         assert "decode's host gave up" in (sender.failure() or "")
 
 
+def test_a_prefill_that_was_itself_held_up_does_not_drop_the_decode_it_could_not_hear(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Prefill's I/O thread held up for longer than the silence after which a decode is forgotten
+    # (FORGET_AFTER x heartbeat_timeout = 3 s here), as a frozen or swapped-out process is: the decode
+    # heartbeated all along, and its heartbeats wait in the socket. Before, the first tick after the
+    # stall ran before they were read and dropped the decode, whose next request was then refused.
+    with pair() as p:
+        assert p.room(1).poll() == Poll.SUCCESS
+        peer = p.pm.peer(p.dm.peer_id)
+        assert peer is not None
+        held = time.monotonic()
+        p.pm.loop.call(lambda: time.sleep(3.5))
+        wait_for(lambda: time.monotonic() - held > 3.8, 5.0, "the stall and the ticks after it")
+        assert p.pm.peer(p.dm.peer_id) is peer
+        assert not [r for r in caplog.records if "dropping it" in r.getMessage()]
+        assert p.room(2).poll() == Poll.SUCCESS and p.exact(2)
+
+
+def test_an_abort_on_a_dropped_decodes_old_connection_fails_the_room_it_asked_for_at_once() -> None:
+    # A decode prefill dropped (here: by hand, as for silence) does not know it yet: its next request
+    # is refused, it fails the room and aborts it on the connection prefill no longer routes by. That
+    # connection's Hello was accepted once, so the abort counts as the decode's: the sender prefill's
+    # host created for the room fails now, not at bootstrap_timeout (10 s here).
+    with pair() as p:
+        assert p.room(1).poll() == Poll.SUCCESS
+        peer = p.pm.peer(p.dm.peer_id)
+        assert peer is not None
+        p.pm.loop.call(lambda: p.pm._drop_peer(peer, "dropped by the test"))
+        wait_for(lambda: p.pm.peer(p.dm.peer_id) is None, 5.0, "the drop")
+        sender = Sender(p.pm, 3)
+        recv = Receiver(p.dm, 3, bootstrap=p.server.address)
+        recv.init(np.arange(PAGES), metadata_row=0)
+        recv.wait(Poll.SUCCESS, 5.0)
+        assert recv.poll() == Poll.FAILED
+        t = wait_for(lambda: sender.poll() == Poll.FAILED, 5.0, "prefill's sender")
+        assert t < 2.0 and "aborted by decode" in (sender.failure() or ""), (t, sender.failure())
+        assert p.room(4).poll() == Poll.SUCCESS and p.exact(4)  # the decode handshakes again
+
+
 def test_metrics_count_a_room_before_its_success_is_visible() -> None:
     with pair() as p:
         def sent() -> int:

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 #: the process's exit waits for them at most this long.
 STOP_LINGER_MS = 1000
 
+#: A tick this late (seconds) means the I/O thread was held up: what arrived meanwhile is read first.
+STALL = 0.25
+
 Handler = Callable[[zmq.Socket, list[bytes]], None]
 # Plain ints: zmq's are enum flags, and every ``&`` with one builds an enum member (on each wake-up).
 _POLLIN = int(zmq.POLLIN)
@@ -131,12 +134,13 @@ class IOLoop:
                         except BlockingIOError:
                             pass
                 self._drain_outbox()
-                for sock, event in events:
-                    # A handler may have removed (closed) another socket meanwhile.
-                    handler = self._handlers.get(sock) if event & _POLLIN else None
-                    if handler is not None:
-                        self._read(sock, handler)
-                if time.monotonic() >= next_tick:
+                self._read_events(events)
+                now = time.monotonic()
+                if now >= next_tick:
+                    if now - next_tick > STALL:
+                        # This thread did not run for a while (a long call, a frozen or swapped-out
+                        # process): read what arrived meanwhile before the tick judges peers silent.
+                        self._read_events(self._poller.poll(0))
                     next_tick = time.monotonic() + self._tick_interval
                     if self._tick is not None:
                         try:
@@ -154,6 +158,13 @@ class IOLoop:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_w = -1
+
+    def _read_events(self, events: list[tuple[Any, int]]) -> None:
+        for sock, event in events:
+            # A handler may have removed (closed) another socket meanwhile.
+            handler = self._handlers.get(sock) if event & _POLLIN else None
+            if handler is not None:
+                self._read(sock, handler)
 
     def _drain_outbox(self) -> None:
         while True:

@@ -58,6 +58,7 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         self._aborted: dict[int, tuple[str, float]] = {}
         #: ``Fenced`` held back while an engine may still write a failed write's bytes: (due, room, peer id).
         self._deferred_fenced: list[tuple[float, int, str]] = []
+        self._ticked = time.monotonic()  # the last tick: a long gap since is this process's stall
         self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
         self.layer_index = LayerIndex(kvargs)  # layer-wise sending: which layer each source address belongs to
         #: Layer-wise senders' pace: seconds between a chunk's announcements (see note_layer_gap; None until one).
@@ -193,14 +194,19 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
             if peer is not None and peer.ident != ident:
                 peer = None  # an older connection of a peer that handshook again since
             if peer is None and isinstance(msg, P.Abort):
-                # Fenced as that peer's when the connection was one (a write of the room may still run).
-                self._on_abort(None, peer_id or ident.hex(), msg, ident)
+                # Fenced as that peer's when the connection was one (a write of the room may still run),
+                # and it may give up what that peer could (a peer dropped for silence that resumed
+                # aborts the room it asked for while it was away, which prefill's host is waiting on).
+                self._on_abort(None, peer_id or ident.hex(), msg, ident, known=peer_id is not None)
                 return
             if peer is None:
                 # A connection is a peer only once a Hello of its own was accepted.
                 who = f"connection {ident.hex()}" if ident[:1] == b"\x00" else repr(ident.decode(errors="replace"))
                 reason = f"{type(msg).__name__} from {who} before a handshake; send Hello first"
-                self._chan.reject(ident, reason, getattr(msg, "room", None))
+                # Room-less: the refusal is of the connection, not of one room. A decode this rank
+                # dropped (it was silent) learns so from any message, fails its rooms here and
+                # handshakes again for the next one, instead of losing one room per request.
+                self._chan.reject(ident, reason)
                 return
             peer.last_seen = time.monotonic()
             if isinstance(msg, P.Heartbeat):
@@ -241,19 +247,21 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         if problem is not None:
             self._reply(peer.ident, P.Reject(reason=f"room {msg.room}: {problem}", room=msg.room))
 
-    def _on_abort(self, peer: DecodePeer | None, peer_id: str, msg: P.Abort, ident: bytes | None = None) -> None:
+    def _on_abort(self, peer: DecodePeer | None, peer_id: str, msg: P.Abort, ident: bytes | None = None,
+                  known: bool = False) -> None:
         """Stop what ``peer_id`` asked for in the room; answer ``Fenced`` once nothing of it is being written.
 
         A peer may abort only what it asked for, or a room nobody asked for
-        yet (a decode whose ``init`` failed before its request went out). An
-        unknown peer (dropped, or never handshaken) only gets the answer, on
-        ``ident`` (the connection it came on). A room given up on before its
+        yet (a decode whose ``init`` failed before its request went out), also
+        through a connection of its own that is no longer its route (``known``:
+        it was dropped, or handshook again since). A stranger's connection only
+        gets the answer, on ``ident`` (the connection it came on). A room given up on before its
         sender exists is remembered (``bootstrap_timeout``): the sender fails
         as the host creates it.
         """
         # One "aborted by decode" however the reason was written (a peer's default reason may already say it).
         reason = msg.reason if msg.reason.startswith("aborted by decode") else f"aborted by decode: {msg.reason}"
-        if peer is not None:
+        if peer is not None or known:
             pending = self._pending.get(msg.room)
             sender = self.rooms.get(msg.room)
             if pending is not None:
@@ -335,7 +343,14 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
                 overdue = sender.overdue(now, cfg)
                 if overdue is not None:
                     self.fail_sender(sender, *overdue)
+            # A decode's silence while this process itself did not run (frozen, swapped out, its I/O
+            # thread held up) is not evidence against the decode: only time this side listened counts.
+            # (Leases are not shifted: a decode may have given up on its rooms meanwhile.)
+            stalled = now - self._ticked - cfg.heartbeat_interval
+            self._ticked = now
             for peer in list(self._peers.values()):
+                if stalled > 0:
+                    peer.last_seen += stalled
                 if now - peer.last_seen > FORGET_AFTER * cfg.heartbeat_timeout:
                     self._drop_peer(peer, f"decode peer {peer.peer_id!r} sent nothing for {now - peer.last_seen:.1f}s")
                 elif now >= peer.lease_until:
