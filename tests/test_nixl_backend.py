@@ -451,3 +451,35 @@ def test_regions_of_a_device_other_than_0_register_and_land_byte_exact(dest, mod
             np.testing.assert_array_equal(got[e], exp, err_msg=f"region {e}")
     finally:
         backend.close()
+
+
+def test_an_agent_is_made_without_importing_torch() -> None:
+    # torch only tells which NIXL wheel matches its CUDA; importing it cost every process that made
+    # an agent 2-3 s of CPU and 230 MB (most of a test driver's start-up on a 2-core machine).
+    code = ("import sys; from kvbridge.plugins.nixl.backend import NixlBackend; from kvbridge.core.transfer.backend import "
+            "BackendConfig; from kvbridge.core.description.plugins import get_registry; "
+            "opts = get_registry().backend_spec('nixl').parse_options({}); "
+            "b = NixlBackend(BackendConfig(name='t', host='127.0.0.1', options=opts)); b.close(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("line, cuda, wheel", [("cuda: Optional[str] = '13.0'", "13.0", "nixl_cu13"),
+                                               ("cuda = '12.8'", "12.8", "nixl_cu12"),
+                                               ("cuda: Optional[str] = None", "", "")])
+def test_the_nixl_wheel_follows_the_cuda_that_torch_was_built_for(tmp_path, line: str, cuda: str, wheel: str) -> None:
+    # A stand-in torch package whose version.py says ``line``, first on the path of a fresh process.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('this stand-in must not be imported')\n")
+    (tmp_path / "torch" / "version.py").write_text(f"from typing import Optional\n__version__ = '9.9'\n{line}\n")
+    code = ("import importlib.util as u; from kvbridge.plugins.nixl.engine import engine_module, torch_cuda; "
+            "names = [n for n in ('nixl_cu12', 'nixl_cu13') if u.find_spec(n)]; "
+            "print(torch_cuda()); print(engine_module()); print(','.join(names))")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got_cuda, module, installed = out.stdout.rstrip("\n").split("\n")[-3:]
+    assert got_cuda == cuda
+    # The matching wheel when it is installed; otherwise the first installed one.
+    assert module == (wheel if wheel in installed.split(",") else installed.split(",")[0])

@@ -26,8 +26,10 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.core.control.auth import is_loopback
@@ -35,7 +37,8 @@ from kvbridge.core.control.auth import is_loopback
 if TYPE_CHECKING:
     from nixl_cu12 import nixl_agent  # or nixl_cu13: same API
 
-__all__ = ["engine_env", "engine_module", "error_hint", "make_agent", "mem_type", "nixl_errors", "quiet_nixl_logger"]
+__all__ = ["engine_env", "engine_module", "error_hint", "make_agent", "mem_type", "nixl_errors", "quiet_nixl_logger",
+           "torch_cuda"]
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +74,33 @@ def quiet_nixl_logger() -> None:
 def engine_module() -> str:
     """``nixl_cu12`` or ``nixl_cu13``: the wheel matching torch's CUDA major, else whichever is installed."""
     names = [n for n in ("nixl_cu12", "nixl_cu13") if importlib.util.find_spec(n) is not None]
-    try:
-        import torch
-
-        cuda = torch.version.cuda or ""
-    except ImportError:
-        cuda = ""
+    cuda = torch_cuda()
     wanted = f"nixl_cu{cuda.split('.')[0]}" if cuda else ""
     return wanted if wanted in names else (names[0] if names else "nixl_cu12")
+
+
+_TORCH_CUDA = re.compile(r"^cuda\s*(?::[^=\n]*)?=\s*['\"]([^'\"]*)['\"]", re.M)
+
+
+def torch_cuda() -> str:
+    """The CUDA version torch was built for ('' without torch, or for a CPU build).
+
+    Read from ``torch/version.py`` without importing torch, unless something already
+    did: importing it costs 2-3 s of CPU and 230 MB in every process that makes an
+    agent, which is most of a small process's start-up.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return getattr(getattr(torch, "version", None), "cuda", None) or ""
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            text = (Path(folder) / "version.py").read_text()
+        except OSError:
+            continue
+        found = _TORCH_CUDA.search(text)
+        return found.group(1) if found else ""
+    return ""
 
 
 def nixl_errors() -> tuple[type[BaseException], ...]:
