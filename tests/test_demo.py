@@ -130,7 +130,8 @@ def test_a_signal_stops_every_process_the_demo_started(sig, processes):
     """SIGTERM once the router is up and requests flow (prefill: supervisor + 2 ranks, decode:
     supervisor + 1 rank, router); Ctrl-C as soon as the servers' ranks exist; SIGKILL, which the
     demo cannot handle: its processes follow it anyway (they would otherwise serve on, orphaned)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "demo", "--transfer-backend", "memory",
+    # `python -m kvbridge` is the console script's path (kvbridge.entry): a Ctrl-C is caught from its first line.
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "demo", "--transfer-backend", "memory",
                              "--requests", "1000", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -166,11 +167,11 @@ def _reap(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@pytest.mark.parametrize("after_s", [0.1, 0.4, 0.8, 1.5, 3.0])
+@pytest.mark.parametrize("after_s", [0.1, 0.2, 0.4, 0.8, 1.5, 3.0])
 def test_ctrl_c_at_any_moment_of_the_start_up_exits_130_and_leaves_no_process(after_s):
     """While imports run, torch loads, servers start or the reference computes: 130, never an abort (134)."""
     # The moments are seconds after the start; on a loaded 2-core machine the early ones fall in the imports.
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "demo", "--transfer-backend", "memory",
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "demo", "--transfer-backend", "memory",
                              "--requests", "1000", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started: set[int] = set()
     try:
@@ -180,8 +181,14 @@ def test_ctrl_c_at_any_moment_of_the_start_up_exits_130_and_leaves_no_process(af
             time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-        # -SIGINT: the signal came before kvbridge's code had loaded (Python's own ending; the shell shows 130 too)
-        assert proc.returncode in (130, -signal.SIGINT) and "terminate called" not in err, (proc.returncode, err[-2000:])
+        if proc.returncode == -signal.SIGINT:
+            # Python's own start-up (it imports runpy before any code of ours runs; ~30 ms idle, more
+            # under load): its traceback, killed by SIGINT, which the shell shows as 130 too.
+            assert "kvbridge" not in err, err[-4000:]
+        else:
+            # From kvbridge.entry's first line on: 130, one line, no traceback, never an abort (134).
+            assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-4000:])
+            assert "terminate called" not in err and "Traceback" not in err, err[-4000:]
         _none_left(started)
     finally:
         _reap(proc)

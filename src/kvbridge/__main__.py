@@ -2,6 +2,6 @@
 
 import sys
 
-from kvbridge.cli import main
+from kvbridge.entry import main
 
 sys.exit(main())
