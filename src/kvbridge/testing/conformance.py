@@ -555,10 +555,8 @@ class BackendConformance(BackendHarness):
 
     def _layerwise_room(self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
                         ) -> tuple[LocalPrefill, Child, Sender, Any]:
-        # The Sender exists before the decode process starts: let it wait as long as a process may take to
-        # start (importing an engine with CUDA took over 5 s on a GPU machine).
         prefill, decode, sender, req = self.waiting_room(local_prefill, children, requests=1, max_pages=512, max_chunks=1,
-                                                         concurrency=1, bootstrap_timeout=START_WAIT)
+                                                         concurrency=1)
         assert sender.layers == ((0, False), (1, False))
         sender.send(req.src_pages, last=True, layerwise=True)
         return prefill, decode, sender, req
@@ -617,8 +615,7 @@ class BackendConformance(BackendHarness):
         (req,) = schedule(big)
         prefill = local_prefill(big)
         doomed = children("decode", big, bootstrap=prefill.address)
-        sender = Sender(prefill.mgr, req.room)
-        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        sender = self.sender_when_asked(prefill, req.room)
         sender.send(np.arange(len(req.src_pages)) * 2, last=True)
         # Kill at once: the fastest backend here (memory) needs ~30 ms for the whole chunk, which a
         # sleep of that order on a loaded machine outlasts. The write is starting or under way.
@@ -643,8 +640,7 @@ class BackendConformance(BackendHarness):
         (req,) = schedule(big)
         prefill = local_prefill(big)
         frozen = children("decode", big, bootstrap=prefill.address)
-        sender = Sender(prefill.mgr, req.room)
-        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        sender = self.sender_when_asked(prefill, req.room)
         sender.send(np.arange(len(req.src_pages) - 1) * 2)
         time.sleep(0.02)  # let the write start
         frozen.freeze()
@@ -701,7 +697,9 @@ class BackendConformance(BackendHarness):
         prefill = local_prefill(sc)
         closer = children("decode-close", sc, bootstrap=prefill.address)
         wave = schedule(sc)
-        senders = [Sender(prefill.mgr, req.room, metadata_row=row) for row, req in enumerate(wave)]
+        # The first once its request came (the driver is up), the others at once, before or after theirs.
+        senders = [self.sender_when_asked(prefill, wave[0].room)]
+        senders += [Sender(prefill.mgr, req.room, metadata_row=row) for row, req in enumerate(wave) if row]
         wait_until(lambda: all(s.poll() >= Poll.WAITING_FOR_INPUT for s in senders), self.scaled(START_WAIT), "requests")
         for sender, req in zip(senders, wave):
             sender.send(req.src_pages[:(len(req.src_pages) + 1) // 2])  # never the last chunk

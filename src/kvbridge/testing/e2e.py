@@ -167,11 +167,25 @@ def wait_all(rooms: list[Any], deadline: float, what: str) -> None:
 
 
 # -- prefill ----------------------------------------------------------------------------------
+def decode_is_up(mgr: PrefillManager, room: int, known: set[str], until: float) -> None:
+    """Wait until ``room`` was asked for or a decode peer not in ``known`` handshook (or ``until``).
+
+    A host creates a room's senders when its router hands it the request, often before decode's
+    request arrives; the drivers do so once decode is up. A decode process's start-up on a loaded
+    machine can outlast ``bootstrap_timeout``, which a sender counts from its creation (tests of that
+    timeout create their senders first on purpose). A decode that gave up before asking has handshaken:
+    its Abort then fails the sender as it is created."""
+    while not mgr.requested(room) and not {p.peer_id for p in mgr.peers()} - known and time.monotonic() < until:
+        time.sleep(0.002)
+
+
 def serve(mgr: PrefillManager, pools: Pools, sc: Scenario) -> int:
     """Serve ``sc``'s schedule from an existing prefill manager; return the number of failed rooms."""
     deadline = time.monotonic() + sc.deadline
     failed = 0
+    known = {p.peer_id for p in mgr.peers()}
     for wave in waves(schedule(sc), sc.concurrency):
+        decode_is_up(mgr, wave[0].room, known, min(deadline, time.monotonic() + sc.bootstrap_timeout))
         senders = []
         for slot, req in enumerate(wave):
             pools.meta[slot] = meta_row_for(req.room)
@@ -323,8 +337,9 @@ def run_prefill_close(sc: Scenario) -> int:
     mgr = PrefillManager(pools.kvargs, sc.backend, bootstrap=server.address, config=sc.session_config())
     try:
         wave = schedule(sc)[:sc.concurrency]
-        senders = [Sender(mgr, req.room, metadata_row=slot) for slot, req in enumerate(wave)]
         deadline = time.monotonic() + sc.deadline
+        decode_is_up(mgr, wave[0].room, set(), min(deadline, time.monotonic() + sc.bootstrap_timeout))
+        senders = [Sender(mgr, req.room, metadata_row=slot) for slot, req in enumerate(wave)]
         while time.monotonic() < deadline and any(s.poll() == Poll.BOOTSTRAPPING for s in senders):
             time.sleep(0.002)
         for sender, req in zip(senders, wave):

@@ -369,9 +369,19 @@ class BackendHarness:
         prefill = local_prefill(sc)
         decode = children("decode", sc, bootstrap=prefill.address)
         prefill.pools.meta[0] = meta_row_for(req.room)
-        sender = Sender(prefill.mgr, req.room, metadata_row=0)
-        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        sender = self.sender_when_asked(prefill, req.room, metadata_row=0)
         return prefill, decode, sender, req
+
+    def sender_when_asked(self, prefill: LocalPrefill, room: int, metadata_row: int = 0) -> Sender:
+        """``room``'s Sender, created once a decode driver's request for it arrived, at WAITING_FOR_INPUT.
+
+        Created after the request, as a host whose request reached it first does: a driver's start-up
+        (imports, the engine) on a loaded machine can outlast ``bootstrap_timeout``, which a sender
+        created first would count from its creation (tests of that timeout create theirs on purpose)."""
+        wait_until(lambda: prefill.mgr.requested(room), self.scaled(START_WAIT), f"decode's request for room {room}")
+        sender = Sender(prefill.mgr, room, metadata_row=metadata_row)
+        wait_until(lambda: sender.poll() >= Poll.WAITING_FOR_INPUT, self.scaled(START_WAIT), "decode's request")
+        return sender
 
     def hybrid_spec(self, **changes: Any) -> Spec:
         """The hybrid model's run over this backend. A backend that moves GPU memory only gets the model's
