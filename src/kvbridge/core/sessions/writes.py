@@ -82,7 +82,8 @@ def write(s: WritingRoom, job: Job, plans: Sequence[TransferPlan | None], what: 
     try:
         for p in plans:
             if p is not None and len(p):
-                # No announce: layer-wise writes are not staged on both sides (docs/architecture.md, "Staging").
+                # No announce: a chunk's layers before its last write are not staged on both sides; the write
+                # that ends the chunk (write_chunks) may be (docs/architecture.md, "Staging").
                 m.transport.write(peer.peer_id, p, deadline, lambda: m.live(s, peer, wait=True))
     except TransferCancelled:
         return False  # the room failed (live() says why); end_write fences it
