@@ -604,7 +604,7 @@ class BackendConformance(BackendHarness):
         assert d["mismatched_regions"] == 0
 
     @requires("dram")  # pools in host memory
-    def test_layerwise_chunk_still_computing_its_last_layer_is_written_before_the_next_chunk_ends_the_room(
+    def test_layerwise_chunk_still_computing_its_last_layer_lands_before_the_next_chunk_ends_the_room(
         self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
     ) -> None:
         # Chunk 0's layer 1 is still computing (its ready handle's query() says no) when the host sends the
