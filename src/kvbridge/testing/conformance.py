@@ -178,6 +178,24 @@ def _write(engine: Transport, peer: str, plan: TransferPlan, deadline: float, sl
         raise outcome[0]
 
 
+class _Gate:
+    """A layer's ``ready`` handle (``Sender.layer_ready``) whose source becomes final when the test says so:
+    ``query()`` is false and ``synchronize()`` waits (bounded) until :meth:`open`."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def open(self) -> None:
+        self._event.set()
+
+    def query(self) -> bool:
+        return self._event.is_set()
+
+    def synchronize(self) -> None:
+        if not self._event.wait(30.0):
+            raise TimeoutError("the test never opened this layer's gate")
+
+
 class BackendConformance(BackendHarness):
     """Subclass with ``backend = "<registered name>"``; see the module docstring."""
 
@@ -534,13 +552,20 @@ class BackendConformance(BackendHarness):
             assert p["staged_windows"] > 0, "staging forced on, host memory: core should have staged"
 
     # -- 4. layer-wise sending: each layer posted as the host finishes it -----------------------------
+    @pytest.mark.parametrize("staging", ["off", "auto"])
     def test_layerwise_every_state_handler_arrives_byte_exact_from_prefill_tp2_to_decode_tp4(
-        self, children: Callable[..., Child]
+        self, children: Callable[..., Child], staging: str
     ) -> None:
         # The hybrid model of section 3, each chunk sent with layerwise=True: layer by layer
         # (first chunk), then every target layer in one call and the draft layer in another.
-        spec = self.hybrid_spec(prefill_tp=2, decode_tp=4, layout="nhd", draft=True, layerwise=True)
-        all_succeeded(*self.run_hybrid(children, spec)[:2])
+        # With staging "auto", the write that ends each chunk (its last layers, state, row) stages windows of
+        # small pieces, on both sides where decode lent slots: it must still land before the room's Done,
+        # behind the chunk's earlier layers and ahead of the next chunk (issue #29).
+        spec = self.hybrid_spec(prefill_tp=2, decode_tp=4, layout="nhd", draft=True, layerwise=True, staging=staging)
+        p, d, _ = self.run_hybrid(children, spec)
+        all_succeeded(p, d)
+        if staging == "auto" and "dram" in self.capabilities.memory_kinds and self.capabilities.host_staging:
+            assert p["staged_windows"] > 0, "staging auto, host memory, scattered small pages: core should have staged"
 
     @requires("dram")  # pools in host memory
     def test_layerwise_requests_in_chunks_arrive_byte_exact_with_8_in_flight(self, children: Callable[..., Child]) -> None:
@@ -571,6 +596,40 @@ class BackendConformance(BackendHarness):
         assert sender.poll() == Poll.TRANSFERRING, "the room completed before its last layer was announced"
         sender.layer_ready(1)
         wait_until(finished(sender), self.scaled(10.0), "sender after the last layer")
+        assert sender.poll() == Poll.SUCCESS, sender.failure()
+        rc, d = decode.finish()
+        assert rc == 0 and d is not None and d["requests"] == 1 and d["failed"] == [], decode.stderr()[-3000:]
+        assert d["mismatched_regions"] == 0
+
+    @requires("dram")  # pools in host memory
+    def test_layerwise_chunk_still_computing_its_last_layer_lands_before_the_next_chunk_ends_the_room(
+        self, local_prefill: Callable[..., LocalPrefill], children: Callable[..., Child]
+    ) -> None:
+        # Chunk 0's layer 1 is still computing (its ready handle's query() says no) when the host sends the
+        # last chunk and announces all its layers. The transfer thread writes chunk 0's layer 0 and leaves
+        # layer 1 for a later call; the last chunk's write must not overtake that call: its Done ends the room,
+        # decode reports SUCCESS, and chunk 0's layer 1 would land after it (or, staged on both sides, be
+        # dropped by decode for a room it no longer holds: issue #29).
+        prefill, decode, sender, req = self.waiting_room(local_prefill, children, requests=1, max_pages=512,
+                                                         max_chunks=1, concurrency=1, bootstrap_timeout=START_WAIT)
+        assert sender.layers == ((0, False), (1, False))
+        pages = np.asarray(req.src_pages)
+        half = len(pages) // 2
+        assert half >= 1, f"the request has {len(pages)} pages; two chunks need at least 2"
+        layer0, layer1 = _Gate(), _Gate()
+        try:
+            sender.send(pages[:half], layerwise=True)
+            sender.layer_ready(0, ready=layer0)
+            sender.layer_ready(1, ready=layer1)
+            sender.send(pages[half:], last=True, layerwise=True)
+            sender.layer_ready([0, 1])
+            layer0.open()
+            time.sleep(0.3)  # the last chunk, written ahead of chunk 0's layer 1, would have ended the room by now
+            assert sender.poll() == Poll.TRANSFERRING, (
+                f"the room reached {sender.poll().name} while chunk 0's layer 1 was still computing")
+        finally:
+            layer1.open()
+        wait_until(finished(sender), self.scaled(10.0), "sender after chunk 0's layer 1")
         assert sender.poll() == Poll.SUCCESS, sender.failure()
         rc, d = decode.finish()
         assert rc == 0 and d is not None and d["requests"] == 1 and d["failed"] == [], decode.stderr()[-3000:]

@@ -20,7 +20,7 @@ from ..planning.transferplan import TransferPlan
 from .room import Poll, Room
 from .peers import DecodeRequest, PrefillSide
 from .worker import Group
-from .writes import ChunkWrite, Job, Totals, write_chunks, write_layers
+from .writes import ChunkWrite, Job, Totals, after_layers, write_chunks, write_layers
 
 if TYPE_CHECKING:
     from .manager import SessionConfig
@@ -68,6 +68,8 @@ class Sender(Room):
         self._unfinished = 0  # peers whose last chunk has not landed yet
         self._busy: dict[str, float] = {}  # peer -> start of its running write
         self._layered: _LayeredChunk | None = None
+        # Per peer, the room's latest chunk sent layer-wise: later chunks to that peer are written after it.
+        self._layer_jobs: dict[str, Job] = {}
         self._written: dict[str, list[TransferPlan | None]] = {}  # peer -> its plans, when checksummed
         with manager.lock:
             manager.add_room(self)
@@ -180,10 +182,19 @@ class Sender(Room):
             self.advance(Poll.TRANSFERRING)
             if layerwise and m.layer_index.keys:  # a rank without layers has nothing to wait for
                 self._layered = _LayeredChunk(chunk, last, jobs)
+                for job in jobs:
+                    # Held behind the previous layer-wise chunk still being written (after_layers), it counts as
+                    # queued, so layer_ready() submits nothing; released, it takes every layer announced by then.
+                    job.queued = after_layers(self._layer_jobs.get(job.peer.peer_id), functools.partial(
+                        job.peer.worker.submit, functools.partial(write_layers, self, job, chunk, last)))
+                    self._layer_jobs[job.peer.peer_id] = job
                 return
-        for job in jobs:
-            # Grouped: chunks of other rooms queued for this peer meanwhile go out in the same writes.
-            job.peer.worker.submit(Group(write_chunks, ChunkWrite(self, job, chunk, last, job.plan)))
+            for job in jobs:
+                # Grouped: chunks of other rooms queued for this peer meanwhile go out in the same writes.
+                submit = functools.partial(job.peer.worker.submit,
+                                           Group(write_chunks, ChunkWrite(self, job, chunk, last, job.plan)))
+                if not after_layers(self._layer_jobs.get(job.peer.peer_id), submit):
+                    submit()
 
     @property
     def layers(self) -> tuple[tuple[int, bool], ...]:

@@ -25,7 +25,7 @@ from .peers import DecodePeer, DecodeRequest, PrefillSide
 from .room import Poll
 from .row import read_row
 
-__all__ = ["ChunkWrite", "Job", "WritingRoom", "write_chunks", "write_layers"]
+__all__ = ["ChunkWrite", "Job", "WritingRoom", "after_layers", "write_chunks", "write_layers"]
 
 Totals = dict[str, tuple[int, int]]  # state type -> (bytes, descriptors)
 
@@ -46,6 +46,8 @@ class Job:
     complete: bool = False  # every layer of the chunk was announced: the write that takes the last ends the chunk
     # Set by layer_ready() for the chunk's last layer: ends a lingering worker's wait (linger).
     arrived: threading.Event = field(default_factory=threading.Event)
+    # Submissions of the room's later chunks to this peer, held until this chunk is written (after_layers).
+    held: list[Callable[[], None]] = field(default_factory=list)
 
 
 class WritingRoom(Protocol):
@@ -80,7 +82,8 @@ def write(s: WritingRoom, job: Job, plans: Sequence[TransferPlan | None], what: 
     try:
         for p in plans:
             if p is not None and len(p):
-                # No announce: layer-wise writes are not staged on both sides (docs/architecture.md, "Staging").
+                # No announce: a chunk's layers before its last write are not staged on both sides; the write
+                # that ends the chunk (write_chunks) may be (docs/architecture.md, "Staging").
                 m.transport.write(peer.peer_id, p, deadline, lambda: m.live(s, peer, wait=True))
     except TransferCancelled:
         return False  # the room failed (live() says why); end_write fences it
@@ -118,14 +121,14 @@ def write_layers(s: WritingRoom, job: Job, chunk: int, last: bool) -> None:
     with m.lock:
         first = job.announced[0] if job.announced else None
         if first is None or s.poll() == Poll.FAILED:
-            job.queued = False
+            end_layers(job, done=job.complete or s.poll() == Poll.FAILED)
             return
     if first[1] is not None:
         try:
             first[1].synchronize()
         except Exception as exc:
             with m.lock:
-                job.queued = False
+                end_layers(job, done=True)  # the room fails below: what is held behind it writes nothing
             m.fail_sender(s, f"room {s.room} chunk {chunk} {s.layer_names(first[0])}: waiting for the layers' "
                                 f"source (ready.synchronize()) failed: {exc}", "transfer_error")
             return
@@ -141,7 +144,7 @@ def write_layers(s: WritingRoom, job: Job, chunk: int, last: bool) -> None:
             body = split(s, job).groups([*groups, m.layer_index.tail])
     except PlanError as exc:  # a descriptor outside this rank's layer regions (validated: not expected)
         with m.lock:
-            job.queued = False
+            end_layers(job, done=True)  # the room fails below: what is held behind it writes nothing
         m.fail_sender(s, f"room {s.room} chunk {chunk}: {exc}", "bad_request")
         return
     if final:
@@ -154,7 +157,34 @@ def write_layers(s: WritingRoom, job: Job, chunk: int, last: bool) -> None:
         if job.announced and s.poll() != Poll.FAILED:
             job.peer.worker.submit(functools.partial(write_layers, s, job, chunk, last))  # job.queued stays
         else:
-            job.queued = False
+            end_layers(job, done=(job.complete and not job.announced) or s.poll() == Poll.FAILED)
+
+
+def after_layers(earlier: Job | None, submit: Callable[[], None]) -> bool:
+    """Hold a later chunk's write to a peer (``submit``) while ``earlier`` (the room's previous layer-wise
+    chunk to that peer) still has a :func:`write_layers` call queued: it is submitted once that chunk is
+    written. True if held; False: nothing was held, the caller submits. Under the manager's lock.
+
+    A write_layers call that leaves a layer still computing queues the next call behind the peer's other
+    jobs, so other rooms' writes are not held back. The room's own later chunk must not run first: the last
+    chunk's ``Done`` would reach decode (SUCCESS there) before the earlier chunk's remaining layers landed,
+    and decode drops a staged window of a room it no longer holds (issue #29).
+    """
+    if earlier is not None and earlier.queued:
+        earlier.held.append(submit)
+        return True
+    return False
+
+
+def end_layers(job: Job, done: bool) -> None:
+    """Under the manager's lock: no :func:`write_layers` call of ``job`` is queued any more. ``done``: its
+    chunk is written (every layer was taken and the last write returned) or the room failed; then the later
+    chunks held behind it (:func:`after_layers`) are submitted, in order."""
+    job.queued = False
+    if done:
+        held, job.held = job.held, []
+        for submit in held:
+            submit()
 
 
 def take_ready(s: WritingRoom, job: Job, groups: list[int], first: bool = False) -> tuple[list[int], bool]:
