@@ -47,17 +47,18 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from .crosscheck import compare
-from .handlers import C128_SPACE, C128_STATE, SLOT_SPACE, SWA_PAGE_SPACE
+from .handlers import C128_SPACE, C128_STATE, DSA_PAGE_SPACE, SLOT_SPACE, SWA_PAGE_SPACE
 from .settings import transfer_config
 
 __all__ = ["KVBridgeKVBootstrapServer", "KVBridgeKVManager", "KVBridgeKVReceiver", "KVBridgeKVSender", "sglang_pools"]
 
 log = logging.getLogger(__name__)
 
-#: The kvbridge index space each SGLang state component's index list addresses (None: it rides on
-#: the KV pages, which kvbridge sends chunk by chunk with the indexer pages of the same KV page).
+#: The kvbridge index space each SGLang state component's index list addresses. The DSA indexer has
+#: its own list (as SGLang sends it: with the last chunk) because a HiSparse decode's KV pages are
+#: host pages while its indexer stays in the device pool's logical pages.
 #: DeepSeek-V4's ``c128_state`` list names the request's pending C128 ring page (empty at a 128-token boundary).
-_SPACES = {"swa": SWA_PAGE_SPACE, "dsa": None, "mamba": SLOT_SPACE, C128_STATE: C128_SPACE}
+_SPACES = {"swa": SWA_PAGE_SPACE, "dsa": DSA_PAGE_SPACE, "mamba": SLOT_SPACE, C128_STATE: C128_SPACE}
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class KVBridgeKVManager(BaseKVManager):
                 raise ValueError(f"the model has {args.total_kv_head_num} KV heads and this rank holds {args.kv_head_num} of "
                                  f"TP {self.tp_size}: replicated KV heads are not supported by kvbridge's SGLang integration; "
                                  "use a TP size at most the number of KV heads")
-        self.state_spaces: list[str | None] = []
+        self.state_spaces: list[str] = []
         for st in args.state_types:
             value = getattr(st, "value", st)
             if value not in _SPACES:
@@ -147,7 +148,7 @@ class KVBridgeKVManager(BaseKVManager):
         """SGLang's per-component state index lists as kvbridge's per-space lists."""
         out: dict[str, np.ndarray] = {}
         for space, idx in zip(self.state_spaces, state_indices or ()):
-            if space is not None and idx is not None:
+            if idx is not None:
                 out[space] = np.asarray(idx, dtype=np.int64).reshape(-1)
         return out
 

@@ -13,8 +13,10 @@ What each describes, in kvbridge's terms (every buffer a region, paired by
   under heterogeneous TP (``nhd`` only: SGLang's PD transfer refuses ``hnd``).
 - ``MLATokenToKVPool``: per layer one latent buffer ``[slots, 1, dim]``, replicated.
 - ``DSATokenToKVPool`` (an MLA pool): the MLA latents plus, per layer, the
-  sparse-attention indexer cache (keys with their scales, one item per KV
-  page, replicated) -- SGLang's ``StateType.DSA``.
+  sparse-attention indexer cache (keys with their scales, one item per
+  indexer page, replicated) -- SGLang's ``StateType.DSA``, addressed by its
+  own page list (index space ``dsa_page``), as SGLang sends it: with the last
+  chunk. A HiSparse decode's host pool is described in :mod:`.hisparse`.
 - ``SWAKVPool``: its full-attention sub-pool as above (``kv_page``), its
   sliding-window sub-pool in the ``swa_page`` index space -- SGLang's
   ``StateType.SWA``, addressed by the window's own page list.
@@ -52,13 +54,15 @@ from kvbridge.core import (KV_PAGE_SPACE, METADATA_SPACE, DescribeContext, Descr
                            Region, Shard, StateHandlerSpec, buffer_region, hookimpl, item_count)
 from kvbridge.core.description.describe import paged_kv  # not re-exported by kvbridge.core
 
-__all__ = ["C128_SPACE", "C128_STATE", "DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE",
+__all__ = ["C128_SPACE", "C128_STATE", "DSA_PAGE_SPACE", "DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE",
            "kvbridge_register_state_handlers"]
 
 #: SGLang's sliding-window pages (the window's own page list), as kvbridge's swa handler names them.
 SWA_PAGE_SPACE = "swa_page"
 #: The state type of DSA indexer regions (SGLang's ``StateType.DSA``).
 DSA_STATE = "dsa"
+#: The DSA indexer's pages, addressed by SGLang's ``StateType.DSA`` list (the device pool's logical pages).
+DSA_PAGE_SPACE = "dsa_page"
 #: Request slots of the Mamba state (kvbridge's mamba handler's index space).
 SLOT_SPACE = "slot"
 #: DeepSeek-V4's request-scoped C128 state rings (SGLang's ``StateType.DSV4_REQUEST_STATE``, wire value
@@ -78,6 +82,8 @@ POOL_TYPES: dict[str, tuple[str, ...]] = {
     "sglang_hybrid_linear": (f"{_POOLS}:HybridLinearKVPool",),
     "sglang_dsv4": ("sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool",),
     "sglang_metadata": ("sglang.srt.disaggregation.utils:MetadataBuffers",),
+    # kvbridge's own record of a HiSparse decode's host and device pools (the plugin builds it).
+    "sglang_hisparse_dsa": ("kvbridge.integrations.sglang.hisparse:HiSparseDecodePools",),
 }
 #: Roles of DeepSeek-V4 regions beyond core's (per compression ratio; SGLang 0.5.23 has ratios 4 and 128).
 DSV4_ROLES = ("c4", "c128", "c4_indexer", "c4_state", "c4_indexer_state")
@@ -134,17 +140,36 @@ class MLAHandler:
         return describe_paged(pool, ctx, state_type="kv", index_space=KV_PAGE_SPACE)
 
 
+def describe_dsa_indexer(pool: Any, ctx: DescribeContext) -> Description:
+    """A ``DSATokenToKVPool``'s indexer cache (keys with scales), one item per indexer page, in ``dsa_page``.
+
+    SGLang addresses it by its ``StateType.DSA`` list, not by the KV pages: on a
+    HiSparse decode the KV pages are host pages while the indexer stays in the
+    device pool's logical pages (``HiSparseDSATokenToKVPool`` sizes it for the
+    logical capacity, ``host_to_device_ratio`` times the device KV).
+    """
+    desc = Description()
+    rows = 0
+    for layer, buf in zip(_layer_ids(pool), pool.index_k_with_scale_buffer):
+        if buf.numel() == 0:  # a layer sharing another's top-k owns a 0-row placeholder (SGLang skips it too)
+            continue
+        desc.regions.append(buffer_region(buf, name=f"{DSA_STATE}.indexer{layer}", role="indexer",
+                                          index_space=DSA_PAGE_SPACE, layer=layer, state_type=DSA_STATE,
+                                          draft=ctx.draft))
+        rows = item_count(buf)
+    if rows:
+        desc.index_spaces.append(IndexSpace(DSA_PAGE_SPACE, rows, int(pool.page_size), "page"))
+    return desc
+
+
 class DSAHandler:
-    """``DSATokenToKVPool``: the MLA latents plus the indexer cache (keys and scales) per KV page."""
+    """``DSATokenToKVPool``: the MLA latents per KV page plus the indexer cache per indexer page."""
 
     def describe(self, pool: Any, ctx: DescribeContext) -> Description:
         desc = describe_paged(pool, ctx, state_type="kv", index_space=KV_PAGE_SPACE)
-        for layer, buf in zip(_layer_ids(pool), pool.index_k_with_scale_buffer):
-            if buf.numel() == 0:  # a layer sharing another's top-k owns a 0-row placeholder (SGLang skips it too)
-                continue
-            desc.regions.append(buffer_region(buf, name=f"{DSA_STATE}.indexer{layer}", role="indexer",
-                                              index_space=KV_PAGE_SPACE, layer=layer, state_type=DSA_STATE,
-                                              draft=ctx.draft))
+        indexer = describe_dsa_indexer(pool, ctx)
+        desc.regions.extend(indexer.regions)
+        desc.index_spaces.extend(indexer.index_spaces)
         return desc
 
 
@@ -353,8 +378,14 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
         StateHandlerSpec(name="sglang_mla", factory=f"{here}:MLAHandler", pool_types=POOL_TYPES["sglang_mla"],
                          capabilities=kv, description="SGLang MLATokenToKVPool: one latent buffer per layer"),
         StateHandlerSpec(name="sglang_dsa", factory=f"{here}:DSAHandler", pool_types=POOL_TYPES["sglang_dsa"],
-                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE,), draft=True, hetero_tp="replicated"),
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, DSA_PAGE_SPACE), draft=True,
+                                                          hetero_tp="replicated"),
                          description="SGLang DSATokenToKVPool: MLA latents and the sparse-attention indexer cache"),
+        StateHandlerSpec(name="sglang_hisparse_dsa", factory="kvbridge.integrations.sglang.hisparse:HiSparseHandler",
+                         pool_types=POOL_TYPES["sglang_hisparse_dsa"],
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, DSA_PAGE_SPACE), hetero_tp="replicated"),
+                         description="SGLang HiSparse decode: MLA latents in the host pool (MLATokenToKVPoolHost) by "
+                                     "host page, the DSA indexer on the device by its logical pages"),
         StateHandlerSpec(name="sglang_swa", factory=f"{here}:SWAHandler", pool_types=POOL_TYPES["sglang_swa"],
                          capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, SWA_PAGE_SPACE), layouts=("nhd",),
                                                           draft=True, hetero_tp="slice KV heads (MHA), replicate (MLA)"),
