@@ -86,3 +86,91 @@ def test_the_hisparse_oracle_reports_a_decode_that_received_nothing():
     g = rig.global_tensors("dsa", False, seed=1)
     problems = hs.check_decode(hs.make_decode(0, 1), g)
     assert len(problems) == 2 * rig.LAYERS + len(rig.metadata_rows(rig.make_metadata()))
+
+
+def sglang_init_kv_manager_hisparse_then_transfer() -> dict:
+    """SGLang's own _init_kv_manager after load_plugins(): a DSA prefill queue and a HiSparse decode queue, one request.
+
+    The queues are SGLang's classes with the attributes their scheduler would set (as in
+    test_plugin.py); the decode's scheduler has ``enable_hisparse`` and a coordinator holding
+    the host pool, which is all SGLang's ``_init_kv_manager`` reads of HiSparse.
+    """
+    import json
+    import os
+    import tempfile
+    import types
+
+    import numpy as np
+    import sglang_pd as pd
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.disaggregation.utils import TransferBackend, is_mla_backend
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    from kvbridge.integrations.sglang.conn import KVBridgeKVBootstrapServer, KVBridgeKVReceiver
+
+    load_plugins()
+    boot = KVBridgeKVBootstrapServer("127.0.0.1", 0)
+    port = int(boot.address.rsplit(":", 1)[1])
+    model = tempfile.mkdtemp()  # a model's config only: resolving ServerArgs reads it, nothing loads weights
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+                   "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+                   "num_hidden_layers": rig.LAYERS, "vocab_size": 128, "max_position_embeddings": 256,
+                   "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}, f)
+    args = ServerArgs(model_path=model, device="cpu", tp_size=1, skip_tokenizer_init=True, host="127.0.0.1",
+                      disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
+                      disaggregation_bootstrap_port=port)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    g = rig.global_tensors("dsa", False, seed=11)
+    prefill = rig.make_rank("dsa", 0, 1, draft=False, fill=g)
+    decode = hs.make_decode(0, 1)  # its pools; its KVArgs are SGLang's own _init_kv_manager's below
+    common = dict(rust_server=None, server_args=args, req_to_token_pool=None,
+                  tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(kv_cache_dtype_str="bfloat16")),
+                  model_config=types.SimpleNamespace(hf_text_config=None, num_hidden_layers=rig.LAYERS,
+                                                     get_total_num_kv_heads=lambda: 1))
+    schedulers = {"prefill": types.SimpleNamespace(enable_hisparse=False, **common),
+                  "decode": types.SimpleNamespace(enable_hisparse=True, **common, hisparse_coordinator=types.SimpleNamespace(
+                      mem_pool_host=decode.target.host))}
+    pools = {"prefill": (prefill.target, prefill.metadata), "decode": (decode.target.device, decode.metadata)}
+    managers = {}
+    for role, cls in (("prefill", PrefillBootstrapQueue), ("decode", DecodePreallocQueue)):
+        queue = cls.__new__(cls)
+        queue.token_to_kv_pool, queue.metadata_buffers = pools[role]
+        queue.draft_token_to_kv_pool, queue.scheduler = None, schedulers[role]
+        queue.tp_rank, queue.pp_rank, queue.pp_size, queue.gpu_id = 0, 0, 1, 0
+        queue.transfer_backend = TransferBackend.NIXL
+        queue.is_mla_backend = is_mla_backend(queue.token_to_kv_pool)
+        queue.enable_staging = False
+        managers[role] = queue._init_kv_manager()  # SGLang's own code, through kvbridge's hooks
+    d = managers["decode"]
+    out = {"kv_data_mem_kinds": d.kv_args.kv_data_mem_kinds, "state_types": [s.value for s in d.kv_args.state_types],
+           "kv_regions_on_host": [r.addr for r in d.description.regions if r.state_type == "kv"]
+           == [b.data_ptr() for b in decode.target.host.kv_buffer]}
+    try:
+        senders = pd.prefill_senders([managers["prefill"]], port, 4343)
+        recv = KVBridgeKVReceiver(d, f"127.0.0.1:{port}", 4343)
+        recv.init(0)
+        recv.send_metadata(np.array(hs.DST_HOST_PAGES, dtype=np.int32), pd.DST_ROW,
+                           [np.array(hs.DST_DSA_PAGES, dtype=np.int32)], decode_prefix_len=0)
+        out["ready"] = pd.wait(senders, {KVPoll.WaitingForInput, KVPoll.Failed}, 30)
+        pd.send_request(senders, [prefill])
+        out["polls"] = pd.wait(senders + [recv], {KVPoll.Success, KVPoll.Failed}, 30)
+        out["problems"] = hs.check_decode(decode, g)
+    finally:
+        for m in managers.values():
+            m.close()
+        boot.close()
+    return out
+
+
+def test_sglang_init_kv_manager_with_hisparse_builds_a_decode_manager_over_the_host_pool():
+    import forked
+
+    got = forked.run(sglang_init_kv_manager_hisparse_then_transfer,
+                     {"KVBRIDGE_SGLANG_BACKEND": "memory", "SGLANG_PLUGINS": None, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert got == {"kv_data_mem_kinds": ["DRAM"] * rig.LAYERS, "state_types": ["dsa"], "kv_regions_on_host": True,
+                   "ready": [2], "polls": [4, 4], "problems": []}
