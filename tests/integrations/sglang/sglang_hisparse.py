@@ -87,7 +87,8 @@ def make_decode(tp_rank: int, tp_size: int) -> rig.Rank:
     return rank
 
 
-def check_decode(rank: rig.Rank, g: dict[str, torch.Tensor]) -> list[str]:
+def check_decode(rank: rig.Rank, g: dict[str, torch.Tensor], host_pages: list[int] = DST_HOST_PAGES,
+                 dsa_pages: list[int] = DST_DSA_PAGES) -> list[str]:
     """Every buffer of a HiSparse decode rank against the oracle (asked-for items from the source, the rest zero)."""
     problems = []
     ps = rig.page_size("dsa")
@@ -97,13 +98,13 @@ def check_decode(rank: rig.Rank, g: dict[str, torch.Tensor]) -> list[str]:
         got = host.kv_buffer[layer]  # [host slots, 1, kv_cache_dim]
         src = g[f"kv{layer}"]
         want = got.new_zeros(got.shape)
-        for s, d in zip(pd.SRC_PAGES, DST_HOST_PAGES):
+        for s, d in zip(pd.SRC_PAGES, host_pages):
             want[d * ps:(d + 1) * ps] = src[s * ps:(s + 1) * ps]
         if not got.view(torch.uint8).equal(want.view(torch.uint8)):
             problems.append(f"{where}: host latent layer {layer} differs from the oracle")
         got = device.index_k_with_scale_buffer[layer]  # [logical pages, bytes]
         want = got.new_zeros(got.shape)
-        for s, d in zip(pd.SRC_PAGES, DST_DSA_PAGES):
+        for s, d in zip(pd.SRC_PAGES, dsa_pages):
             want[d] = g[f"index{layer}"][s]
         if not got.equal(want):
             problems.append(f"{where}: indexer layer {layer} differs from the oracle")
@@ -155,3 +156,28 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
         for m in managers:
             m.close()
         boot.close()
+
+
+def describe_dsv4_hisparse() -> str:
+    """A DeepSeek-V4 HiSparse decode's pools (a DeepSeekV4PagedHostPool over the C4 buffers): what describe() says.
+
+    The host pool is built as ``HiSparseCoordinator`` builds it (``layout="layer_first"``,
+    ``pin_memory=False`` here), over this pool's C4 KV buffers (SGLang passes its HiSparse
+    device C4 pool's, which a CPU build does not construct).
+    """
+    import sglang_dsv4 as dsv4
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
+    from kvbridge.core import describe
+
+    dsv4.publish_server_args()
+    device = dsv4.make_pool()
+    c4 = device.kv_pools[4].kv_buffer
+    host = DeepSeekV4PagedHostPool(pool_name="dsv4_hisparse_c4", device_buffers=list(c4), item_bytes=int(c4[0][0].nbytes),
+                                   num_host_pages=2 * int(c4[0].shape[0]), slot_page_size=int(device.page_size) // 4,
+                                   layout="layer_first", pin_memory=False)
+    try:
+        describe([HiSparseDecodePools(host=host, device=device)], dtype="fp8_e4m3", page_size=int(device.page_size))
+    except ValueError as exc:
+        return str(exc)
+    return "described"

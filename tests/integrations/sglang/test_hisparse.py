@@ -102,10 +102,12 @@ def sglang_init_kv_manager_hisparse_then_transfer() -> dict:
 
     import numpy as np
     import sglang_pd as pd
+    import torch
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import TransferBackend, is_mla_backend
+    from sglang.srt.mem_cache.common import kv_to_page_indices, suffix_page_indices
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
@@ -154,12 +156,24 @@ def sglang_init_kv_manager_hisparse_then_transfer() -> dict:
         senders = pd.prefill_senders([managers["prefill"]], port, 4343)
         recv = KVBridgeKVReceiver(d, f"127.0.0.1:{port}", 4343)
         recv.init(0)
-        recv.send_metadata(np.array(hs.DST_HOST_PAGES, dtype=np.int32), pd.DST_ROW,
-                           [np.array(hs.DST_DSA_PAGES, dtype=np.int32)], decode_prefix_len=0)
+        # The destination as SGLang's HiSparse pre-allocation makes it: host token slots from the host pool's own
+        # alloc_paged_token_slots (after another request took 3 pages), as pages (kv_to_page_indices); the DSA
+        # list from the request's logical token row (suffix_page_indices, decode's _dsa_pages_payload).
+        host, ps, tokens = decode.target.host, rig.page_size("dsa"), len(pd.SRC_PAGES) * rig.page_size("dsa")
+        host.alloc_page(3)
+        req_to_host = torch.full((4, 2 * tokens), -1, dtype=torch.int64)
+        slots = host.alloc_paged_token_slots(req_to_host, torch.zeros(4, dtype=torch.int64), 1, 0, tokens)
+        host_pages = kv_to_page_indices(slots, ps).astype(np.int32)
+        req_to_token = torch.zeros((4, tokens), dtype=torch.int32)
+        req_to_token[1] = (torch.tensor(hs.DST_DSA_PAGES, dtype=torch.int32)[:, None] * ps
+                           + torch.arange(ps, dtype=torch.int32)).reshape(-1)
+        dsa_pages = suffix_page_indices(req_to_token, 1, 0, tokens, ps)
+        out["destination"] = [host_pages.tolist(), np.asarray(dsa_pages).tolist()]
+        recv.send_metadata(host_pages, pd.DST_ROW, [dsa_pages], decode_prefix_len=0)
         out["ready"] = pd.wait(senders, {KVPoll.WaitingForInput, KVPoll.Failed}, 30)
         pd.send_request(senders, [prefill])
         out["polls"] = pd.wait(senders + [recv], {KVPoll.Success, KVPoll.Failed}, 30)
-        out["problems"] = hs.check_decode(decode, g)
+        out["problems"] = hs.check_decode(decode, g, host_pages.tolist(), np.asarray(dsa_pages).tolist())
     finally:
         for m in managers.values():
             m.close()
@@ -173,4 +187,14 @@ def test_sglang_init_kv_manager_with_hisparse_builds_a_decode_manager_over_the_h
     got = forked.run(sglang_init_kv_manager_hisparse_then_transfer,
                      {"KVBRIDGE_SGLANG_BACKEND": "memory", "SGLANG_PLUGINS": None, "HF_HUB_OFFLINE": "1"}, timeout=120)
     assert got == {"kv_data_mem_kinds": ["DRAM"] * rig.LAYERS, "state_types": ["dsa"], "kv_regions_on_host": True,
-                   "ready": [2], "polls": [4, 4], "problems": []}
+                   "destination": [[3, 4, 5, 6], hs.DST_DSA_PAGES], "ready": [2], "polls": [4, 4], "problems": []}
+
+
+def test_a_deepseek_v4_hisparse_decode_is_refused_by_name():
+    """Not built yet: SGLang's own decode addresses its device entries by a second page list (Mooncake only)."""
+    import forked
+    from sglang.srt.mem_cache import deepseek_v4_memory_pool, memory_pool_host  # noqa: F401 (imported before the fork)
+
+    text = forked.run(hs.describe_dsv4_hisparse, {"HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert "HiSparse decode with host pool DeepSeekV4PagedHostPool over device pool DeepSeekV4TokenToKVPool" in text, text
+    assert "use SGLang's own transfer backend" in text

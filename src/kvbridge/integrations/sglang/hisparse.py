@@ -83,7 +83,10 @@ class HiSparseHandler:
         host, device = pools.host, pools.device
         host_name, device_name = type(host).__name__, type(device).__name__
         if host_name != "MLATokenToKVPoolHost" or not hasattr(device, "index_k_with_scale_buffer"):
-            raise _refuse(f"host pool {host_name} over device pool {device_name}")
+            why = ("; its C4 KV lands in host pages while the C4 indexer and C128 KV stay on the device, addressed by a "
+                   "second KV page list (SGLang's device_kv_indices, Mooncake only in SGLang 0.5.23)"
+                   if host_name == "DeepSeekV4PagedHostPool" else "")
+            raise _refuse(f"host pool {host_name} over device pool {device_name}{why}")
         if int(host.page_size) != int(device.page_size):
             raise ValueError(f"HiSparse host pool pages hold {host.page_size} tokens, its device pool's "
                              f"{device.page_size}: SGLang's coordinator builds them equal")
