@@ -19,7 +19,8 @@ the ``KVArgs`` SGLang filled (:mod:`.crosscheck`). Poll values are kvbridge's
 :class:`~kvbridge.core.sessions.session.Poll`, numerically SGLang's ``KVPoll``.
 
 Not supported (a clear error, never a silent fallback): decode prefix reuse
-(``decode_prefix_len > 0``), prefill DP ranks other than 0, host destinations,
+(``decode_prefix_len > 0``), prefill DP ranks other than 0, SGLang's host-receive destinations
+(``KVTransferDestination.HOST``; a HiSparse decode's host pool is described by :mod:`.hisparse`),
 state types other than SWA, DSA, Mamba and DeepSeek-V4's ``c128_state``, replicated KV heads (TP > KV heads).
 """
 
