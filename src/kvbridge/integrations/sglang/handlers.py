@@ -149,16 +149,16 @@ def describe_dsa_indexer(pool: Any, ctx: DescribeContext) -> Description:
     logical capacity, ``host_to_device_ratio`` times the device KV).
     """
     desc = Description()
-    rows = 0
+    rows: list[int] = []
     for layer, buf in zip(_layer_ids(pool), pool.index_k_with_scale_buffer):
         if buf.numel() == 0:  # a layer sharing another's top-k owns a 0-row placeholder (SGLang skips it too)
             continue
         desc.regions.append(buffer_region(buf, name=f"{DSA_STATE}.indexer{layer}", role="indexer",
                                           index_space=DSA_PAGE_SPACE, layer=layer, state_type=DSA_STATE,
                                           draft=ctx.draft))
-        rows = item_count(buf)
-    if rows:
-        desc.index_spaces.append(IndexSpace(DSA_PAGE_SPACE, rows, int(pool.page_size), "page"))
+        rows.append(item_count(buf))
+    if rows:  # as many pages as the smallest layer holds: every index must lie inside every region
+        desc.index_spaces.append(IndexSpace(DSA_PAGE_SPACE, min(rows), int(pool.page_size), "page"))
     return desc
 
 
