@@ -158,26 +158,24 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
         boot.close()
 
 
-def describe_dsv4_hisparse() -> str:
-    """A DeepSeek-V4 HiSparse decode's pools (a DeepSeekV4PagedHostPool over the C4 buffers): what describe() says.
 
-    The host pool is built as ``HiSparseCoordinator`` builds it (``layout="layer_first"``,
-    ``pin_memory=False`` here), over this pool's C4 KV buffers (SGLang passes its HiSparse
-    device C4 pool's, which a CPU build does not construct).
-    """
+def describe_dsv4_hisparse() -> list[str]:
+    """A DeepSeek-V4 HiSparse decode (SGLang's pool with ``enable_hisparse`` and the coordinator's
+    ``DeepSeekV4PagedHostPool``, ``pin_memory=False``): kvbridge's description against SGLang's KVArgs
+    (empty: they agree), plus what kvbridge saw."""
     import sglang_dsv4 as dsv4
-    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
 
     from kvbridge.core import describe
+    from kvbridge.integrations.sglang.crosscheck import compare
 
     dsv4.publish_server_args()
-    device = dsv4.make_pool()
-    c4 = device.kv_pools[4].kv_buffer
-    host = DeepSeekV4PagedHostPool(pool_name="dsv4_hisparse_c4", device_buffers=list(c4), item_bytes=int(c4[0][0].nbytes),
-                                   num_host_pages=2 * int(c4[0].shape[0]), slot_page_size=int(device.page_size) // 4,
-                                   layout="layer_first", pin_memory=False)
-    try:
-        describe([HiSparseDecodePools(host=host, device=device)], dtype="fp8_e4m3", page_size=int(device.page_size))
-    except ValueError as exc:
-        return str(exc)
-    return "described"
+    device, meta = dsv4.make_pool(hisparse=True), rig.make_metadata()
+    host = dsv4.make_host(device)
+    ours = describe([HiSparseDecodePools(host=host, device=device), meta], dtype="fp8_e4m3", page_size=int(device.page_size))
+    args = dsv4.hisparse_kv_args(device, host, meta, 0)
+    kv = [r for r in ours.regions if r.state_type == "kv"]
+    return compare(args, ours) + [
+        "kv: " + ", ".join(f"{r.role}/{r.layer}/{r.index_space}/{'host' if r.addr in args.kv_data_ptrs[:host.layer_num] else 'device'}"
+                           for r in kv),
+        "spaces: " + ",".join(f"{s.name}={s.count}" for s in ours.index_spaces),
+        "device C4 registered: " + str(any(r.addr == b.data_ptr() for r in ours.regions for b in device.c4_kv_pool.kv_buffer))]

@@ -66,10 +66,16 @@ def test_a_host_layout_other_than_layer_first_is_refused_by_name(layout):
         describe([HiSparseDecodePools(host=host, device=device)], dtype="bfloat16", page_size=64)
 
 
-def test_a_hisparse_draft_pool_is_refused():
+def test_a_draft_pool_beside_a_hisparse_dsa_decode_is_refused(monkeypatch):
+    """SGLang addresses such a draft's KV by the logical pages while the target's goes to host pages."""
+    import sglang_pd as pd
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    monkeypatch.setenv("KVBRIDGE_SGLANG_BACKEND", "memory")
     rank = hs.make_decode(0, 1)
+    rank.draft = rig.make_pool("dsa", 1, draft=True)
     with pytest.raises(ValueError, match="HiSparse decode with a draft pool"):
-        describe([rank.metadata], draft_pools=[rank.target], dtype="bfloat16", page_size=64)
+        pd.manager(rank, DisaggregationMode.DECODE, 1)
 
 
 CASES = [(p, d, b) for b in ("memory", "nixl") for p, d in ((1, 1), (2, 1), (1, 2))]
@@ -190,11 +196,39 @@ def test_sglang_init_kv_manager_with_hisparse_builds_a_decode_manager_over_the_h
                    "destination": [[3, 4, 5, 6], hs.DST_DSA_PAGES], "ready": [2], "polls": [4, 4], "problems": []}
 
 
-def test_a_deepseek_v4_hisparse_decode_is_refused_by_name():
-    """Not built yet: SGLang's own decode addresses its device entries by a second page list (Mooncake only)."""
+
+_DSV4_ENV = {"HF_HUB_OFFLINE": "1", "KVBRIDGE_SGLANG_BACKEND": "memory"}
+
+
+def test_a_deepseek_v4_hisparse_decode_is_described_as_sglang_registers_it():
     import forked
     from sglang.srt.mem_cache import deepseek_v4_memory_pool, memory_pool_host  # noqa: F401 (imported before the fork)
 
-    text = forked.run(hs.describe_dsv4_hisparse, {"HF_HUB_OFFLINE": "1"}, timeout=120)
-    assert "HiSparse decode with host pool DeepSeekV4PagedHostPool over device pool DeepSeekV4TokenToKVPool" in text, text
-    assert "use SGLang's own transfer backend" in text
+    *problems, kv, spaces, device_c4 = forked.run(hs.describe_dsv4_hisparse, _DSV4_ENV, timeout=120)
+    assert problems == []
+    # SGLang's kv_data: the host C4 entry first, then the device's C4 indexer and C128 KV.
+    assert kv == "kv: c4/1/c4_page/host, c4_indexer/1/kv_page/device, c128/2/kv_page/device"
+    # 12 host pages; kv_page as large as its smallest region (the C4 indexer's 132 rows).
+    assert spaces.startswith("spaces: c4_page=12,kv_page=132,"), spaces
+    assert device_c4 == "device C4 registered: False"
+
+
+DSV4_CASES = [(1, 1, "memory"), (1, 2, "memory"), (2, 1, "nixl")]
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,backend", DSV4_CASES, ids=[f"tp{p}to{d}-{b}" for p, d, b in DSV4_CASES])
+def test_deepseek_v4_prefill_lands_byte_exact_in_the_hisparse_c4_host_pool(prefill_tp, decode_tp, backend):
+    import forked
+    import sglang_dsv4 as dsv4
+
+    room = next(_rooms)
+    assert forked.run(dsv4.transfer, {**_DSV4_ENV, "KVBRIDGE_SGLANG_BACKEND": backend}, prefill_tp, decode_tp, room, room,
+                      backend, dsv4.TOKENS, False, True, timeout=120) == []
+
+
+def test_the_deepseek_v4_hisparse_oracle_reports_a_host_pool_that_received_nothing():
+    import forked
+    import sglang_dsv4 as dsv4
+
+    problems = forked.run(dsv4.untouched_hisparse_decode_problems, _DSV4_ENV, 7, timeout=120)
+    assert "decode TP rank 0: host buffer c4.0 differs from the oracle" in problems

@@ -54,7 +54,7 @@ from kvbridge.core import (KV_PAGE_SPACE, METADATA_SPACE, DescribeContext, Descr
                            Region, Shard, StateHandlerSpec, buffer_region, hookimpl, item_count)
 from kvbridge.core.description.describe import paged_kv  # not re-exported by kvbridge.core
 
-__all__ = ["C128_SPACE", "C128_STATE", "DSA_PAGE_SPACE", "DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE",
+__all__ = ["C128_SPACE", "C128_STATE", "C4_PAGE_SPACE", "DSA_PAGE_SPACE", "DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE",
            "kvbridge_register_state_handlers"]
 
 #: SGLang's sliding-window pages (the window's own page list), as kvbridge's swa handler names them.
@@ -63,6 +63,9 @@ SWA_PAGE_SPACE = "swa_page"
 DSA_STATE = "dsa"
 #: The DSA indexer's pages, addressed by SGLang's ``StateType.DSA`` list (the device pool's logical pages).
 DSA_PAGE_SPACE = "dsa_page"
+#: DeepSeek-V4's C4 KV pages: the KV page list on prefill and on a device decode; a HiSparse decode's host
+#: pages (SGLang's KV list there, while its ``device_kv_indices`` address the other KV entries).
+C4_PAGE_SPACE = "c4_page"
 #: Request slots of the Mamba state (kvbridge's mamba handler's index space).
 SLOT_SPACE = "slot"
 #: DeepSeek-V4's request-scoped C128 state rings (SGLang's ``StateType.DSV4_REQUEST_STATE``, wire value
@@ -301,7 +304,8 @@ class DSV4Handler:
             if kv_pool is not None:
                 for layer, buf in zip(layers, kv_pool.kv_buffer):
                     regions.append(_rows_region(buf, stride=buf[0].nbytes, name=f"dsv4.c{ratio}.{layer}", role=f"c{ratio}",
-                                                index_space=KV_PAGE_SPACE, layer=layer, state_type="kv", **common))
+                                                index_space=C4_PAGE_SPACE if ratio == 4 else KV_PAGE_SPACE, layer=layer,
+                                                state_type="kv", **common))
             index_pool = pool.index_pools.get(ratio)
             if index_pool is not None:
                 for layer, buf in zip(layers, index_pool.contiguous_page_row_buffers()):
@@ -332,7 +336,7 @@ class DSV4Handler:
             regions.append(_rows_region(t, stride=t[0].nbytes * rows, name=f"dsv4.c128_state.{layer}", role="state",
                                         index_space=C128_SPACE, layer=layer, state_type=C128_STATE, **common))
         desc = Description(regions=regions)
-        for space, tokens, kind in ((KV_PAGE_SPACE, int(pool.page_size), "page"),
+        for space, tokens, kind in ((KV_PAGE_SPACE, int(pool.page_size), "page"), (C4_PAGE_SPACE, int(pool.page_size), "page"),
                                     (SWA_PAGE_SPACE, int(pool.swa_page_size), "page"), (C128_SPACE, 1, "slot")):
             declared = _space(space, regions, tokens, kind)
             if declared is not None:
@@ -383,9 +387,11 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
                          description="SGLang DSATokenToKVPool: MLA latents and the sparse-attention indexer cache"),
         StateHandlerSpec(name="sglang_hisparse_dsa", factory="kvbridge.integrations.sglang.hisparse:HiSparseHandler",
                          pool_types=POOL_TYPES["sglang_hisparse_dsa"],
-                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, DSA_PAGE_SPACE), hetero_tp="replicated"),
-                         description="SGLang HiSparse decode: MLA latents in the host pool (MLATokenToKVPoolHost) by "
-                                     "host page, the DSA indexer on the device by its logical pages"),
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, DSA_PAGE_SPACE, C4_PAGE_SPACE,
+                                                                        SWA_PAGE_SPACE, C128_SPACE),
+                                                          roles=DSV4_ROLES, hetero_tp="replicated"),
+                         description="SGLang HiSparse decode: KV in the host pool by host page (DSA: MLATokenToKVPoolHost; "
+                                     "DeepSeek-V4: the C4 KV in DeepSeekV4PagedHostPool), the rest on the device"),
         StateHandlerSpec(name="sglang_swa", factory=f"{here}:SWAHandler", pool_types=POOL_TYPES["sglang_swa"],
                          capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, SWA_PAGE_SPACE), layouts=("nhd",),
                                                           draft=True, hetero_tp="slice KV heads (MHA), replicate (MLA)"),
@@ -398,7 +404,7 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
                                                           hetero_tp="slice KV heads; conv sub-blocks and SSM heads"),
                          description="SGLang HybridLinearKVPool: full-attention KV by page, Mamba state by slot"),
         StateHandlerSpec(name="sglang_dsv4", factory=f"{here}:DSV4Handler", pool_types=POOL_TYPES["sglang_dsv4"],
-                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, SWA_PAGE_SPACE, C128_SPACE),
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, C4_PAGE_SPACE, SWA_PAGE_SPACE, C128_SPACE),
                                                           roles=DSV4_ROLES, hetero_tp="replicated"),
                          description="SGLang DeepSeekV4TokenToKVPool: C4/C128 KV by page, window and state by SWA page, "
                                      "C128 rings by request"),
