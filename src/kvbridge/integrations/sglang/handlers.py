@@ -29,7 +29,9 @@ What each describes, in kvbridge's terms (every buffer a region, paired by
 - ``DeepSeekV4TokenToKVPool`` (a ``BaseSWAKVPool``, not an ``SWAKVPool``):
   in SGLang's ``get_contiguous_buf_infos`` order, per compression ratio the
   compressed KV of each layer of that ratio (role ``c4`` / ``c128``, one item
-  per full KV page) and the ratio's indexer pages (``c4_indexer``); as
+  per full KV page; the C4 KV in ``c4_page``, a list of its own, because a
+  HiSparse decode receives it in host pages) and the ratio's indexer pages
+  (``c4_indexer``); as
   SGLang's ``StateType.SWA`` (``swa_page``, the window's own pages) the
   sliding-window latents of every layer (role ``kv``) and the page-scoped
   compression state rings (``c4_state``, ``c4_indexer_state``: one item is
