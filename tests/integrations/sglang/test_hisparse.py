@@ -44,7 +44,7 @@ def test_hisparse_decode_description_agrees_with_sglang_kv_args(tp):
 def test_the_hisparse_record_resolves_to_its_handler_and_the_host_pool_alone_to_none():
     resolver = get_registry().state_resolver()
     rank = hs.make_decode(0, 1)
-    assert resolver.resolve(rank.target).name == "sglang_hisparse_dsa"
+    assert resolver.resolve(rank.target).name == "sglang_hisparse"
     assert resolver.resolve(rank.target.device).name == "sglang_dsa"  # HiSparseDSATokenToKVPool is a DSATokenToKVPool
 
 

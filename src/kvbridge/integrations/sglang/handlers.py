@@ -88,7 +88,7 @@ POOL_TYPES: dict[str, tuple[str, ...]] = {
     "sglang_dsv4": ("sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool",),
     "sglang_metadata": ("sglang.srt.disaggregation.utils:MetadataBuffers",),
     # kvbridge's own record of a HiSparse decode's host and device pools (the plugin builds it).
-    "sglang_hisparse_dsa": ("kvbridge.integrations.sglang.hisparse:HiSparseDecodePools",),
+    "sglang_hisparse": ("kvbridge.integrations.sglang.hisparse:HiSparseDecodePools",),
 }
 #: Roles of DeepSeek-V4 regions beyond core's (per compression ratio; SGLang 0.5.23 has ratios 4 and 128).
 DSV4_ROLES = ("c4", "c128", "c4_indexer", "c4_state", "c4_indexer_state")
@@ -387,8 +387,8 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
                          capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, DSA_PAGE_SPACE), draft=True,
                                                           hetero_tp="replicated"),
                          description="SGLang DSATokenToKVPool: MLA latents and the sparse-attention indexer cache"),
-        StateHandlerSpec(name="sglang_hisparse_dsa", factory="kvbridge.integrations.sglang.hisparse:HiSparseHandler",
-                         pool_types=POOL_TYPES["sglang_hisparse_dsa"],
+        StateHandlerSpec(name="sglang_hisparse", factory="kvbridge.integrations.sglang.hisparse:HiSparseHandler",
+                         pool_types=POOL_TYPES["sglang_hisparse"],
                          capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, DSA_PAGE_SPACE, C4_PAGE_SPACE,
                                                                         SWA_PAGE_SPACE, C128_SPACE),
                                                           roles=DSV4_ROLES, hetero_tp="replicated"),
