@@ -46,6 +46,8 @@ def test_the_hisparse_record_resolves_to_its_handler_and_the_host_pool_alone_to_
     rank = hs.make_decode(0, 1)
     assert resolver.resolve(rank.target).name == "sglang_hisparse"
     assert resolver.resolve(rank.target.device).name == "sglang_dsa"  # HiSparseDSATokenToKVPool is a DSATokenToKVPool
+    with pytest.raises(LookupError, match="MLATokenToKVPoolHost"):  # only with its device pool, as SGLang registers it
+        resolver.resolve(rank.target.host)
 
 
 def test_a_device_only_description_of_a_hisparse_decode_disagrees_with_sglang_entry_by_entry():
