@@ -65,7 +65,8 @@ def check_draft(target: Any, draft: Any) -> None:
 
 def _refuse(what: str) -> ValueError:
     return ValueError(f"HiSparse decode with {what}: not described by kvbridge's SGLang integration "
-                      "(it describes an MLATokenToKVPoolHost over a HiSparseDSATokenToKVPool); "
+                      "(it describes an MLATokenToKVPoolHost over a HiSparseDSATokenToKVPool, and a DeepSeekV4PagedHostPool "
+                      "beside a DeepSeekV4TokenToKVPool); "
                       "use SGLang's own transfer backend for it")
 
 
