@@ -47,12 +47,13 @@ def publish_server_args() -> None:
             ranks=SpawnRanks(world_rank=0))
 
 
-def make_pool() -> Any:
+def make_pool(hisparse: bool = False) -> Any:
     """Three layers: sliding-window only, C4 (with indexer), C128; FP8 KV, FP32 compression state.
 
     Every cache is replicated across attention TP (one latent head), so a rank of any TP size holds the
     same shapes; the pool is built under the one-rank topology the published ServerArgs describe, and
     the TP size reaches kvbridge through the manager's server_args and KVArgs.engine_rank.
+    ``hisparse``: SGLang's ``enable_hisparse`` (its C4 KV pool a ``HiSparseC4DevicePool``), a HiSparse decode's.
     """
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
     from sglang.srt.runtime_context import get_parallel
@@ -62,7 +63,43 @@ def make_pool() -> Any:
             max_num_reqs=4, swa_size=512, c4_size=256, c128_size=256, c4_state_pool_size=24, c128_state_pool_size=8,
             page_size=256, swa_page_size=256, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
             c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=3,
-            device="cpu", enable_memory_saver=False, compression_ratios=[0, 4, 128], sliding_window=128)
+            device="cpu", enable_memory_saver=False, compression_ratios=[0, 4, 128], sliding_window=128,
+            enable_hisparse=hisparse)
+
+
+#: A HiSparse decode's C4 host pages (its host pool has HOST_PAGES, the device C4 pool 8).
+HOST_PAGES = 12
+DST_HOST_PAGES = [10, 4]
+
+
+def make_host(pool: Any) -> Any:
+    """``HiSparseCoordinator``'s ``DeepSeekV4PagedHostPool`` over ``pool``'s C4 device pool, with
+    ``pin_memory=False`` (SGLang's default pins with ``cudaHostRegister``, which needs CUDA)."""
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
+    c4 = pool.c4_kv_pool
+    return DeepSeekV4PagedHostPool(pool_name="dsv4_hisparse_c4", device_buffers=c4.kv_buffer,
+                                   item_bytes=c4.bytes_per_page_padded, num_host_pages=HOST_PAGES,
+                                   slot_page_size=c4.page_size, layout="layer_first", pin_memory=False)
+
+
+def hisparse_kv_args(pool: Any, host: Any, meta: Any, tp_rank: int) -> Any:
+    """The KVArgs SGLang's decode ``_init_kv_manager`` fills with ``enable_hisparse`` for DeepSeek-V4: the host
+    C4 entries (``DRAM``), then the device pool's entries after its C4 layers; state from the device pool."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos, setup_state_kv_args
+
+    a = KVArgs()
+    a.engine_rank, a.pp_rank, a.kv_cache_dtype_str, a.num_draft_entries = tp_rank, 0, "fp8_e4m3", 0
+    ptrs, lens, items = get_kv_transfer_buf_infos(host)
+    dev = pool.get_contiguous_buf_infos()
+    n = host.layer_num  # SGLang's c4_layer_num
+    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = ptrs + dev[0][n:], lens + dev[1][n:], items + dev[2][n:]
+    a.kv_data_mem_kinds = ["DRAM"] * len(ptrs) + ["VRAM"] * len(dev[0][n:])
+    a.page_size = pool.page_size
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = meta.get_buf_infos()
+    setup_state_kv_args(a, pool, None, len(pool.compression_ratios))
+    return a
 
 
 def make_draft_pool() -> Any:
@@ -161,7 +198,7 @@ def describe_and_compare(draft: bool = False) -> list[str]:
 
 
 def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str = "memory", tokens: int = TOKENS,
-             draft: bool = False) -> list[str]:
+             draft: bool = False, hisparse: bool = False) -> list[str]:
     """One request of ``tokens`` tokens through kvbridge's SGLang adapter classes in SGLang's call order, over
     kvbridge ``backend`` (as ``KVBRIDGE_SGLANG_BACKEND`` chose it); every mismatch (empty: byte-exact).
     At a multiple of 128 tokens nothing pends in C128: SGLang's ``c128_state`` lists are empty on both sides."""
@@ -182,8 +219,11 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
     port = int(boot.address.rsplit(":", 1)[1])
     managers: list[Any] = []
 
+    hosts: dict[int, Any] = {}  # id(decode pool) -> its HiSparse host pool
+
     def rank(tp_rank: int, tp_size: int, fill: bool) -> tuple[Any, Any, Any, Any]:
-        pool, meta = make_pool(), rig.make_metadata()
+        on_host = hisparse and not fill  # a HiSparse decode
+        pool, meta = make_pool(hisparse=on_host), rig.make_metadata()
         dpool = make_draft_pool() if draft else None
         for name, (buf, _, _) in all_buffers(pool, dpool).items():
             # Replicated caches: every prefill rank holds the whole global tensor. Decode starts from zeros
@@ -192,10 +232,16 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
         if fill:
             for i, rows in enumerate(rig.metadata_rows(meta)):
                 rows.view(-1).copy_(g[f"meta{i}"])
+        if on_host:
+            hosts[id(pool)] = make_host(pool)
+            return pool, meta, hisparse_kv_args(pool, hosts[id(pool)], meta, tp_rank), dpool
         return pool, meta, kv_args(pool, meta, tp_rank, dpool), dpool
 
     def manager(r: tuple[Any, Any, Any, Any], mode: Any, tp_size: int) -> Any:
-        with sglang_pools(r[0], r[3], r[1]):
+        from kvbridge.integrations.sglang.hisparse import HiSparseDecodePools
+
+        target = HiSparseDecodePools(host=hosts[id(r[0])], device=r[0]) if id(r[0]) in hosts else r[0]
+        with sglang_pools(target, r[3], r[1]):
             m = KVBridgeKVManager(r[2], mode, rig.server_args(tp_size, port), True)
         managers.append(m)
         return m
@@ -220,7 +266,12 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
         recvs = [KVBridgeKVReceiver(m, f"127.0.0.1:{port}", room) for m in d_mgrs]
         for recv, (pool, _, args, _) in zip(recvs, d_ranks):  # decode's pre-allocation queue
             recv.init(0)
-            recv.send_metadata(np.array(DST_PAGES, dtype=np.int32), DST_ROW, state_indices(args, pool, DST_SWA, DST_REQ, tokens))
+            if hisparse:  # SGLang's HiSparse decode: C4 host pages as the KV list, the device entries' pages beside them
+                recv.send_metadata(np.array(DST_HOST_PAGES, dtype=np.int32), DST_ROW,
+                                   state_indices(args, pool, DST_SWA, DST_REQ, tokens),
+                                   device_kv_indices=np.array(DST_PAGES, dtype=np.int32))
+            else:
+                recv.send_metadata(np.array(DST_PAGES, dtype=np.int32), DST_ROW, state_indices(args, pool, DST_SWA, DST_REQ, tokens))
         polls = wait(senders, {KVPoll.WaitingForInput, KVPoll.Failed})
         if polls != [KVPoll.WaitingForInput] * len(senders):
             return [f"prefill senders polled {polls}: {[s.sender.failure() for s in senders]}"]
@@ -237,7 +288,7 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
             return [f"polls: prefill {s_polls}, decode {r_polls}; reasons: "
                     f"{[s.sender.failure() for s in senders] + [r.receiver.failure() for r in recvs]}"]
         return [p for tp_rank, (pool, meta, _, dpool) in enumerate(d_ranks)
-                for p in check_decode(pool, meta, g, tp_rank, tokens, dpool)]
+                for p in check_decode(pool, meta, g, tp_rank, tokens, dpool, hosts.get(id(pool)))]
     finally:
         for m in managers:
             m.close()
@@ -245,15 +296,25 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
 
 
 def check_decode(pool: Any, meta: Any, g: dict[str, torch.Tensor], tp_rank: int = 0, tokens: int = TOKENS,
-                 draft: Any = None) -> list[str]:
-    """Every buffer of a decode rank against the global tensors: asked-for items from prefill's, the rest zero."""
+                 draft: Any = None, host: Any = None) -> list[str]:
+    """Every buffer of a decode rank against the global tensors: asked-for items from prefill's, the rest zero.
+
+    ``host``: a HiSparse decode's C4 host pool, which receives the C4 KV at DST_HOST_PAGES; the device's
+    own C4 KV buffers must then stay zero."""
     src_c128 = [int(i) for i in pool.request_state_transfer_indices(SRC_REQ, tokens)]
     dst_c128 = [int(i) for i in pool.request_state_transfer_indices(DST_REQ, tokens)]
     pairs = {"kv": list(zip(SRC_PAGES, DST_PAGES)), "swa": list(zip(SRC_SWA, DST_SWA)), "c128": list(zip(src_c128, dst_c128))}
     problems = []
+    hosted = {f"c4.{i}": b for i, b in enumerate(host.kv_buffer)} if host is not None else {}
+    for name, b in hosted.items():
+        expect = b.new_zeros(b.shape)
+        for s, d in zip(SRC_PAGES, DST_HOST_PAGES):
+            expect[d] = g[name][s]
+        if not b.equal(expect):
+            problems.append(f"decode TP rank {tp_rank}: host buffer {name} differs from the oracle")
     for name, (buf, index, rows) in all_buffers(pool, draft).items():
         expect = torch.zeros_like(g[name])
-        for s, d in pairs[index]:
+        for s, d in pairs[index] if name not in hosted else ():  # hosted: the device copy receives nothing
             expect[d * rows:(d + 1) * rows] = g[name][s * rows:(s + 1) * rows]
         if not buf.equal(expect):
             problems.append(f"decode TP rank {tp_rank}: buffer {name} differs from the oracle")
@@ -302,3 +363,12 @@ def describe_with_ratio_2_layer() -> str:
     except ValueError as exc:
         return str(exc)
     return "described"
+
+
+def untouched_hisparse_decode_problems(seed: int) -> list[str]:
+    """What the oracle reports on a HiSparse decode rank (device pool and host pool) that received nothing."""
+    publish_server_args()
+    pool, meta = make_pool(hisparse=True), rig.make_metadata()
+    for buf, _, _ in buffers(pool).values():
+        buf.zero_()
+    return check_decode(pool, meta, global_tensors(seed), host=make_host(pool))

@@ -26,10 +26,11 @@ def test_description_agrees_with_sglang_kv_args_entry_by_entry():
     assert problems == []
     assert state_types == "state types: swa,c128_state"
     # SGLang's order: C4 KV (layer 1), C4 indexer, C128 KV (layer 2); window latents of every layer, the C4 rings; C128 ring.
-    assert regions == ("regions: kv/c4/1/kv_page, kv/c4_indexer/1/kv_page, kv/c128/2/kv_page, swa/kv/0/swa_page, "
+    assert regions == ("regions: kv/c4/1/c4_page, kv/c4_indexer/1/kv_page, kv/c128/2/kv_page, swa/kv/0/swa_page, "
                        "swa/kv/1/swa_page, swa/kv/2/swa_page, swa/c4_state/1/swa_page, swa/c4_indexer_state/1/swa_page, "
                        "c128_state/state/2/c128_slot"), regions
-    assert spaces.startswith("spaces: kv_page=8,swa_page=3,c128_slot=7"), spaces
+    # kv_page: as many pages as its smallest region (the C4 indexer's 132 rows); the C4 KV's 8 pages are c4_page's.
+    assert spaces.startswith("spaces: kv_page=132,c4_page=8,swa_page=3,c128_slot=7"), spaces
 
 
 def test_a_nextn_draft_pool_is_described_as_sglang_registers_it():

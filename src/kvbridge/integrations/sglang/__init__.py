@@ -2,6 +2,7 @@
 
 - :mod:`.handlers` -- state handlers for SGLang's pool classes, registered by
   ``"module:QualName"`` through the ``kvbridge`` entry-point group (no SGLang import);
+- :mod:`.hisparse` -- a HiSparse decode's host and device pools as one record, and its handler;
 - :mod:`.crosscheck` -- kvbridge's description against SGLang's own ``KVArgs``;
 - :mod:`.conn` -- ``BaseKVManager`` / ``BaseKVSender`` / ``BaseKVReceiver`` /
   ``BaseKVBootstrapServer`` over kvbridge's managers (imports SGLang);

@@ -19,7 +19,8 @@ the ``KVArgs`` SGLang filled (:mod:`.crosscheck`). Poll values are kvbridge's
 :class:`~kvbridge.core.sessions.session.Poll`, numerically SGLang's ``KVPoll``.
 
 Not supported (a clear error, never a silent fallback): decode prefix reuse
-(``decode_prefix_len > 0``), prefill DP ranks other than 0, host destinations,
+(``decode_prefix_len > 0``), prefill DP ranks other than 0, SGLang's host-receive destinations
+(``KVTransferDestination.HOST``; a HiSparse decode's host pool is described by :mod:`.hisparse`),
 state types other than SWA, DSA, Mamba and DeepSeek-V4's ``c128_state``, replicated KV heads (TP > KV heads).
 """
 
@@ -47,17 +48,19 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.common.conn import KVTransferError
 
 from .crosscheck import compare
-from .handlers import C128_SPACE, C128_STATE, SLOT_SPACE, SWA_PAGE_SPACE
+from .hisparse import check_draft
+from .handlers import C4_PAGE_SPACE, C128_SPACE, C128_STATE, DSA_PAGE_SPACE, SLOT_SPACE, SWA_PAGE_SPACE
 from .settings import transfer_config
 
 __all__ = ["KVBridgeKVBootstrapServer", "KVBridgeKVManager", "KVBridgeKVReceiver", "KVBridgeKVSender", "sglang_pools"]
 
 log = logging.getLogger(__name__)
 
-#: The kvbridge index space each SGLang state component's index list addresses (None: it rides on
-#: the KV pages, which kvbridge sends chunk by chunk with the indexer pages of the same KV page).
+#: The kvbridge index space each SGLang state component's index list addresses. The DSA indexer has
+#: its own list (as SGLang sends it: with the last chunk) because a HiSparse decode's KV pages are
+#: host pages while its indexer stays in the device pool's logical pages.
 #: DeepSeek-V4's ``c128_state`` list names the request's pending C128 ring page (empty at a 128-token boundary).
-_SPACES = {"swa": SWA_PAGE_SPACE, "dsa": None, "mamba": SLOT_SPACE, C128_STATE: C128_SPACE}
+_SPACES = {"swa": SWA_PAGE_SPACE, "dsa": DSA_PAGE_SPACE, "mamba": SLOT_SPACE, C128_STATE: C128_SPACE}
 
 
 @dataclass(frozen=True)
@@ -107,17 +110,21 @@ class KVBridgeKVManager(BaseKVManager):
                 raise ValueError(f"the model has {args.total_kv_head_num} KV heads and this rank holds {args.kv_head_num} of "
                                  f"TP {self.tp_size}: replicated KV heads are not supported by kvbridge's SGLang integration; "
                                  "use a TP size at most the number of KV heads")
-        self.state_spaces: list[str | None] = []
+        #: DeepSeek-V4's C4 KV has a page list of its own: a HiSparse decode receives it in host pages.
+        self.c4_pages = False
+        self.state_spaces: list[str] = []
         for st in args.state_types:
             value = getattr(st, "value", st)
             if value not in _SPACES:
                 raise ValueError(f"SGLang state type {value!r} is not supported by kvbridge's SGLang integration "
                                  f"(supported: {', '.join(sorted(_SPACES))}); use SGLang's own transfer backend for this model")
             self.state_spaces.append(_SPACES[value])
+        check_draft(pools.target, pools.draft)
         target = [pools.target] + ([pools.metadata] if pools.metadata is not None else [])
         drafts = [pools.draft] if pools.draft is not None else []
         self.description = describe(target, draft_pools=drafts, dtype=str(args.kv_cache_dtype_str),
                                     page_size=int(args.page_size), tp_rank=self.tp_rank, tp_size=self.tp_size)
+        self.c4_pages = any(space.name == C4_PAGE_SPACE for space in self.description.index_spaces)
         problems = compare(args, self.description)
         if problems:
             raise ValueError("kvbridge's description of SGLang's pools disagrees with SGLang's KVArgs:\n  "
@@ -147,7 +154,7 @@ class KVBridgeKVManager(BaseKVManager):
         """SGLang's per-component state index lists as kvbridge's per-space lists."""
         out: dict[str, np.ndarray] = {}
         for space, idx in zip(self.state_spaces, state_indices or ()):
-            if space is not None and idx is not None:
+            if idx is not None:
                 out[space] = np.asarray(idx, dtype=np.int64).reshape(-1)
         return out
 
@@ -188,6 +195,7 @@ class KVBridgeKVSender(BaseKVSender):
         self.sender = Sender(mgr.transfer, self.bootstrap_room)  # type: ignore[arg-type]
         self.num_kv_indices: int | None = None
         self.sent = 0
+        self.pages_sent: list[np.ndarray] = []  # for DeepSeek-V4's C4 list, sent with the last chunk
         self.concluded = False  # the send that reached init()'s page count went out
         self.started = time.monotonic()
 
@@ -208,7 +216,14 @@ class KVBridgeKVSender(BaseKVSender):
         self.sent += int(pages.size)
         last = self.sent >= self.num_kv_indices  # SGLang's rule: the send that reaches init()'s page count is the last
         self.concluded = last
-        self.sender.send(pages, self.kv_mgr.state_lists(state_indices) if last else None, last=last)
+        if self.kv_mgr.c4_pages:
+            self.pages_sent.append(pages)
+        state = None
+        if last:
+            state = self.kv_mgr.state_lists(state_indices)
+            if self.kv_mgr.c4_pages:  # the C4 KV of every page sent, by the same pages (its own space: see _SPACES)
+                state[C4_PAGE_SPACE] = np.concatenate(self.pages_sent)
+        self.sender.send(pages, state, last=last)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         """A last chunk without pages still goes out: it carries the state and the metadata row."""
@@ -249,14 +264,26 @@ class KVBridgeKVReceiver(BaseKVReceiver):
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Sequence[Any] | None = None,
                       decode_prefix_len: int | None = None,
-                      destination: KVTransferDestination = KVTransferDestination.DEVICE) -> None:
+                      destination: KVTransferDestination = KVTransferDestination.DEVICE,
+                      device_kv_indices: Any = None) -> None:
+        """``kv_indices``: the KV destination pages; on a DeepSeek-V4 HiSparse decode the C4 host pages, with the
+        other KV entries' (device) pages in ``device_kv_indices``, as SGLang's decode passes them."""
         if decode_prefix_len:
             raise ValueError(f"room {self.bootstrap_room}: decode_prefix_len={decode_prefix_len}: decode prefix reuse is "
                              "not supported by kvbridge's SGLang integration (disable --disaggregation-decode-enable-radix-cache)")
         if destination != KVTransferDestination.DEVICE:
             raise ValueError(f"room {self.bootstrap_room}: destination {destination} is not supported (device only)")
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        self.receiver.init(pages, self.kv_mgr.state_lists(state_indices), metadata_row=int(aux_index or 0))
+        lists = self.kv_mgr.state_lists(state_indices)
+        if device_kv_indices is not None:
+            if not self.kv_mgr.c4_pages:
+                raise ValueError(f"room {self.bootstrap_room}: device_kv_indices given, but this decode has no host-backed "
+                                 "KV (kvbridge's SGLang integration takes them for a DeepSeek-V4 HiSparse decode only)")
+            lists[C4_PAGE_SPACE] = pages
+            pages = np.asarray(device_kv_indices, dtype=np.int64).reshape(-1)
+        elif self.kv_mgr.c4_pages:
+            lists[C4_PAGE_SPACE] = pages
+        self.receiver.init(pages, lists, metadata_row=int(aux_index or 0))
 
     def poll(self) -> int:
         state = int(self.receiver.poll())

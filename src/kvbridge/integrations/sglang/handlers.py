@@ -13,8 +13,10 @@ What each describes, in kvbridge's terms (every buffer a region, paired by
   under heterogeneous TP (``nhd`` only: SGLang's PD transfer refuses ``hnd``).
 - ``MLATokenToKVPool``: per layer one latent buffer ``[slots, 1, dim]``, replicated.
 - ``DSATokenToKVPool`` (an MLA pool): the MLA latents plus, per layer, the
-  sparse-attention indexer cache (keys with their scales, one item per KV
-  page, replicated) -- SGLang's ``StateType.DSA``.
+  sparse-attention indexer cache (keys with their scales, one item per
+  indexer page, replicated) -- SGLang's ``StateType.DSA``, addressed by its
+  own page list (index space ``dsa_page``), as SGLang sends it: with the last
+  chunk. A HiSparse decode's host pool is described in :mod:`.hisparse`.
 - ``SWAKVPool``: its full-attention sub-pool as above (``kv_page``), its
   sliding-window sub-pool in the ``swa_page`` index space -- SGLang's
   ``StateType.SWA``, addressed by the window's own page list.
@@ -27,7 +29,9 @@ What each describes, in kvbridge's terms (every buffer a region, paired by
 - ``DeepSeekV4TokenToKVPool`` (a ``BaseSWAKVPool``, not an ``SWAKVPool``):
   in SGLang's ``get_contiguous_buf_infos`` order, per compression ratio the
   compressed KV of each layer of that ratio (role ``c4`` / ``c128``, one item
-  per full KV page) and the ratio's indexer pages (``c4_indexer``); as
+  per full KV page; the C4 KV in ``c4_page``, a list of its own, because a
+  HiSparse decode receives it in host pages) and the ratio's indexer pages
+  (``c4_indexer``); as
   SGLang's ``StateType.SWA`` (``swa_page``, the window's own pages) the
   sliding-window latents of every layer (role ``kv``) and the page-scoped
   compression state rings (``c4_state``, ``c4_indexer_state``: one item is
@@ -52,13 +56,18 @@ from kvbridge.core import (KV_PAGE_SPACE, METADATA_SPACE, DescribeContext, Descr
                            Region, Shard, StateHandlerSpec, buffer_region, hookimpl, item_count)
 from kvbridge.core.description.describe import paged_kv  # not re-exported by kvbridge.core
 
-__all__ = ["C128_SPACE", "C128_STATE", "DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE",
+__all__ = ["C128_SPACE", "C128_STATE", "C4_PAGE_SPACE", "DSA_PAGE_SPACE", "DSA_STATE", "POOL_TYPES", "SLOT_SPACE", "SWA_PAGE_SPACE",
            "kvbridge_register_state_handlers"]
 
 #: SGLang's sliding-window pages (the window's own page list), as kvbridge's swa handler names them.
 SWA_PAGE_SPACE = "swa_page"
 #: The state type of DSA indexer regions (SGLang's ``StateType.DSA``).
 DSA_STATE = "dsa"
+#: The DSA indexer's pages, addressed by SGLang's ``StateType.DSA`` list (the device pool's logical pages).
+DSA_PAGE_SPACE = "dsa_page"
+#: DeepSeek-V4's C4 KV pages: the KV page list on prefill and on a device decode; a HiSparse decode's host
+#: pages (SGLang's KV list there, while its ``device_kv_indices`` address the other KV entries).
+C4_PAGE_SPACE = "c4_page"
 #: Request slots of the Mamba state (kvbridge's mamba handler's index space).
 SLOT_SPACE = "slot"
 #: DeepSeek-V4's request-scoped C128 state rings (SGLang's ``StateType.DSV4_REQUEST_STATE``, wire value
@@ -78,6 +87,8 @@ POOL_TYPES: dict[str, tuple[str, ...]] = {
     "sglang_hybrid_linear": (f"{_POOLS}:HybridLinearKVPool",),
     "sglang_dsv4": ("sglang.srt.mem_cache.deepseek_v4_memory_pool:DeepSeekV4TokenToKVPool",),
     "sglang_metadata": ("sglang.srt.disaggregation.utils:MetadataBuffers",),
+    # kvbridge's own record of a HiSparse decode's host and device pools (the plugin builds it).
+    "sglang_hisparse": ("kvbridge.integrations.sglang.hisparse:HiSparseDecodePools",),
 }
 #: Roles of DeepSeek-V4 regions beyond core's (per compression ratio; SGLang 0.5.23 has ratios 4 and 128).
 DSV4_ROLES = ("c4", "c128", "c4_indexer", "c4_state", "c4_indexer_state")
@@ -134,17 +145,36 @@ class MLAHandler:
         return describe_paged(pool, ctx, state_type="kv", index_space=KV_PAGE_SPACE)
 
 
+def describe_dsa_indexer(pool: Any, ctx: DescribeContext) -> Description:
+    """A ``DSATokenToKVPool``'s indexer cache (keys with scales), one item per indexer page, in ``dsa_page``.
+
+    SGLang addresses it by its ``StateType.DSA`` list, not by the KV pages: on a
+    HiSparse decode the KV pages are host pages while the indexer stays in the
+    device pool's logical pages (``HiSparseDSATokenToKVPool`` sizes it for the
+    logical capacity, ``host_to_device_ratio`` times the device KV).
+    """
+    desc = Description()
+    rows: list[int] = []
+    for layer, buf in zip(_layer_ids(pool), pool.index_k_with_scale_buffer):
+        if buf.numel() == 0:  # a layer sharing another's top-k owns a 0-row placeholder (SGLang skips it too)
+            continue
+        desc.regions.append(buffer_region(buf, name=f"{DSA_STATE}.indexer{layer}", role="indexer",
+                                          index_space=DSA_PAGE_SPACE, layer=layer, state_type=DSA_STATE,
+                                          draft=ctx.draft))
+        rows.append(item_count(buf))
+    if rows:  # as many pages as the smallest layer holds: every index must lie inside every region
+        desc.index_spaces.append(IndexSpace(DSA_PAGE_SPACE, min(rows), int(pool.page_size), "page"))
+    return desc
+
+
 class DSAHandler:
-    """``DSATokenToKVPool``: the MLA latents plus the indexer cache (keys and scales) per KV page."""
+    """``DSATokenToKVPool``: the MLA latents per KV page plus the indexer cache per indexer page."""
 
     def describe(self, pool: Any, ctx: DescribeContext) -> Description:
         desc = describe_paged(pool, ctx, state_type="kv", index_space=KV_PAGE_SPACE)
-        for layer, buf in zip(_layer_ids(pool), pool.index_k_with_scale_buffer):
-            if buf.numel() == 0:  # a layer sharing another's top-k owns a 0-row placeholder (SGLang skips it too)
-                continue
-            desc.regions.append(buffer_region(buf, name=f"{DSA_STATE}.indexer{layer}", role="indexer",
-                                              index_space=KV_PAGE_SPACE, layer=layer, state_type=DSA_STATE,
-                                              draft=ctx.draft))
+        indexer = describe_dsa_indexer(pool, ctx)
+        desc.regions.extend(indexer.regions)
+        desc.index_spaces.extend(indexer.index_spaces)
         return desc
 
 
@@ -276,7 +306,8 @@ class DSV4Handler:
             if kv_pool is not None:
                 for layer, buf in zip(layers, kv_pool.kv_buffer):
                     regions.append(_rows_region(buf, stride=buf[0].nbytes, name=f"dsv4.c{ratio}.{layer}", role=f"c{ratio}",
-                                                index_space=KV_PAGE_SPACE, layer=layer, state_type="kv", **common))
+                                                index_space=C4_PAGE_SPACE if ratio == 4 else KV_PAGE_SPACE, layer=layer,
+                                                state_type="kv", **common))
             index_pool = pool.index_pools.get(ratio)
             if index_pool is not None:
                 for layer, buf in zip(layers, index_pool.contiguous_page_row_buffers()):
@@ -307,7 +338,7 @@ class DSV4Handler:
             regions.append(_rows_region(t, stride=t[0].nbytes * rows, name=f"dsv4.c128_state.{layer}", role="state",
                                         index_space=C128_SPACE, layer=layer, state_type=C128_STATE, **common))
         desc = Description(regions=regions)
-        for space, tokens, kind in ((KV_PAGE_SPACE, int(pool.page_size), "page"),
+        for space, tokens, kind in ((KV_PAGE_SPACE, int(pool.page_size), "page"), (C4_PAGE_SPACE, int(pool.page_size), "page"),
                                     (SWA_PAGE_SPACE, int(pool.swa_page_size), "page"), (C128_SPACE, 1, "slot")):
             declared = _space(space, regions, tokens, kind)
             if declared is not None:
@@ -353,8 +384,16 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
         StateHandlerSpec(name="sglang_mla", factory=f"{here}:MLAHandler", pool_types=POOL_TYPES["sglang_mla"],
                          capabilities=kv, description="SGLang MLATokenToKVPool: one latent buffer per layer"),
         StateHandlerSpec(name="sglang_dsa", factory=f"{here}:DSAHandler", pool_types=POOL_TYPES["sglang_dsa"],
-                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE,), draft=True, hetero_tp="replicated"),
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, DSA_PAGE_SPACE), draft=True,
+                                                          hetero_tp="replicated"),
                          description="SGLang DSATokenToKVPool: MLA latents and the sparse-attention indexer cache"),
+        StateHandlerSpec(name="sglang_hisparse", factory="kvbridge.integrations.sglang.hisparse:HiSparseHandler",
+                         pool_types=POOL_TYPES["sglang_hisparse"],
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, DSA_PAGE_SPACE, C4_PAGE_SPACE,
+                                                                        SWA_PAGE_SPACE, C128_SPACE),
+                                                          roles=DSV4_ROLES, hetero_tp="replicated"),
+                         description="SGLang HiSparse decode: KV in the host pool by host page (DSA: MLATokenToKVPoolHost; "
+                                     "DeepSeek-V4: the C4 KV in DeepSeekV4PagedHostPool), the rest on the device"),
         StateHandlerSpec(name="sglang_swa", factory=f"{here}:SWAHandler", pool_types=POOL_TYPES["sglang_swa"],
                          capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, SWA_PAGE_SPACE), layouts=("nhd",),
                                                           draft=True, hetero_tp="slice KV heads (MHA), replicate (MLA)"),
@@ -367,7 +406,7 @@ def kvbridge_register_state_handlers() -> list[StateHandlerSpec]:
                                                           hetero_tp="slice KV heads; conv sub-blocks and SSM heads"),
                          description="SGLang HybridLinearKVPool: full-attention KV by page, Mamba state by slot"),
         StateHandlerSpec(name="sglang_dsv4", factory=f"{here}:DSV4Handler", pool_types=POOL_TYPES["sglang_dsv4"],
-                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, SWA_PAGE_SPACE, C128_SPACE),
+                         capabilities=HandlerCapabilities(index_spaces=(KV_PAGE_SPACE, C4_PAGE_SPACE, SWA_PAGE_SPACE, C128_SPACE),
                                                           roles=DSV4_ROLES, hetero_tp="replicated"),
                          description="SGLang DeepSeekV4TokenToKVPool: C4/C128 KV by page, window and state by SWA page, "
                                      "C128 rings by request"),

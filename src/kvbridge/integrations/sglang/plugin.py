@@ -12,7 +12,8 @@ it registers, through SGLang's ``HookRegistry``:
   (``prefill``, ``decode``, ``disagg_service``, ...);
 - AROUND hooks on ``PrefillBootstrapQueue._init_kv_manager`` and
   ``DecodePreallocQueue._init_kv_manager`` that hand the queue's pools to the
-  manager they build (:func:`~.conn.sglang_pools`).
+  manager they build (:func:`~.conn.sglang_pools`); a HiSparse decode's host pool
+  with them (:mod:`.hisparse`).
 
 Switched off, it registers nothing and SGLang is untouched. ``SGLANG_PLUGINS``
 (a list of plugin names) filters it like any other plugin: its name is ``kvbridge``.
@@ -50,10 +51,22 @@ def kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
 
 
 def _init_kv_manager(original: Any, queue: Any) -> Any:
-    """SGLang's ``_init_kv_manager``, with the queue's pools handed to the manager it creates (AROUND hook)."""
+    """SGLang's ``_init_kv_manager``, with the queue's pools handed to the manager it creates (AROUND hook).
+
+    A HiSparse decode (``scheduler.enable_hisparse`` on the decode queue) registers its
+    coordinator's host pool for the KV, as SGLang's own ``_init_kv_manager`` does.
+    """
     from .conn import sglang_pools
 
     target = queue.token_to_kv_pool
+    scheduler = getattr(queue, "scheduler", None)
+    if getattr(scheduler, "enable_hisparse", False):
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue  # loaded: SGLang is calling its method
+
+        from .hisparse import HiSparseDecodePools
+
+        if isinstance(queue, DecodePreallocQueue):  # prefill keeps its device pool
+            target = HiSparseDecodePools(host=scheduler.hisparse_coordinator.mem_pool_host, device=target)
     draft = getattr(queue, "draft_token_to_kv_pool", None)
     with sglang_pools(target, draft, queue.metadata_buffers):
         return original(queue)
