@@ -34,6 +34,7 @@ from kvbridge.testing.pair import SENTINEL, Destination, pattern, pattern_buffer
 from kvbridge.core.planning.plan import TransferPlan, plan_pages  # noqa: E402
 from kvbridge.plugins.nixl import CAPABILITIES  # noqa: E402
 from kvbridge.plugins.nixl.backend import NixlBackend  # noqa: E402
+from kvbridge.plugins.nixl.engine import nixl_errors  # noqa: E402
 
 
 SRC_PAGES, DST_PAGES = 64, 48
@@ -483,3 +484,32 @@ def test_the_nixl_wheel_follows_the_cuda_that_torch_was_built_for(tmp_path, line
     assert got_cuda == cuda
     # The matching wheel when it is installed; otherwise the first installed one.
     assert module == (wheel if wheel in installed.split(",") else installed.split(",")[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_peer_whose_agent_failed_to_load_again_is_loaded_at_its_next_write(source, dest, mode, monkeypatch):
+    # After a failed endpoint the backend loads the peer's agent again (NIXL connects as it loads). A
+    # peer still stopped then refuses: before, the peer stayed unloaded and every later write failed
+    # with NIXL_ERR_NOT_FOUND, also once it had resumed (seen in CI, a SIGSTOPped conformance peer).
+    backend = source.backends[mode]
+    p = backend._peers["decode"]
+    agent = backend._live_agent()
+    real = agent.add_remote_agent
+    calls = []
+
+    def refuses_once(metadata: bytes) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise nixl_errors()[0]("NIXL_ERR_BACKEND (the peer is stopped)")
+        return real(metadata)
+
+    monkeypatch.setattr(agent, "add_remote_agent", refuses_once)
+    backend._reload(p)
+    assert p.unloaded and len(calls) == 1
+    src_idx, dst_idx = FRAGMENTED["hand"]
+    plan = page_plan(source, dest, src_idx, dst_idx)
+    backend.write("decode", plan, time.monotonic() + 10)
+    assert len(calls) == 2 and not p.unloaded
+    got = dest.buffers()
+    for e, exp in zip(range(3), expected(source, range(3), src_idx, dst_idx)):
+        np.testing.assert_array_equal(got[e], exp, err_msg=f"region {e}")

@@ -218,6 +218,8 @@ class NixlBackend(NixlPeers, Backend):
         agent = self._live_agent()
         t0 = time.monotonic()
         handle = None
+        if p.unloaded:
+            self._reload(p)  # the last attempt to load its agent again failed
         try:
             handle = self._request(p, batch, src, dst)
             if not may_post():  # checked after preparing, right before the post that copies

@@ -40,6 +40,7 @@ class _Peer:
     writes: int = 0  # writes in progress (guarded by the backend's lock)
     retired: bool = False  # removed while a write was in progress; released by the last write
     forget_agent: bool = True  # whether retiring also unloads the remote agent
+    unloaded: bool = False  # _reload unloaded its agent and loading it again failed: the next write retries
 
 
 class NixlPeers:
@@ -137,11 +138,17 @@ class NixlPeers:
             if p.table is not None:
                 self._quietly(p.table.handle.release, f"releasing the page table of peer {p.name!r}")
                 p.table = None
-            self._quietly(lambda: agent.remove_remote_agent(p.agent), f"unloading the agent of peer {p.name!r}")
+            if not p.unloaded:
+                self._quietly(lambda: agent.remove_remote_agent(p.agent), f"unloading the agent of peer {p.name!r}")
             try:
                 agent.add_remote_agent(p.metadata)
                 p.table = self._prep(p.agent, p.region_list)
             except self._errors as exc:
-                log.warning("nixl: loading the agent of peer %r again failed: %r; its writes will fail", p.name, exc)
+                # NIXL connects as it loads: a peer that is stopped or busy now may answer later (a process
+                # resumed after SIGSTOP), so its next write tries again rather than failing for good.
+                p.unloaded = True
+                log.warning("nixl: loading the agent of peer %r again failed: %r; its next write tries again",
+                            p.name, exc)
                 return
+            p.unloaded = False
         log.info("nixl: loaded the agent of peer %r again after its endpoint failed; the next write reconnects", p.name)
