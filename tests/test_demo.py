@@ -66,9 +66,11 @@ def test_disaggregated_generation_equals_colocated(backend):
     assert s["bytes"] == sum(s["bytes_by_state"].values()) > 0
     assert s["transfer_GBps"] > 0 and 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"]
     assert 0 < s["transfer_latency_p50_ms"] <= s["transfer_latency_p99_ms"]
-    # Layer-wise, except chunks computed before decode's lists arrived (the first request's, while the
-    # decode server's first handshake runs, at least); one request at a time, the 2nd and 3rd stream.
-    assert s["layerwise"] and 0 < s["layerwise_chunks"] < s["chunks"]
+    # Layer-wise, except chunks computed before decode's lists arrived: the first request's, while the
+    # decode server's first handshake runs, at least, and on a loaded machine possibly every one (the
+    # tiny model computes a prompt in milliseconds). That the model's layers stream as it writes them is
+    # checked where the timing is the test's own (test_demo_model.py, test_layerwise.py).
+    assert s["layerwise"] and 0 <= s["layerwise_chunks"] < s["chunks"]
     assert "demo: 3/3 requests, 0 failed" in out.stderr  # with --json too, progress goes to stderr
 
 
