@@ -19,7 +19,8 @@ OTHERS = {"--no-deps", "--extra-index-url", "--index-url", "--help", "--version"
           "--fault",  # python -m kvbridge.testing.faults, named apart from its command line in docs/failures.md
           # the frameworks' own servers and routers (docs/integrations.md: vllm serve, sglang.launch_server, the router)
           "--kv-transfer-config", "--port", "--host", "--model-path", "--tp", "--disaggregation-mode",
-          "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port", "--pd-disaggregation", "--prefill"}
+          "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port", "--pd-disaggregation", "--prefill",
+          "--disaggregation-decode-host-receive-threshold"}
 # Spans that show another program's command line (a module's or a script's own options).
 ELSEWHERE = re.compile(r"python -m kvbridge\.(testing|bench)\.|benchmarks/|examples/|pip |pytest ")
 
