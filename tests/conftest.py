@@ -18,7 +18,7 @@ for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL"
 os.environ.setdefault("KVBRIDGE_SECRET", secrets.token_hex(32))
 
 
-# The suite runs on every core (pytest-xdist, `-n auto --dist loadgroup` in pyproject.toml); tests are
+# CI runs the suite on two workers (pytest-xdist, `-n 2 --dist loadgroup`: README, .ci/run); tests are
 # independent (ephemeral loopback ports, their own temporary folders and processes). Tests that kill,
 # freeze or signal processes, or bound how fast something fails, are kept serial: they all go to one
 # worker (xdist_group "faults") and each runs alone, holding an exclusive lock that every other test

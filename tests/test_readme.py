@@ -14,7 +14,7 @@ def test_readme_python_snippets_run(capsys):
     assert "4 descriptors" in capsys.readouterr().out  # the plan_pages snippet printed its plan
 
 
-TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
+TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest -q -n 2 --dist loadgroup"
 
 
 def test_readme_test_command_is_what_ci_runs():
