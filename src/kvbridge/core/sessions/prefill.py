@@ -254,10 +254,10 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         A peer may abort only what it asked for, or a room nobody asked for
         yet (a decode whose ``init`` failed before its request went out), also
         through a connection of its own that is no longer its route (``known``:
-        it was dropped, or handshook again since). A stranger's connection only
-        gets the answer, on ``ident`` (the connection it came on). A room given up on before its
-        sender exists is remembered (``bootstrap_timeout``): the sender fails
-        as the host creates it.
+        it was dropped, or handshook again since). A stranger's connection
+        only gets the answer, on ``ident`` (the connection it came on). A room
+        given up on before its sender exists is remembered
+        (``bootstrap_timeout``): the sender fails as the host creates it.
         """
         # One "aborted by decode" however the reason was written (a peer's default reason may already say it).
         reason = msg.reason if msg.reason.startswith("aborted by decode") else f"aborted by decode: {msg.reason}"
