@@ -23,7 +23,8 @@ os.environ.setdefault("KVBRIDGE_SECRET", secrets.token_hex(32))
 # freeze or signal processes, or bound how fast something fails, are kept serial: they all go to one
 # worker (xdist_group "faults") and each runs alone, holding an exclusive lock that every other test
 # shares, so no other test competes with it for the cores.
-SERIAL = re.compile(r"frozen|freeze|kill|signal|ctrl_c|fault|closed|deadline|in_time|timeout|timed_out|dead")
+# (?<!de): "default" is no fault; the tests of --help's defaults and of default settings share the cores.
+SERIAL = re.compile(r"frozen|freeze|kill|signal|ctrl_c|(?<!de)fault|closed|deadline|in_time|timeout|timed_out|dead")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
