@@ -384,7 +384,7 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                        default=_SESSION.staging,
                        help="stage fragmented host-memory writes: gather small pieces into a registered buffer and "
                             "write few large descriptors; auto/on also scatter them on decode (both sides, opt-in: "
-                            "docs/performance.md) (default: off; opt-in until docs/performance.md's open failures are explained)")
+                            "docs/performance.md) (default: gather, on prefill where the destination merges them)")
     group.add_argument("--transfer-secret-file", dest="transfer_secret_file", default=None, metavar="PATH",
                        help="file holding the secret that authenticates control messages (default: "
                             "$KVBRIDGE_SECRET_FILE, else $KVBRIDGE_SECRET; without one, loopback only)")

@@ -70,7 +70,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     layerwise: bool = False  # prefill sends every chunk layer-wise, one layer_ready() per layer
     checksum: bool = False  # SessionConfig.checksum (both sides)
     inline_row_bytes: int = 4096  # SessionConfig.inline_row_bytes (0: the metadata row is an engine write)
-    staging: str = "off"  # SessionConfig.staging: off (the default), gather, auto, on
+    staging: str = "gather"  # SessionConfig.staging: gather (the default), auto, on, off
 
     def session_config(self) -> SessionConfig:
         return SessionConfig.from_fields(self)

@@ -54,6 +54,7 @@ MATRIX = Scenario(
     backend="?", layers=2, page_nbytes=64, prefill_pages=32768, decode_pages=16384, requests=3, max_pages=16384,
     concurrency=1, max_chunks=1, bootstrap_timeout=4.0, waiting_timeout=60.0, transfer_timeout=2.0,
     heartbeat_interval=0.2, heartbeat_timeout=1.0, deadline=60.0,
+    staging="off",  # the cells interrupt a write under way: a gather would make the big one a single fast copy
 )
 
 

@@ -67,7 +67,7 @@ class Spec(msgspec.Struct, kw_only=True):
     # Prefill sends each chunk layer-wise: layer by layer in the first chunk, then all target
     # layers in one call and the draft layers in another.
     layerwise: bool = False
-    staging: str = "off"  # SessionConfig.staging: off (the default), gather, auto, on
+    staging: str = "gather"  # SessionConfig.staging: gather (the default), auto, on, off
 
 
 PAGE, RATIO = 8, 4

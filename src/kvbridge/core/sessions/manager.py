@@ -69,12 +69,12 @@ class SessionConfig:
     #: the bytes it holds, a difference fails the room (kvbridge.core.sessions.checksum).
     #: Either side may ask. CPU memory only: refused with a GPU region.
     checksum: bool = False
-    #: Staging of fragmented host-memory windows (docs/performance.md, "Staging"): ``gather`` gathers a
-    #: window of small pieces on prefill where that merges them in the destination; ``auto`` also stages on
-    #: both sides (decode lends slots) when its pieces are small (``kvbridge.core.transfer.relay.choose``);
-    #: ``on`` every window it can; ``off`` (the default for now) none: every descriptor written as planned.
-    #: Opt-in until the failures docs/performance.md names are explained.
-    staging: str = "off"
+    #: Staging of fragmented host-memory windows (docs/performance.md, "Staging"): ``gather`` (the default)
+    #: gathers a window of small pieces on prefill where that merges them in the destination; ``auto`` also
+    #: stages on both sides (decode lends slots) when its pieces are small
+    #: (``kvbridge.core.transfer.relay.choose``); ``on`` every window it can; ``off`` none (every descriptor
+    #: written as planned). Both-sides staging is opt-in: see docs/performance.md.
+    staging: str = "gather"
     #: Prefill: a metadata row of at most this many bytes (all metadata regions together)
     #: in host memory on both sides travels inside ``Done`` instead of as an engine write
     #: (kvbridge.core.sessions.row); 0: always an engine write.

@@ -62,8 +62,8 @@ class Transport(LaneWrites):
         self._regions: list[Region] = []
         self._local = RegionTable(())
         self._peers: dict[str, _Peer] = {}
-        #: ``SessionConfig.staging``: auto, on or off (``core/transfer/relay.py``); set before :meth:`register`.
-        self.staging_mode = "off"
+        #: ``SessionConfig.staging``: gather, auto, on or off (``core/transfer/relay.py``); set before :meth:`register`.
+        self.staging_mode = "gather"
         #: Decode's staging slots, scattered into place (``core/transfer/landing.py``); None on prefill.
         self.landing: Landing | None = None
         #: Windows written per staging choice (``relay.choose``), for ``describe()`` and the benchmarks.
