@@ -145,13 +145,8 @@ def transfer(prefill_tp: int, decode_tp: int, seed: int, room: int, backend: str
         polls = pd.wait(senders, {KVPoll.WaitingForInput, KVPoll.Failed}, 30)
         if polls != [KVPoll.WaitingForInput] * len(senders):
             return [f"prefill senders polled {polls}: {[s.sender.failure() for s in senders]}"]
-        pd.send_request(senders, p_ranks)
-        s_polls = pd.wait(senders, {KVPoll.Success, KVPoll.Failed}, 30)
-        r_polls = pd.wait(recvs, {KVPoll.Success, KVPoll.Failed}, 30)
-        if s_polls + r_polls != [KVPoll.Success] * (len(senders) + len(recvs)):
-            return [f"polls: prefill {s_polls}, decode {r_polls}; reasons: "
-                    f"{[s.sender.failure() for s in senders] + [r.receiver.failure() for r in recvs]}"]
-        return [p for rank in d_ranks for p in check_decode(rank, g)]
+        problems = pd.send_and_finish(senders, recvs, p_ranks)
+        return problems or [p for rank in d_ranks for p in check_decode(rank, g)]
     finally:
         for m in managers:
             m.close()

@@ -73,6 +73,24 @@ def send_request(senders: list[KVBridgeKVSender], ranks: list[rig.Rank]) -> None
                    num_kv_tokens=len(pages) * rig.page_size(r.kind))
 
 
+def send_and_finish(senders: list[KVBridgeKVSender], recvs: list[Any], ranks: list[rig.Rank]) -> list[str]:
+    """:func:`send_request`, then poll both sides to an end: [] if every one reports Success, else why not."""
+    send_request(senders, ranks)
+    s_polls = wait(senders, {KVPoll.Success, KVPoll.Failed}, 30)
+    r_polls = wait(recvs, {KVPoll.Success, KVPoll.Failed}, 30)
+    if s_polls + r_polls != [KVPoll.Success] * (len(senders) + len(recvs)):
+        return [f"polls: prefill {s_polls}, decode {r_polls}; reasons: "
+                f"{[s.sender.failure() for s in senders] + [r.receiver.failure() for r in recvs]}"]
+    return []
+
+
+def ready_then_sent(senders: list[KVBridgeKVSender], recvs: list[Any], ranks: list[rig.Rank]) -> dict[str, list[int]]:
+    """The polls of one request as a scheduler sees them: senders once decode asked, then both sides at the end."""
+    ready = wait(senders, {KVPoll.WaitingForInput, KVPoll.Failed}, 30)
+    send_request(senders, ranks)
+    return {"ready": ready, "polls": wait(senders + recvs, {KVPoll.Success, KVPoll.Failed}, 30)}
+
+
 def decode_receivers(managers: list[KVBridgeKVManager], ranks: list[rig.Rank], port: int,
                      room: int, dst_swa: list[int] = DST_SWA) -> list[KVBridgeKVReceiver]:
     recvs = [KVBridgeKVReceiver(m, f"127.0.0.1:{port}", room) for m in managers]
@@ -116,13 +134,8 @@ def transfer(kind: str, prefill_tp: int, decode_tp: int, draft: bool, seed: int,
             if polls != [KVPoll.Failed] * len(polls):
                 return [f"after the {abort} abort: polls {polls}"]
             return [exception_text(x) for x in senders + recvs]
-        send_request(senders, p_ranks)
-        s_polls = wait(senders, {KVPoll.Success, KVPoll.Failed}, 30)
-        r_polls = wait(recvs, {KVPoll.Success, KVPoll.Failed}, 30)
-        if s_polls + r_polls != [KVPoll.Success] * (len(senders) + len(recvs)):
-            return [f"polls: prefill {s_polls}, decode {r_polls}; reasons: "
-                    f"{[s.sender.failure() for s in senders] + [r.receiver.failure() for r in recvs]}"]
-        return [p for rank in d_ranks for p in check_decode(rank, g)]
+        problems = send_and_finish(senders, recvs, p_ranks)
+        return problems or [p for rank in d_ranks for p in check_decode(rank, g)]
     finally:
         for m in managers:
             m.close()

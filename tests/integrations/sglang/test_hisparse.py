@@ -178,9 +178,7 @@ def sglang_init_kv_manager_hisparse_then_transfer() -> dict:
         dsa_pages = suffix_page_indices(req_to_token, 1, 0, tokens, ps)
         out["destination"] = [host_pages.tolist(), np.asarray(dsa_pages).tolist()]
         recv.send_metadata(host_pages, pd.DST_ROW, [dsa_pages], decode_prefix_len=0)
-        out["ready"] = pd.wait(senders, {KVPoll.WaitingForInput, KVPoll.Failed}, 30)
-        pd.send_request(senders, [prefill])
-        out["polls"] = pd.wait(senders + [recv], {KVPoll.Success, KVPoll.Failed}, 30)
+        out.update(pd.ready_then_sent(senders, [recv], [prefill]))
         out["problems"] = hs.check_decode(decode, g, host_pages.tolist(), np.asarray(dsa_pages).tolist())
     finally:
         for m in managers.values():

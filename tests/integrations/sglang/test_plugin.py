@@ -146,9 +146,7 @@ def sglang_init_kv_manager_then_transfer() -> dict:
     try:
         senders = pd.prefill_senders([managers["prefill"]], port, 4242)
         recvs = pd.decode_receivers([managers["decode"]], [ranks["decode"]], port, 4242)
-        out["ready"] = pd.wait(senders, {KVPoll.WaitingForInput, KVPoll.Failed}, 30)
-        pd.send_request(senders, [ranks["prefill"]])
-        out["polls"] = pd.wait(senders + recvs, {KVPoll.Success, KVPoll.Failed}, 30)
+        out.update(pd.ready_then_sent(senders, recvs, [ranks["prefill"]]))
         out["problems"] = pd.check_decode(ranks["decode"], g)
     finally:
         for m in managers.values():
