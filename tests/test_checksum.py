@@ -4,7 +4,8 @@ A corrupting link (``kvbridge.testing.faulty``'s ``FlipsByte``: every batch
 written, then one destination byte inverted) must fail the room naming the
 checksum, whichever side asked for it; a correct transfer with the checksum
 on succeeds over ``memory`` and a real engine; off (the default) nothing is
-hashed and nothing extra travels. GPU regions refuse the option.
+hashed and nothing extra travels. GPU regions are hashed where they are
+(``wmix64``, tests/test_wmix.py); a process that cannot hash them refuses the option.
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ def test_a_correct_transfer_with_the_checksum_succeeds(pair, prefill_sum, decode
     assert landed(src, dst)
 
 
+@pytest.mark.parametrize("faulty", [False, True], ids=["correct", "flipped"])
+def test_a_room_hashed_with_wmix64_end_to_end(pair, monkeypatch: pytest.MonkeyPatch, faulty: bool) -> None:
+    # Prefill names wmix64 for rooms with GPU memory on either side; this machine has none, so
+    # prefill's choice is pinned to it here: the same Done, ranges and decode check as on a GPU.
+    from kvbridge.core.sessions import writes
+    monkeypatch.setattr(writes, "choose", lambda local, peer: "wmix64")
+    sender, recv, src, dst = pair(FlipsByte if faulty else MemoryBackend, True, True)
+    if faulty:
+        assert recv.poll() == Poll.FAILED and "checksum mismatch (wmix64)" in (recv.failure() or "")
+        assert not landed(src, dst)
+    else:
+        assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
+        assert landed(src, dst)
+
+
 def test_off_by_default_nothing_is_hashed_and_a_flipped_byte_goes_unseen(pair) -> None:
     # What the option buys: without it, core trusts the backend (the corruption passes).
     assert SessionConfig().checksum is False and P.TransferRequest(room=1, indices={}, metadata_row=0).checksum is False
@@ -125,12 +141,17 @@ def test_an_unknown_algorithm_says_what_to_install() -> None:
     assert why is not None and "'sha9' is not available here" in why and "pip install kvbridge[checksum]" in why
 
 
-def test_a_gpu_region_refuses_the_option_naming_it() -> None:
+def test_a_gpu_region_where_gpu_memory_cannot_be_hashed_refuses_the_option_naming_it() -> None:
+    # GPU memory is hashed in place with torch (wmix64, tests/test_wmix.py); a process whose torch
+    # sees no CUDA device (this CPU machine) refuses the option at once, naming the region.
+    torch = pytest.importorskip("torch", reason="torch (scripts/setup.sh) is what hashes GPU memory")
+    if torch.cuda.is_available():
+        pytest.skip("this process can hash GPU memory (a CUDA device is visible): nothing to refuse")
     sc = Scenario(backend="memory", decode_pages=4, page_nbytes=64)
     pools = Pools(sc, 4, meta_rows=1)
     vram = msgspec.structs.replace(pools.kvargs.regions[0], mem="vram")
     kvargs = msgspec.structs.replace(pools.kvargs, regions=(vram, *pools.kvargs.regions[1:]))
-    with pytest.raises(ValueError, match=r"checksum=True: .*region 'k0' is in GPU memory \(vram"):
+    with pytest.raises(ValueError, match=r"checksum=True: .*region 'k0' is in GPU memory \(vram.*CUDA device"):
         DecodeManager(kvargs, "memory", config=config(True))
 
 

@@ -15,10 +15,20 @@ Sorting by destination makes the byte stream independent of how the room
 was chunked, coalesced, split into batches or sent layer by layer. Each
 prefill rank sends its own digest; decode checks each.
 
-The hash is xxHash's XXH3-64 when the ``xxhash`` package is installed
-(``pip install kvbridge[checksum]``), else ``zlib.crc32``. Prefill names the
-one it used; decode without it fails the room saying what to install.
-CPU memory only: a ``vram`` region on either side refuses the option.
+Prefill names the hash it used (:func:`choose`):
+
+- a room with a GPU (``vram``) region on either side: ``wmix64``
+  (:mod:`.wmix`), a position-keyed word hash that each side computes where
+  its bytes are, numpy on host memory and torch on the GPU
+  (:mod:`kvbridge.checksum_torch`, imported only then), with identical
+  digests, so prefill on host and decode on GPU (or the reverse) agree;
+- a room in host memory on both sides: xxHash's XXH3-64 when the ``xxhash``
+  package is installed (``pip install kvbridge[checksum]``), else
+  ``zlib.crc32``: measured faster on host memory than numpy's ``wmix64``
+  (``kvbridge bench checksum``, docs/performance.md).
+
+Decode without the named hash (or without torch and a GPU for ``wmix64`` over
+GPU memory) fails the room saying what to install.
 """
 
 from __future__ import annotations
@@ -35,14 +45,13 @@ from ..control import protocol as P
 from ..description.layout import Region
 from ..planning.regions import RegionTable
 from ..planning.transferplan import TransferPlan
+from . import wmix
+from .wmix import ChecksumError
 
-__all__ = ["ALGORITHMS", "ChecksumError", "default_algorithm", "digest_ranges", "summarise", "verify", "vram_problem"]
+__all__ = ["ALGORITHMS", "ChecksumError", "choose", "default_algorithm", "device_problem", "digest_ranges",
+           "summarise", "verify"]
 
 IntArray = npt.NDArray[np.int64]
-
-
-class ChecksumError(ValueError):
-    """The checksum could not be computed or did not match; the text says why."""
 
 
 class _Hash(Protocol):
@@ -78,32 +87,51 @@ def _available() -> dict[str, Callable[[], _Hash]]:
     return {"xxh3_64": _xxh3, **algos}
 
 
-#: Hash name -> factory, best first: what this process can compute.
-ALGORITHMS: dict[str, Callable[[], _Hash]] = _available()
+#: Streaming hashes of host memory, name -> factory, best first: what this process can compute.
+STREAMING: dict[str, Callable[[], _Hash]] = _available()
+#: Every hash name this process can check: the streaming ones and ``wmix64`` (host and GPU memory).
+ALGORITHMS: tuple[str, ...] = (*STREAMING, wmix.NAME)
 
 
 def default_algorithm() -> str:
-    """The hash prefill uses: XXH3-64 if ``xxhash`` is installed, else CRC32."""
-    return next(iter(ALGORITHMS))
+    """The hash for rooms in host memory on both sides: XXH3-64 if ``xxhash`` is installed, else CRC32."""
+    return next(iter(STREAMING))
 
 
-def vram_problem(regions: Sequence[Region], side: str) -> str | None:
-    """Why the checksum cannot cover ``side``'s ``regions`` (a GPU region), or None."""
-    for r in regions:
-        if r.mem == "vram":
-            return (f"the end-to-end checksum covers CPU memory only for now, but {side} region {r.name!r} is in GPU "
-                    f"memory (vram, device {r.device}); turn checksum off for GPU caches")
+def choose(local: Sequence[Region], peer: Sequence[Region]) -> str:
+    """Prefill: the hash for a room between ``local`` and ``peer``'s regions: ``wmix64`` if either has GPU memory."""
+    if any(r.mem == "vram" for r in (*local, *peer)):
+        return wmix.NAME
+    return default_algorithm()
+
+
+def device_problem(regions: Sequence[Region], side: str) -> str | None:
+    """Why the checksum cannot hash ``side``'s GPU ``regions`` in this process (no torch, no CUDA), or None."""
+    gpu = [r for r in regions if r.mem == "vram"]
+    if not gpu:
+        return None
+    try:
+        wmix.device_sum()
+    except ChecksumError as exc:
+        return (f"{side} region {gpu[0].name!r} is in GPU memory (vram, device {gpu[0].device}) and {exc}")
     return None
 
 
-def _hash(algorithm: str, addrs: IntArray, nbytes: IntArray) -> int:
+def _hash(algorithm: str, addrs: IntArray, nbytes: IntArray, regions: Sequence[Region]) -> int:
+    if algorithm == wmix.NAME:
+        return wmix.digest(addrs, nbytes, RegionTable(regions))
     try:
-        h = ALGORITHMS[algorithm]()
+        h = STREAMING[algorithm]()
     except KeyError:
         raise ChecksumError(
             f"checksum algorithm {algorithm!r} is not available here (have: {', '.join(ALGORITHMS)}); "
             "install it on both sides: pip install kvbridge[checksum]"
         ) from None
+    table = RegionTable(regions)
+    where, _ = table.locate(addrs, nbytes)
+    if len(table) and table.vram[where].any():
+        raise ChecksumError(f"{algorithm} hashes host memory only, but a range lies in GPU memory; "
+                            f"prefill should have named {wmix.NAME}")
     # One call per contiguous run (the runs are as long as the plan allows), not per byte.
     for addr, n in zip(addrs.tolist(), nbytes.tolist()):
         h.update(memoryview((ctypes.c_char * n).from_address(addr)))
@@ -121,10 +149,11 @@ def _merge(addr: IntArray, nbytes: IntArray) -> tuple[IntArray, IntArray]:
     return addr[first], addr[ends] + nbytes[ends] - addr[first]
 
 
-def summarise(plans: Sequence[TransferPlan | None], algorithm: str, max_bytes: int) -> P.Checksum:
+def summarise(plans: Sequence[TransferPlan | None], algorithm: str, max_bytes: int,
+              regions: Sequence[Region] = ()) -> P.Checksum:
     """Prefill: the digest of the source bytes of ``plans``' descriptors in destination order, and the ranges.
 
-    Raises :class:`ChecksumError` if the ranges would not fit in ``max_bytes``
+    ``regions`` are prefill's own (where the source bytes lie: host or GPU memory). Raises :class:`ChecksumError` if the ranges would not fit in ``max_bytes``
     (the control message limit).
     """
     live = [p for p in plans if p is not None and len(p)]
@@ -143,7 +172,7 @@ def summarise(plans: Sequence[TransferPlan | None], algorithm: str, max_bytes: i
             f"max_message_bytes={max_bytes}; raise max_message_bytes or turn checksum off"
         )
     ranges = np.stack([dst_at, dst_n], axis=1).astype("<i8").tobytes()
-    return P.Checksum(algorithm=algorithm, digest=_hash(algorithm, *_merge(src, n)), ranges=ranges)
+    return P.Checksum(algorithm=algorithm, digest=_hash(algorithm, *_merge(src, n), regions), ranges=ranges)
 
 
 def digest_ranges(summary: P.Checksum, regions: Sequence[Region]) -> int:
@@ -159,9 +188,7 @@ def digest_ranges(summary: P.Checksum, regions: Sequence[Region]) -> int:
         i = int(bad[0])
         raise ChecksumError(f"prefill's checksum covers [{int(addr[i]):#x}, +{int(n[i])}), which is not inside one "
                             f"registered region of this rank ({len(bad)} such ranges)")
-    if table.vram[where].any():
-        raise ChecksumError("the checksum covers a GPU (vram) region of this rank; it is supported on CPU memory only")
-    return _hash(summary.algorithm, addr, n)
+    return _hash(summary.algorithm, addr, n, regions)
 
 
 def verify(summary: P.Checksum, regions: Sequence[Region]) -> str | None:

@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 from ..control import protocol as P
 from ..control.auth import auth_for, check_host, new_incarnation
 from ..control.channel import IOLoop, SocketGetter
-from .checksum import vram_problem
+from .checksum import device_problem
 from ..description.layout import KVArgs
 from ..control.metrics import metrics
 from .room import Poll, Room
@@ -142,7 +142,7 @@ class TransferManager(Generic[R]):
         #: process is a new peer to the others (kvbridge.core.control.auth, docs/failures.md).
         self.incarnation = new_incarnation()
         if self.config.checksum:
-            problem = vram_problem(kvargs.regions, f"this {self.role} rank's")
+            problem = device_problem(kvargs.regions, f"this {self.role} rank's")
             if problem is not None:
                 raise ValueError(f"checksum=True: {problem}")
         check_host(self.config.host, self.auth, f"kvbridge {self.role} manager")

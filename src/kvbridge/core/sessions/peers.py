@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy.typing as npt
 
 from ..control import protocol as P
-from ..description.layout import METADATA_SPACE, Region
+from ..description.layout import METADATA_SPACE, KVArgs, Region
 from ..planning.indices import Indices
 from ..planning.layers import LayerIndex
 from ..planning.pairing import Route
 from .room import Poll, Room
-from .checksum import vram_problem
+from .checksum import device_problem
 from .row import inline_row
 from .worker import PeerWorker
 
@@ -134,7 +134,8 @@ class DecodeRequest:
         if METADATA_SPACE in peer.route.spaces:
             Indices.check("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
         if msg.checksum or config.checksum:
-            problem = vram_problem(regions, "prefill") or vram_problem(peer.route.dst.regions, "decode")
+            # Decode hashes its own GPU memory (its manager checked it can); prefill must hash its own.
+            problem = device_problem(regions, "prefill")
             if problem is not None:
                 raise P.ProtocolError(problem)
         dst = peer.route.dst
@@ -160,6 +161,7 @@ class PrefillSide(Protocol):
 
     lock: threading.RLock
     config: SessionConfig
+    kvargs: KVArgs
     transport: Transport
     backend_name: str
     layer_index: LayerIndex

@@ -20,7 +20,7 @@ from ..planning.indices import PlanError
 from ..planning.layers import LayeredPlan
 from ..planning.transferplan import TransferPlan
 from ..transfer.backend import TransferCancelled, TransferTimeout
-from .checksum import ChecksumError, default_algorithm, summarise
+from .checksum import ChecksumError, choose, summarise
 from .peers import DecodePeer, DecodeRequest, PrefillSide
 from .room import Poll
 from .row import read_row
@@ -330,7 +330,9 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
         written = w.sender.take_written(peer.peer_id) if w.last else None
         if written is not None:
             try:
-                summaries[id(w)] = summarise(written, default_algorithm(), m.config.max_message_bytes)
+                local = m.kvargs.regions
+                summaries[id(w)] = summarise(written, choose(local, peer.route.dst.regions), m.config.max_message_bytes,
+                                             local)
             except ChecksumError as exc:
                 m.fail_sender(w.sender, f"room {w.sender.room}: {exc}", "checksum")
                 live.remove(w)

@@ -1,0 +1,98 @@
+"""The checksum's ``wmix64`` on GPU memory: the same terms as core's numpy, in torch ops on the device.
+
+Core (:mod:`kvbridge.core.sessions.wmix`) imports this module by name the first time a room's
+ranges lie in a ``vram`` region, so core itself stays free of torch. A region's blocks are gathered
+as rows of the region viewed in place (``__cuda_array_interface__``, no copy of the region),
+mixed with int64 ops (multiplication wraps mod 2**64 as numpy's uint64; a logical right shift is an
+arithmetic one masked) and summed on the device, on a stream of its own per device so the
+host's compute stream is not serialised behind it. Only the sum comes back to the host.
+
+:func:`block_sum` ``("cpu")`` runs the same torch ops over host memory: the tests compare it with
+numpy bit for bit on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvbridge.core.sessions.wmix import C1, C2, K_POS, MASK, BlockSum
+
+__all__ = ["block_sum", "problem", "sum_blocks"]
+
+
+def _signed(x: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no full uint64 arithmetic)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_C1, _C2, _K_POS = _signed(C1), _signed(C2), _signed(K_POS)
+_streams: dict[int, Any] = {}
+_lock = threading.Lock()
+
+
+class _DeviceBytes:
+    """``nbytes`` of device memory at ``addr`` as a CUDA array (torch wraps it without copying)."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
+                                         "version": 3, "stream": None}
+
+
+def _mix_sum(words: torch.Tensor, first_key: torch.Tensor) -> int:
+    """The sum (mod 2**64) of the terms of ``words`` (k x W int64, overwritten), as core's ``mix_sum``."""
+    steps = torch.arange(words.shape[1], dtype=torch.int64, device=words.device) * _K_POS
+    words ^= first_key[:, None] + steps[None, :]
+    words *= _C1
+    words ^= (words >> 31) & ((1 << 33) - 1)
+    words *= _C2
+    words ^= (words >> 29) & ((1 << 35) - 1)
+    return int(words.sum(dtype=torch.int64).item()) & MASK
+
+
+def _rows(region: torch.Tensor, block: int, rows: npt.NDArray[np.int64], first_key: npt.NDArray[np.uint64]) -> int:
+    nrows = region.numel() // block
+    grid = region[: nrows * block].view(nrows, block)
+    idx = torch.from_numpy(rows).to(region.device, non_blocking=False)
+    keys = torch.from_numpy(first_key.view(np.int64)).to(region.device)
+    return _mix_sum(grid.index_select(0, idx).view(torch.int64), keys)
+
+
+def sum_blocks(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArray[np.int64],
+               first_key: npt.NDArray[np.uint64]) -> int:
+    """GPU memory: core's ``BlockSum`` over the region at device address ``addr`` on CUDA device ``device``."""
+    with _lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = _streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        region = torch.as_tensor(_DeviceBytes(addr, nbytes), device=f"cuda:{device}")
+        return _rows(region, block, rows, first_key)  # .item() synchronises the stream
+
+
+def _sum_host(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArray[np.int64],
+              first_key: npt.NDArray[np.uint64]) -> int:
+    region = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+    return _rows(region, block, rows, first_key)
+
+
+def block_sum(on: str) -> BlockSum:
+    """The torch ``BlockSum`` for ``on``: ``"cuda"`` (device addresses) or ``"cpu"`` (host addresses, for tests)."""
+    if on == "cuda":
+        return sum_blocks
+    if on == "cpu":
+        return _sum_host
+    raise ValueError(f"block_sum: on must be 'cuda' or 'cpu', got {on!r}")
+
+
+def problem() -> str | None:
+    """Why GPU memory cannot be hashed in this process (no CUDA device visible to torch), or None."""
+    if not torch.cuda.is_available():
+        return (f"hashing GPU memory needs a CUDA device visible to torch in this process (torch {torch.__version__} "
+                "sees none); turn checksum off or run where the GPU is")
+    return None

@@ -1,0 +1,166 @@
+"""``wmix64``: the checksum's hash that is computed where the bytes are, host memory or GPU memory.
+
+The byte stream (a room's ranges, concatenated in order) is read as little-endian 64-bit words
+``w_i`` (the last one zero-padded); each word is mixed with its position and the terms are summed
+with 64-bit wrap-around::
+
+    term(i) = fmix(w_i XOR (K0 + i * K_POS))       fmix(x): x *= C1; x ^= x >> 31; x *= C2; x ^= x >> 29
+    digest  = final(sum_i term(i) mod 2**64, total bytes)
+
+Why this shape: every step is an elementwise integer op plus one sum, so numpy (host memory) and
+torch (GPU memory, :mod:`kvbridge.checksum_torch`) compute it over whole arrays, bit for bit the
+same, and a sum splits freely: each region's blocks are hashed where they lie (their words keep
+their global positions) and the parts added, so prefill on host and decode on GPU agree. ``fmix``
+is a bijection (xor with a key, multiplications by odd constants, xor-shifts), so a change
+confined to one word (any single flipped bit) always changes the digest; the position key makes a
+swapped or shifted page change it too (with probability about 1 - 2**-64 for different bytes).
+It is an integrity check against accidents, not a MAC (the control plane's seal is, docs/security.md).
+
+Memory is read in blocks of ``B`` bytes: the largest power of two (at most :data:`MAX_BLOCK`) that
+divides every range's offset inside its region and its length. ``B >= 8`` is the normal case (pages,
+state rows); then a region's blocks are gathered as rows (``index_select``) and hashed in chunks of
+:data:`CHUNK_BYTES`. Ranges not multiples of 8 bytes are hashed on host memory only, through a
+contiguous copy of the stream (small rows); on GPU memory they are refused.
+
+Core imports no torch: GPU regions' parts come from :data:`DEVICE_MODULE`, imported on first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from ..planning.regions import RegionTable
+
+__all__ = ["C1", "C2", "CHUNK_BYTES", "DEVICE_MODULE", "K_POS", "MAX_BLOCK", "NAME", "BlockSum", "device_sum",
+           "digest", "mix_sum", "sum_blocks"]
+
+NAME = "wmix64"
+MASK = (1 << 64) - 1
+K0 = 0x243F6A8885A308D3  # pi's first fraction bits: the key of word 0
+K_POS = 0x9E3779B97F4A7C15  # golden ratio: the key step per word (odd, so positions never collide)
+C1 = 0xBF58476D1CE4E5B9  # splitmix64's multipliers (odd: multiplication is a bijection mod 2**64)
+C2 = 0x94D049BB133111EB
+K_LEN = 0xC2B2AE3D27D4EB4F
+MAX_BLOCK = 1 << 16
+#: Bytes gathered and mixed per step: bounds the temporary memory (about 3x this) on either side.
+CHUNK_BYTES = 64 << 20
+#: The module hashing GPU regions (torch): outside core, imported on first use (docs/architecture.md).
+DEVICE_MODULE = "kvbridge.checksum_torch"
+
+U64 = npt.NDArray[np.uint64]
+IntArray = npt.NDArray[np.int64]
+
+
+class ChecksumError(ValueError):
+    """The checksum could not be computed or did not match; the text says why."""
+
+
+class BlockSum(Protocol):
+    """One region's part: the sum of the terms of ``rows`` (blocks of ``block`` bytes) of the region."""
+
+    def __call__(self, addr: int, nbytes: int, device: int, block: int, rows: IntArray, first_key: U64) -> int: ...
+
+
+def mix_sum(words: U64, first_key: U64) -> int:
+    """numpy: the sum (mod 2**64) of the terms of ``words`` (k rows of W words), row r's first key ``first_key[r]``.
+
+    ``words`` is overwritten (it is always a fresh gather).
+    """
+    steps = np.arange(words.shape[1], dtype=np.uint64) * np.uint64(K_POS)
+    words ^= first_key[:, None] + steps[None, :]
+    words *= np.uint64(C1)
+    words ^= words >> np.uint64(31)
+    words *= np.uint64(C2)
+    words ^= words >> np.uint64(29)
+    return int(words.sum(dtype=np.uint64))
+
+
+def sum_blocks(addr: int, nbytes: int, device: int, block: int, rows: IntArray, first_key: U64) -> int:
+    """Host memory (numpy): :class:`BlockSum` over the region at ``addr`` (``device`` unused)."""
+    nrows = nbytes // block
+    region = np.ctypeslib.as_array((ctypes.c_uint8 * (nrows * block)).from_address(addr)).reshape(nrows, block)
+    return mix_sum(region[rows].view("<u8"), first_key)
+
+
+def device_sum() -> BlockSum:
+    """GPU memory: :data:`DEVICE_MODULE`'s ``sum_blocks``, or :class:`ChecksumError` saying what is missing."""
+    try:
+        fn: BlockSum = importlib.import_module(DEVICE_MODULE).sum_blocks
+        problem = importlib.import_module(DEVICE_MODULE).problem()
+    except ImportError as exc:
+        raise ChecksumError(f"hashing GPU memory needs torch in this process ({exc}); install torch with CUDA "
+                            "or turn checksum off") from None
+    if problem is not None:
+        raise ChecksumError(problem)
+    return fn
+
+
+def _final(acc: int, total: int) -> int:
+    x = (acc ^ (total * K_LEN)) & MASK
+    x = ((x ^ (x >> 33)) * C1) & MASK
+    x = ((x ^ (x >> 29)) * C2) & MASK
+    return x ^ (x >> 32)
+
+
+def _keys(word: npt.NDArray[np.int64]) -> U64:
+    """Each word index's key, K0 + i * K_POS mod 2**64."""
+    return word.astype(np.uint64) * np.uint64(K_POS) + np.uint64(K0)
+
+
+def digest(addr: IntArray, nbytes: IntArray, table: RegionTable,
+           pick: Callable[[bool], BlockSum] | None = None) -> int:
+    """The ``wmix64`` digest of the ranges ``(addr, nbytes)`` in order, each inside a region of ``table``.
+
+    ``pick(vram)`` gives the function hashing a region's blocks: by default numpy for host memory
+    and :func:`device_sum` for GPU memory (tests pass torch's for both, to compare the two paths).
+    """
+    total = int(nbytes.sum())
+    if not total:
+        return _final(0, 0)
+    where, inside = table.locate(addr, nbytes)
+    if not inside.all():
+        i = int(np.flatnonzero(~inside)[0])
+        raise ChecksumError(f"range [{int(addr[i]):#x}, +{int(nbytes[i])}) is not inside one registered region")
+    off = addr - table.starts[where]
+    bits = int(np.bitwise_or.reduce(off | nbytes)) | MAX_BLOCK
+    block = bits & -bits
+    if block < 8:
+        if table.vram[where].any():
+            raise ChecksumError(f"the checksum's ranges on GPU memory must be multiples of 8 bytes at 8-byte offsets "
+                                f"(a range or offset here is {block} bytes aligned)")
+        return _final(_unaligned(addr, nbytes), total)
+    pick = pick or (lambda vram: device_sum() if vram else sum_blocks)
+    count = nbytes // block
+    ends = np.cumsum(count)  # block index just past each range
+    words = block // 8
+    acc = 0
+    step = max(1, CHUNK_BYTES // block)
+    for k0 in range(0, int(ends[-1]), step):  # a chunk of the stream's blocks at a time: bounded memory
+        k = np.arange(k0, min(k0 + step, int(ends[-1])), dtype=np.int64)
+        r = np.searchsorted(ends, k, side="right")
+        reg = where[r]
+        rows = off[r] // block + (k - (ends[r] - count[r]))
+        order = np.argsort(reg, kind="stable")
+        cuts = np.flatnonzero(np.diff(reg[order])) + 1
+        for part in np.split(order, cuts):  # one call per region the chunk touches, not per block
+            g = int(reg[part[0]])
+            fn = pick(bool(table.vram[g]))
+            acc += fn(int(table.starts[g]), int(table.ends[g] - table.starts[g]), int(table.device[g]), block,
+                      rows[part], _keys(k[part] * words))
+    return _final(acc & MASK, total)
+
+
+def _unaligned(addr: IntArray, nbytes: IntArray) -> int:
+    """Host memory, ranges not multiples of 8 bytes: the stream copied contiguous, then hashed as words."""
+    stream = bytearray()
+    for a, n in zip(addr.tolist(), nbytes.tolist()):  # a rare, small case (odd-sized rows): one copy per range
+        stream += (ctypes.c_char * n).from_address(a).raw
+    stream += bytes(-len(stream) % 8)
+    words = np.frombuffer(stream, "<u8").copy().reshape(-1, 1)
+    return mix_sum(words, _keys(np.arange(len(words), dtype=np.int64)))
