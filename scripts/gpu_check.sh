@@ -4,7 +4,8 @@
 # Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
 # Writes gpu-tests.log, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, staging-tests.log,
-# staging.{txt,json}, layerwise.txt, demo.txt, request.{txt,json} and trace.txt (STEPS=request), cold.txt (STEPS=cold)
+# staging.{txt,json}, layerwise.txt, demo.txt, request.{txt,json} and trace.txt (STEPS=request), cold.txt (STEPS=cold),
+# checksum-tests.log and checksum.{txt,json} (STEPS=checksum)
 # to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
 # (default "tests conformance kernel bench staging demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
@@ -68,6 +69,14 @@ if want bench; then
     > "$OUT/bench-4g.json" 2> "$OUT/bench-4g.txt" || rc=1
   tail -6 "$OUT/bench-4g.txt"
 fi
+# The end-to-end checksum's cost (#28): host and GPU memory in one run, rooms of 64 MiB..4 GiB off and on
+# (prefill's send to decode's SUCCESS), hash GB/s; the table goes to checksum.txt, the numbers to checksum.json.
+want checksum && { python3 -m pytest -q -p no:cacheprovider -rs tests/test_wmix.py 2>&1 | tee "$OUT/checksum-tests.log" || rc=1
+  python3 -m kvbridge.cli bench checksum --device cpu cuda --json > "$OUT/checksum.json" \
+    2> "$OUT/checksum.log" || rc=1
+  python3 -c "import json, sys; from kvbridge import ui; from kvbridge.bench.checksum import format_table; \
+ui.print_table(format_table(json.load(open(sys.argv[1]))))" "$OUT/checksum.json" > "$OUT/checksum.txt" 2>&1 || rc=1
+  cat "$OUT/checksum.txt"; }
 # Cold start: the demo in a fresh Triton cache (nothing compiled yet), this checkout and BASELINE's wheel if given:
 # its transfer latency p99 and TTFT p99 against the p50 show what the first requests pay for.
 if want cold; then

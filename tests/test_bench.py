@@ -90,3 +90,19 @@ def test_request_bench_rejects_an_unknown_backend_naming_the_installed_ones(caps
         main(["bench", "request", "--backends", "nope"])
     assert exc.value.code == 2
     assert re.search(r"argument --backends: unknown backend\(s\) nope; installed: .*memory", capsys.readouterr().err)
+
+
+def test_checksum_bench_times_checked_rooms_off_and_on_and_every_hash(capsys):
+    # Real processes over nixl, host memory: decode checks the last room's bytes of each size
+    # against the source pattern; every hash's two halves agree. (--device cuda: tests/test_wmix.py
+    # and scripts/gpu_check.sh's "checksum" step, where a GPU is.)
+    from kvbridge.core.sessions import checksum as C
+
+    assert main(["bench", "checksum", "--device", "cpu", "--total-mib", "1", "2", "--hash-mib", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["algorithm"] for r in res["hash"]] == [C.default_algorithm(), *[a for a in C.ALGORITHMS
+                                                                              if a != C.default_algorithm()]]
+    assert all(r["match"] and r["prefill_GBps"] > 0 and r["decode_GBps"] > 0 for r in res["hash"])
+    assert [r["bytes"] for r in res["rooms"]] == [1 << 20, 2 << 20]
+    assert all(r["verified"] and r["off_ms"] > 0 and r["on_ms"] > 0 and r["algorithm"] == C.default_algorithm()
+               for r in res["rooms"])

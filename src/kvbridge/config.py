@@ -125,7 +125,7 @@ class TransferConfig:
     #: None: ``transfer_timeout + heartbeat_timeout`` (see SessionConfig.fence_timeout).
     fence_timeout: float | None = _SESSION.fence_timeout
     strict_index_lengths: bool = _SESSION.strict_index_lengths
-    #: Verify each room end to end with a hash (CPU memory only; see SessionConfig.checksum).
+    #: Verify each room end to end with a hash (host and GPU memory; see SessionConfig.checksum).
     checksum: bool = _SESSION.checksum
     #: Staging of fragmented host-memory windows: gather, auto, on or off (see SessionConfig.staging).
     staging: str = _SESSION.staging
@@ -379,7 +379,7 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                        help="treat every index-length mismatch as an error (default: trim page lists with a warning)")
     group.add_argument("--transfer-checksum", dest="transfer_checksum", action="store_true",
                        help="verify every room end to end with a hash before SUCCESS (either side may ask; "
-                            "CPU memory only; xxh3 with kvbridge[checksum], else crc32)")
+                            "host memory: xxh3 with kvbridge[checksum], else crc32; GPU memory: wmix64 with torch)")
     group.add_argument("--transfer-staging", dest="transfer_staging", choices=("gather", "auto", "on", "off"),
                        default=_SESSION.staging,
                        help="stage fragmented host-memory writes: gather small pieces into a registered buffer and "

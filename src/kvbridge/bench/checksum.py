@@ -1,25 +1,25 @@
-"""What the end-to-end checksum (``SessionConfig.checksum``) costs.
+"""What the end-to-end checksum (``SessionConfig.checksum``) costs, on host memory and on GPU memory.
 
-Two measurements over ``--total-mib`` of scattered 64 KiB pages (the
-``bench transfer`` case whose descriptors do not coalesce):
+For each ``--device`` (``cpu``: host memory; ``cuda``: GPU 0, the default too wherever torch sees
+one), over scattered 64 KiB pages (a random permutation: nothing coalesces), in one run:
 
-- **hash**: each available algorithm (``xxh3_64`` with ``kvbridge[checksum]``,
-  ``crc32``) in this process, both halves: prefill's ``summarise`` (sort the
-  descriptors by destination, hash the source bytes) and decode's
-  ``digest_ranges`` (check the ranges, hash its own bytes); GB/s of each;
-- **transfer**: ``bench transfer``'s kvbridge room (prefill here, decode in a
-  child) with the checksum off and on, timed at prefill (until it sends
-  ``Done``), and the time it adds; decode verifies after that, so the table
-  also gives both halves' hash time against the room's (an upper bound: the
-  two run one after the other).
+- **hash**: over ``--hash-mib``, each hash this device's rooms can use, both halves: prefill's
+  ``summarise`` (sort the descriptors by destination, hash the source bytes) and decode's
+  ``digest_ranges`` (check the ranges, hash its own bytes); GB/s of each. Host memory: XXH3-64
+  (with ``kvbridge[checksum]``), CRC32 and ``wmix64`` in numpy; GPU memory: ``wmix64`` in torch;
+- **room**: for each ``--total-mib`` (64 MiB to 4 GiB by default), a room from prefill (here) to
+  decode (a child process) with the checksum off and on, alternating, timed from prefill's ``send``
+  to decode's ``SUCCESS`` (so both hash halves are inside), and the share of that time the
+  checksum adds. The hash a room uses is the one prefill names (``checksum.choose``): ``wmix64``
+  with GPU memory on either side, else XXH3-64 or CRC32.
 
-    kvbridge bench checksum [--transfer-backend nixl] [--total-mib 256] [--reps 5] [--json] [--plot FILE.png]
+    kvbridge bench checksum [--device cpu cuda] [--total-mib 64 256 1024 4096] [--hash-mib 256]
+                            [--transfer-backend nixl] [--reps 5] [--json] [--plot FILE.png]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -29,113 +29,126 @@ from typing import Any
 import numpy as np
 
 from kvbridge import ui
-from kvbridge.bench import common, transfer
+from kvbridge.bench import checksum_room as R
+from kvbridge.bench import common
 from kvbridge.config import TransferConfig, add_transfer_args
-from kvbridge.core.sessions import checksum as C
 from kvbridge.core.planning.transferplan import TransferPlan
+from kvbridge.core.sessions import checksum as C
 
-CASE = "64 KiB pages, scattered"
+#: Room sizes by default: the issue's range (#28: 64 MiB to 4 GiB; the target is read at 1 GiB).
+TOTAL_MIB = (64, 256, 1024, 4096)
 
 
-def hash_rates(total_mib: int, reps: int) -> list[dict[str, Any]]:
-    """GB/s of each algorithm's prefill and decode halves over the scattered case."""
-    pages = (total_mib << 20) // transfer.PAGE
-    (src_kv,), _, src_args = transfer.make_pools(1, pages, fill=True)
-    (dst_kv,), _, dst_args = transfer.make_pools(1, pages, fill=False)
-    src, dst = transfer.cases(pages)[CASE]
-    dst_kv[dst] = src_kv[src]  # decode holds what landed
-    plan = TransferPlan(src_kv.ctypes.data + src.astype(np.int64) * transfer.PAGE,
-                        dst_kv.ctypes.data + dst.astype(np.int64) * transfer.PAGE,
-                        np.full(pages, transfer.PAGE, np.int64))
-    gb = pages * transfer.PAGE / 1e9
+def _address(device: str, pool: Any) -> int:
+    return int(pool.data_ptr()) if device == "cuda" else int(pool.ctypes.data)
+
+
+def hash_rates(device: str, total_mib: int, reps: int) -> list[dict[str, Any]]:
+    """GB/s of each hash's prefill and decode halves over ``total_mib`` of scattered pages in ``device`` memory."""
+    pages = (total_mib << 20) // R.PAGE
+    src_pool, src_args = R.make_pool(device, pages, fill=True)
+    dst_pool, dst_args = R.make_pool(device, pages, fill=False)
+    src, dst = R.indices(pages)
+    R.fill_pattern(device, dst_pool, dst, src)  # decode holds what landed
+    plan = TransferPlan(_address(device, src_pool) + src.astype(np.int64) * R.PAGE,
+                        _address(device, dst_pool) + dst.astype(np.int64) * R.PAGE, np.full(pages, R.PAGE, np.int64))
+    algorithms = [C.choose(src_args.regions, dst_args.regions)]
+    if device == "cpu":  # every hash host memory can use, the default first
+        algorithms += [a for a in C.ALGORITHMS if a not in algorithms]
+    gb = pages * R.PAGE / 1e9
     rows = []
-    for algo in C.ALGORITHMS:
+    for algo in algorithms:
         pre: list[float] = []
         post: list[float] = []
-        for _ in range(reps):
+        for _ in range(reps + 1):  # the first warms up (CUDA context, caches), left out
             t0 = time.perf_counter()
-            summary = C.summarise([plan], algo, 64 << 20)
+            summary = C.summarise([plan], algo, 64 << 20, src_args.regions)
             pre.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             got = C.digest_ranges(summary, dst_args.regions)
             post.append(time.perf_counter() - t0)
-        rows.append({"algorithm": algo, "bytes": pages * transfer.PAGE, "descriptors": pages,
-                     "prefill_GBps": gb / statistics.median(pre), "decode_GBps": gb / statistics.median(post),
+        rows.append({"device": device, "algorithm": algo, "default": algo == algorithms[0], "bytes": pages * R.PAGE,
+                     "prefill_GBps": gb / statistics.median(pre[1:]), "decode_GBps": gb / statistics.median(post[1:]),
                      "match": got == summary.digest})
+    del src_pool, dst_pool
     return rows
-
-
-def transfer_cost(backend: str, backend_options: dict[str, str], total_mib: int, reps: int,
-                  tracker: ui.Tracker | None) -> dict[str, Any]:
-    """The scattered case's kvbridge rate with the checksum off and on, and the time it adds."""
-    rates = {}
-    verified = True
-    for on in (False, True):
-        config = dataclasses.replace(transfer.CONFIG, backend_options=backend_options, checksum=on)
-        rows = transfer.run(backend, config, reps, 1, total_mib)
-        (row,) = [r for r in rows if r["case"] == CASE]
-        rates[on] = row["kvbridge_GBps"]
-        verified = verified and all(r["verified"] for r in rows)
-        if tracker is not None:
-            tracker.advance()
-    t_off, t_on = 1 / rates[False], 1 / rates[True]
-    return {"backend": backend, "case": CASE, "off_GBps": rates[False], "on_GBps": rates[True],
-            "added_percent": 100 * (t_on - t_off) / t_off, "algorithm": C.default_algorithm(), "verified": verified}
 
 
 def format_table(results: dict[str, Any]) -> Any:
     """Both measurements as one :func:`kvbridge.ui.table`."""
     rows: list[tuple[Any, ...]] = []
+    memory = {"cpu": "host", "cuda": "GPU"}
     for r in results["hash"]:
-        rows.append((f"{r['algorithm']}: prefill (sort, hash source)", f"{r['prefill_GBps']:.2f}", None, r["match"]))
-        rows.append((f"{r['algorithm']}: decode (check, hash destination)", f"{r['decode_GBps']:.2f}", None, r["match"]))
-    t = results["transfer"]
-    rows.append((f"{t['backend']} room, checksum off", f"{t['off_GBps']:.2f}", None, t["verified"]))
-    rows.append((f"both hash halves vs that room ({t['algorithm']}, serial)", None, f"+{t['hash_percent']:.1f}%", None))
-    rows.append((f"{t['backend']} room, checksum on ({t['algorithm']})", f"{t['on_GBps']:.2f}",
-                 f"{t['added_percent']:+.1f}%", t["verified"]))
-    return ui.table(["measure", "GB/s", "room time added", "ok"], rows, right=["GB/s", "room time added"])
+        used = " (rooms use it)" if r["default"] else ""
+        rows.append((f"{memory[r['device']]}: hash {r['algorithm']}{used}", None, None,
+                     f"{r['prefill_GBps']:.2f} / {r['decode_GBps']:.2f}", None, r["match"]))
+    for r in results["rooms"]:
+        rows.append((f"{memory[r['device']]}: room {r['bytes'] >> 20} MiB, {r['algorithm']}",
+                     f"{r['off_ms']:.1f}", f"{r['on_ms']:.1f}", f"{r['off_GBps']:.2f} / {r['on_GBps']:.2f}",
+                     f"{r['added_percent']:+.1f}%", r["verified"]))
+    return ui.table(["measure", "off ms", "on ms", "GB/s", "added", "ok"], rows,
+                    right=["off ms", "on ms", "GB/s", "added"], nowrap=["measure", "GB/s"])
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    rows = results["hash"]
-    common.bars(path, "Checksum throughput (GB/s, higher is better)", [r["algorithm"] for r in rows],
-                {"prefill (sort + hash source)": [r["prefill_GBps"] for r in rows],
-                 "decode (check + hash destination)": [r["decode_GBps"] for r in rows]}, "GB/s")
+    rows = results["rooms"]
+    common.bars(path, "Checksum: room time it adds (%, lower is better)",
+                [f"{r['device']} {r['bytes'] >> 20} MiB ({r['algorithm']})" for r in rows],
+                {"added": [r["added_percent"] for r in rows]}, "% of the room's time")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_transfer_args(parser)
+    parser.add_argument("--device", choices=("cpu", "cuda"), nargs="+", default=None, metavar="DEVICE",
+                        help="cpu (host memory) and/or cuda (GPU 0) (default: both where torch sees a GPU, else cpu)")
     parser.add_argument("--reps", type=ui.int_at_least(5), default=5, metavar="N",
-                        help="timed repetitions, at least 5 (median)")
-    parser.add_argument("--total-mib", type=ui.int_at_least(1), default=256, metavar="MIB",
-                        help="bytes per room, in MiB (64 KiB pages)")
-    common.add_output_arguments(parser, "rates in gigabytes per second: *_GBps")
+                        help="timed repetitions, at least 5 (median), after one warm-up")
+    parser.add_argument("--total-mib", type=ui.int_at_least(1), nargs="+", default=list(TOTAL_MIB), metavar="MIB",
+                        help=f"room sizes in MiB of 64 KiB pages (default: {' '.join(map(str, TOTAL_MIB))})")
+    parser.add_argument("--hash-mib", type=ui.int_at_least(1), default=256, metavar="MIB",
+                        help="bytes each hash is timed over, in MiB")
+    common.add_output_arguments(parser, "rates in gigabytes per second: *_GBps; times in ms")
+
+
+def _devices(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    if args.device is None:
+        return ["cpu"] if common.cuda_problem() else ["cpu", "cuda"]
+    if "cuda" in args.device:
+        problem = common.cuda_problem()
+        if problem:
+            ui.usage_error(parser, problem)
+    return list(dict.fromkeys(args.device))
 
 
 def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     parser = parser or args.command_parser
     for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "WARNING"}.items():
         os.environ.setdefault(key, value)
-    if (args.total_mib << 20) % (transfer.RUN_PAGES * transfer.PAGE):
-        parser.error(f"--total-mib must be a multiple of {transfer.RUN_PAGES * transfer.PAGE >> 20} MiB")
+    for flag, mib in (("--total-mib", min(args.total_mib)), ("--hash-mib", args.hash_mib)):
+        if (mib << 20) % R.PAGE:
+            parser.error(f"{flag} must be a whole number of 64 KiB pages")
     cfg = TransferConfig.from_args(args, parser)
+    devices = _devices(args, parser)
     prog = "kvbridge bench checksum"
     common.check_plot(args, prog)
-    with ui.progress(2, "runs", description=f"bench checksum ({cfg.backend})") as tracker:
-        results = {"hash": hash_rates(args.total_mib, args.reps),
-                   "transfer": transfer_cost(cfg.backend, dict(cfg.backend_options), args.total_mib, args.reps, tracker)}
+    results: dict[str, Any] = {"hash": [], "rooms": []}
+    with ui.progress(len(devices) * (1 + len(args.total_mib)), "steps", description="bench checksum") as tracker:
+        for device in devices:
+            rates = hash_rates(device, args.hash_mib, args.reps)
+            results["hash"] += rates
+            tracker.advance()
+            rooms = R.run(device, cfg.backend, dict(cfg.backend_options), args.total_mib, args.reps, tracker)
+            for r in rooms:
+                r["algorithm"] = rates[0]["algorithm"]
+            results["rooms"] += rooms
+
     def table() -> Any:
         t = format_table(results)
-        t.title = f"{args.total_mib} MiB of scattered 64 KiB pages, median of {args.reps}"
+        t.title = (f"checksum over scattered 64 KiB pages, {cfg.backend}, median of {args.reps}. GB/s: a hash's "
+                   "prefill / decode half; a room's off / on. A room: prefill's send to decode's SUCCESS")
         return t
 
-    # Prefill's room ends when it sends Done; decode hashes after that, so the room time
-    # above misses decode's half: both halves' hash time against the room, serial, bounds it.
-    best = results["hash"][0]
-    t = results["transfer"]
-    t["hash_percent"] = 100 * t["off_GBps"] * (1 / best["prefill_GBps"] + 1 / best["decode_GBps"])
-    ok = all(r["match"] for r in results["hash"]) and results["transfer"]["verified"]
+    ok = all(r["match"] for r in results["hash"]) and all(r["verified"] for r in results["rooms"])
     return common.finish(args, prog, results, table, plot, ok)
 
 

@@ -67,7 +67,8 @@ class SessionConfig:
     sender_grace: float = 5.0
     #: Verify every room end to end: prefill hashes the bytes it wrote, decode
     #: the bytes it holds, a difference fails the room (kvbridge.core.sessions.checksum).
-    #: Either side may ask. CPU memory only: refused with a GPU region.
+    #: Either side may ask. GPU memory is hashed in place (``wmix64`` with torch); a rank
+    #: whose torch sees no CUDA device refuses it for its GPU regions.
     checksum: bool = False
     #: Staging of fragmented host-memory windows (docs/performance.md, "Staging"): ``gather`` (the default)
     #: gathers a window of small pieces on prefill where that merges them in the destination; ``auto`` also
