@@ -193,6 +193,19 @@ def test_summarise_and_verify_name_wmix64_and_catch_a_flip() -> None:
     assert C.choose([region(src, "s")], [region(dst, "d")]) == C.default_algorithm() != "wmix64"
 
 
+def test_a_failure_while_hashing_is_a_checksum_error_naming_it(room) -> None:
+    # The hashing thread is prefill's worker or decode's I/O thread: an error there (the GPU out
+    # of memory, say) must fail the room, not escape as another exception.
+    bufs, picks = room
+    addr, n = scattered(bufs, PAGE, picks)
+
+    def broken(*args: object) -> int:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    with pytest.raises(wmix.ChecksumError, match=r"in host memory failed: RuntimeError: CUDA out of memory"):
+        wmix.digest(addr, n, RegionTable([region(b, f"r{i}") for i, b in enumerate(bufs)]), lambda vram: broken)
+
+
 def test_a_gpu_region_without_cuda_here_names_what_is_missing() -> None:
     buf = np.zeros(64, np.uint8)
     why = C.device_problem([region(buf, "k0", mem="vram")], "decode")

@@ -79,11 +79,11 @@ def format_table(results: dict[str, Any]) -> Any:
     rows: list[tuple[Any, ...]] = []
     memory = {"cpu": "host", "cuda": "GPU"}
     for r in results["hash"]:
-        used = " (rooms use it)" if r["default"] else ""
-        rows.append((f"{memory[r['device']]}: hash {r['algorithm']}{used}", None, None,
+        used = " *" if r["default"] else ""
+        rows.append((f"{memory[r['device']]} hash {r['algorithm']}{used}", None, None,
                      f"{r['prefill_GBps']:.2f} / {r['decode_GBps']:.2f}", None, r["match"]))
     for r in results["rooms"]:
-        rows.append((f"{memory[r['device']]}: room {r['bytes'] >> 20} MiB, {r['algorithm']}",
+        rows.append((f"{memory[r['device']]} room {r['bytes'] >> 20} MiB",
                      f"{r['off_ms']:.1f}", f"{r['on_ms']:.1f}", f"{r['off_GBps']:.2f} / {r['on_GBps']:.2f}",
                      f"{r['added_percent']:+.1f}%", r["verified"]))
     return ui.table(["measure", "off ms", "on ms", "GB/s", "added", "ok"], rows,
@@ -145,7 +145,8 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     def table() -> Any:
         t = format_table(results)
         t.title = (f"checksum over scattered 64 KiB pages, {cfg.backend}, median of {args.reps}. GB/s: a hash's "
-                   "prefill / decode half; a room's off / on. A room: prefill's send to decode's SUCCESS")
+                   "prefill / decode half; a room's off / on. A room: prefill's send to decode's SUCCESS. *: the hash "
+                   "that memory's rooms use")
         return t
 
     ok = all(r["match"] for r in results["hash"]) and all(r["verified"] for r in results["rooms"])

@@ -95,11 +95,12 @@ def sum_blocks(addr: int, nbytes: int, device: int, block: int, rows: IntArray, 
 def device_sum() -> BlockSum:
     """GPU memory: :data:`DEVICE_MODULE`'s ``sum_blocks``, or :class:`ChecksumError` saying what is missing."""
     try:
-        fn: BlockSum = importlib.import_module(DEVICE_MODULE).sum_blocks
-        problem = importlib.import_module(DEVICE_MODULE).problem()
-    except ImportError as exc:
-        raise ChecksumError(f"hashing GPU memory needs torch in this process ({exc}); install torch with CUDA "
-                            "or turn checksum off") from None
+        module = importlib.import_module(DEVICE_MODULE)
+        fn: BlockSum = module.sum_blocks
+        problem = module.problem()
+    except Exception as exc:  # ImportError (no torch), or torch failing to load its libraries
+        raise ChecksumError(f"hashing GPU memory needs torch in this process ({type(exc).__name__}: {exc}); "
+                            "install torch with CUDA or turn checksum off") from None
     if problem is not None:
         raise ChecksumError(problem)
     return fn
@@ -154,9 +155,17 @@ def digest(addr: IntArray, nbytes: IntArray, table: RegionTable,
         cuts = np.flatnonzero(np.diff(reg[order])) + 1
         for part in np.split(order, cuts):  # one call per region the chunk touches, not per block
             g = int(reg[part[0]])
-            fn = pick(bool(table.vram[g]))
-            acc += fn(int(table.starts[g]), int(table.ends[g] - table.starts[g]), int(table.device[g]), block,
-                      rows[part], _keys(k[part] * words))
+            vram = bool(table.vram[g])
+            fn = pick(vram)
+            try:
+                acc += fn(int(table.starts[g]), int(table.ends[g] - table.starts[g]), int(table.device[g]), block,
+                          rows[part], _keys(k[part] * words))
+            except ChecksumError:
+                raise
+            except Exception as exc:  # e.g. the device out of memory: the room fails, the thread hashing survives
+                where_ = f"GPU {int(table.device[g])}" if vram else "host memory"
+                raise ChecksumError(f"hashing {len(part)} blocks of {block} bytes in {where_} failed: "
+                                    f"{type(exc).__name__}: {exc}") from exc
     return _final(acc & MASK, total)
 
 
