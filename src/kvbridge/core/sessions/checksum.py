@@ -153,8 +153,8 @@ def summarise(plans: Sequence[TransferPlan | None], algorithm: str, max_bytes: i
               regions: Sequence[Region] = ()) -> P.Checksum:
     """Prefill: the digest of the source bytes of ``plans``' descriptors in destination order, and the ranges.
 
-    ``regions`` are prefill's own (where the source bytes lie: host or GPU memory). Raises :class:`ChecksumError` if the ranges would not fit in ``max_bytes``
-    (the control message limit).
+    ``regions`` are prefill's own (where the source bytes lie: host or GPU memory). Raises
+    :class:`ChecksumError` if the ranges would not fit in ``max_bytes`` (the control message limit).
     """
     live = [p for p in plans if p is not None and len(p)]
     if live:

@@ -134,7 +134,8 @@ class DecodeRequest:
         if METADATA_SPACE in peer.route.spaces:
             Indices.check("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
         if msg.checksum or config.checksum:
-            # Decode hashes its own GPU memory (its manager checked it can); prefill must hash its own.
+            # Each side hashes its own bytes: decode its GPU memory (failing the room, saying why, if it
+            # cannot), prefill its own, checked here so the request is refused at once.
             problem = device_problem(regions, "prefill")
             if problem is not None:
                 raise P.ProtocolError(problem)
