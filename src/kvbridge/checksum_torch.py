@@ -47,11 +47,14 @@ class _DeviceBytes:
 def _mix_sum(words: torch.Tensor, first_key: torch.Tensor) -> int:
     """The sum (mod 2**64) of the terms of ``words`` (k x W int64, overwritten), as core's ``mix_sum``."""
     steps = torch.arange(words.shape[1], dtype=torch.int64, device=words.device) * _K_POS
-    words ^= first_key[:, None] + steps[None, :]
+    tmp = first_key[:, None] + steps[None, :]  # the keys, then reused for each shift: two chunks of memory in all
+    words ^= tmp
     words *= _C1
-    words ^= (words >> 31) & ((1 << 33) - 1)
+    torch.bitwise_right_shift(words, 31, out=tmp)
+    words ^= tmp.bitwise_and_((1 << 33) - 1)  # a logical shift: the sign bits masked off
     words *= _C2
-    words ^= (words >> 29) & ((1 << 35) - 1)
+    torch.bitwise_right_shift(words, 29, out=tmp)
+    words ^= tmp.bitwise_and_((1 << 35) - 1)
     return int(words.sum(dtype=torch.int64).item()) & MASK
 
 
