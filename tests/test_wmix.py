@@ -9,6 +9,12 @@ single flipped bit change it. The CUDA case runs where a GPU is (skipped here, s
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -232,10 +238,52 @@ def test_cuda_digest_equals_numpy_over_the_same_bytes() -> None:
     assert wmix.digest(g_addr, n, RegionTable(g_regions)) != wmix.digest(h_addr, n, h_table)
 
 
+INTERPRETED = """
+import json, numpy as np, torch
+from kvbridge.core.description.layout import Region
+from kvbridge.core.planning.regions import RegionTable
+from kvbridge.core.sessions import wmix
+from kvbridge import checksum_torch, checksum_triton
+rng = np.random.default_rng(9)
+bufs = [rng.integers(0, 256, 64 * 4096, dtype=np.uint8) for _ in range(2)]
+table = RegionTable([Region(name=f"r{i}", addr=b.ctypes.data, nbytes=b.nbytes, stride=4096, role="k",
+                            index_space="p") for i, b in enumerate(bufs)])
+out = {"probe": checksum_triton.probe(torch.device("cpu"))}
+for page in (4096, 512, 64):  # 512 and 4096 words a block: the kernel; 8 words: below MIN_WORDS, the torch ops
+    picks = [(int(i % 2), int(p)) for i, p in enumerate(rng.permutation(64 * 4096 // page)[:24])]
+    addr = np.array([bufs[b].ctypes.data + p * page for b, p in picks], np.int64)
+    n = np.full(len(picks), page, np.int64)
+    fused = wmix.digest(addr, n, table, lambda vram: checksum_torch.block_sum("interpret"))
+    plain = wmix.digest(addr, n, table)
+    b, p = picks[7]
+    bufs[b][p * page + 101 % page] ^= 0x20
+    flipped = wmix.digest(addr, n, table, lambda vram: checksum_torch.block_sum("interpret"))
+    bufs[b][p * page + 101 % page] ^= 0x20
+    out[page] = [fused == plain, flipped != plain]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Triton is not installed here (scripts/setup.sh installs CPU torch only); "
+                           "scripts/gpu_check.sh's checksum step runs the kernel compiled, on the GPU")
+def test_the_triton_kernel_interpreted_gives_numpys_digest_and_sees_a_flip() -> None:
+    # TRITON_INTERPRET must be set before Triton is imported: a child process.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got == {"probe": True, "4096": [True, True], "512": [True, True], "64": [True, True]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a CUDA device and Triton (the fused kernel compiled for it)")
+def test_cuda_uses_the_triton_kernel_once_its_probe_matched() -> None:
+    assert checksum_torch.path(torch.cuda.current_device(), wait=300) == "triton"
+
+
 def test_the_torch_module_stays_out_of_core() -> None:
     # Core names it by string only; importing core does not import torch's half.
-    import subprocess
-    import sys
     code = "import sys, kvbridge.core.sessions.checksum; print('kvbridge.checksum_torch' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]

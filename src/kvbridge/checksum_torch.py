@@ -7,14 +7,20 @@ mixed with int64 ops (multiplication wraps mod 2**64 as numpy's uint64; a logica
 arithmetic one masked) and summed on the device, on a stream of its own per device so the
 host's compute stream is not serialised behind it. Only the sum comes back to the host.
 
-:func:`block_sum` ``("cpu")`` runs the same torch ops over host memory: the tests compare it with
-numpy bit for bit on a machine without a GPU.
+Where Triton is installed, :mod:`kvbridge.checksum_triton`'s kernel does the same in one pass over
+memory instead, once it has matched these ops on a probe on that device (:func:`path`).
+
+:func:`block_sum` ``("cpu")`` runs the same torch ops over host memory, and ``("interpret")`` the
+Triton kernel under ``TRITON_INTERPRET=1``: the tests compare both with numpy bit for bit on a
+machine without a GPU.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +29,9 @@ import torch
 
 from kvbridge.core.sessions.wmix import C1, C2, K_POS, MASK, BlockSum
 
-__all__ = ["block_sum", "problem", "sum_blocks"]
+__all__ = ["block_sum", "path", "problem", "sum_blocks"]
+
+log = logging.getLogger(__name__)
 
 
 def _signed(x: int) -> int:
@@ -33,6 +41,8 @@ def _signed(x: int) -> int:
 
 _C1, _C2, _K_POS = _signed(C1), _signed(C2), _signed(K_POS)
 _streams: dict[int, Any] = {}
+_paths: dict[int, str] = {}  # device -> "triton" or "torch", decided once by a probe (path())
+_decided: dict[int, threading.Event] = {}  # device -> set when its probe ended
 _lock = threading.Lock()
 
 
@@ -66,6 +76,46 @@ def _rows(region: torch.Tensor, block: int, rows: npt.NDArray[np.int64], first_k
     return _mix_sum(grid.index_select(0, idx).view(torch.int64), keys)
 
 
+def path(device: int, wait: float = 0.0) -> str:
+    """How blocks on CUDA ``device`` are hashed now: ``"triton"`` (one fused pass, once it matched the
+    torch ops on a probe there) or ``"torch"`` (the torch ops: Triton missing, its probe differed, or
+    not decided yet).
+
+    The first call starts the probe (compiling the kernel: seconds) on a thread of its own, so no
+    caller, decode's I/O thread included, waits for a compiler; until it ends the torch ops hash.
+    ``wait``: seconds to wait for the decision (benchmarks, tests).
+    """
+    with _lock:
+        done = _decided.get(device)
+        if done is None:
+            done = _decided[device] = threading.Event()
+            threading.Thread(target=_probe, args=(device, done), name=f"kvbridge-wmix-probe-{device}",
+                             daemon=True).start()
+    done.wait(wait)
+    return _paths.get(device, "torch")
+
+
+def _probe(device: int, done: threading.Event) -> None:
+    how = "torch"
+    try:
+        from kvbridge import checksum_triton
+    except ImportError as exc:
+        log.info("wmix64 on GPU %d: torch ops (no Triton: %s)", device, exc)
+    else:
+        try:
+            with torch.cuda.device(device):
+                if checksum_triton.probe(torch.device("cuda", device)):
+                    how = "triton"
+                else:
+                    log.warning("wmix64 on GPU %d: the Triton kernel's digest differed from the torch ops' on a "
+                                "probe; hashing with the torch ops (slower, same digests)", device)
+        except Exception as exc:  # a compiler or driver failure: the torch ops still give the right digest
+            log.warning("wmix64 on GPU %d: the Triton kernel failed (%s: %s); hashing with the torch ops",
+                        device, type(exc).__name__, exc)
+    _paths[device] = how
+    done.set()
+
+
 def sum_blocks(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArray[np.int64],
                first_key: npt.NDArray[np.uint64]) -> int:
     """GPU memory: core's ``BlockSum`` over the region at device address ``addr`` on CUDA device ``device``."""
@@ -73,8 +123,15 @@ def sum_blocks(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArra
         stream = _streams.get(device)
         if stream is None:
             stream = _streams[device] = torch.cuda.Stream(device)
+    fused = path(device) == "triton"
     with torch.cuda.device(device), torch.cuda.stream(stream):
         region = torch.as_tensor(_DeviceBytes(addr, nbytes), device=f"cuda:{device}")
+        if fused:
+            from kvbridge.checksum_triton import fused_sum
+
+            got = fused_sum(region, block, rows, first_key)
+            if got is not None:
+                return got
         return _rows(region, block, rows, first_key)  # .item() synchronises the stream
 
 
@@ -84,18 +141,36 @@ def _sum_host(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArray
     return _rows(region, block, rows, first_key)
 
 
+def _sum_interpreted(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArray[np.int64],
+                     first_key: npt.NDArray[np.uint64]) -> int:
+    from kvbridge.checksum_triton import fused_sum
+
+    region = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+    got = fused_sum(region, block, rows, first_key)
+    return _rows(region, block, rows, first_key) if got is None else got
+
+
 def block_sum(on: str) -> BlockSum:
-    """The torch ``BlockSum`` for ``on``: ``"cuda"`` (device addresses) or ``"cpu"`` (host addresses, for tests)."""
+    """The torch ``BlockSum`` for ``on``: ``"cuda"`` (device addresses), ``"cpu"`` (host addresses, the torch
+    ops, for tests) or ``"interpret"`` (host addresses, the Triton kernel under ``TRITON_INTERPRET=1``, for tests)."""
     if on == "cuda":
         return sum_blocks
     if on == "cpu":
         return _sum_host
-    raise ValueError(f"block_sum: on must be 'cuda' or 'cpu', got {on!r}")
+    if on == "interpret":
+        return _sum_interpreted
+    raise ValueError(f"block_sum: on must be 'cuda', 'cpu' or 'interpret', got {on!r}")
 
 
-def problem() -> str | None:
-    """Why GPU memory cannot be hashed in this process (no CUDA device visible to torch), or None."""
+def problem(devices: Sequence[int] = ()) -> str | None:
+    """Why GPU memory cannot be hashed in this process (no CUDA device visible to torch), or None.
+
+    When it can, each of ``devices`` starts deciding its :func:`path` now (in the background), so
+    the first room's hash is not the one that compiles the kernel.
+    """
     if not torch.cuda.is_available():
         return (f"hashing GPU memory needs a CUDA device visible to torch in this process (torch {torch.__version__} "
                 "sees none); turn checksum off or run where the GPU is")
+    for d in devices:
+        path(d)
     return None

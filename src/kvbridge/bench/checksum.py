@@ -52,6 +52,7 @@ def hash_rates(device: str, total_mib: int, reps: int) -> list[dict[str, Any]]:
     R.fill_pattern(device, dst_pool, dst, src)  # decode holds what landed
     plan = TransferPlan(_address(device, src_pool) + src.astype(np.int64) * R.PAGE,
                         _address(device, dst_pool) + dst.astype(np.int64) * R.PAGE, np.full(pages, R.PAGE, np.int64))
+    how = R.device_path(device)
     algorithms = [C.choose(src_args.regions, dst_args.regions)]
     if device == "cpu":  # every hash host memory can use, the default first
         algorithms += [a for a in C.ALGORITHMS if a not in algorithms]
@@ -67,7 +68,8 @@ def hash_rates(device: str, total_mib: int, reps: int) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             got = C.digest_ranges(summary, dst_args.regions)
             post.append(time.perf_counter() - t0)
-        rows.append({"device": device, "algorithm": algo, "default": algo == algorithms[0], "bytes": pages * R.PAGE,
+        rows.append({"device": device, "algorithm": algo, "path": how if algo == "wmix64" else "host",
+                     "default": algo == algorithms[0], "bytes": pages * R.PAGE,
                      "prefill_GBps": gb / statistics.median(pre[1:]), "decode_GBps": gb / statistics.median(post[1:]),
                      "match": got == summary.digest})
     del src_pool, dst_pool
@@ -80,7 +82,8 @@ def format_table(results: dict[str, Any]) -> Any:
     memory = {"cpu": "host", "cuda": "GPU"}
     for r in results["hash"]:
         used = " *" if r["default"] else ""
-        rows.append((f"{memory[r['device']]} hash {r['algorithm']}{used}", None, None,
+        how = f" ({r['path']})" if r["device"] == "cuda" else ""
+        rows.append((f"{memory[r['device']]} hash {r['algorithm']}{how}{used}", None, None,
                      f"{r['prefill_GBps']:.2f} / {r['decode_GBps']:.2f}", None, r["match"]))
     for r in results["rooms"]:
         rows.append((f"{memory[r['device']]} room {r['bytes'] >> 20} MiB",
@@ -139,7 +142,7 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
             tracker.advance()
             rooms = R.run(device, cfg.backend, dict(cfg.backend_options), args.total_mib, args.reps, tracker)
             for r in rooms:
-                r["algorithm"] = rates[0]["algorithm"]
+                r["algorithm"], r["path"] = rates[0]["algorithm"], rates[0]["path"]
             results["rooms"] += rooms
 
     def table() -> Any:

@@ -90,6 +90,16 @@ def holds(device: str, pool: Any, src: np.ndarray, dst: np.ndarray) -> bool:
     return True
 
 
+def device_path(device: str) -> str:
+    """``cuda``: how this process hashes GPU 0 (``triton`` or ``torch``), waiting for the kernel's probe, so
+    timed rooms do not change path halfway; ``cpu``: ``host``."""
+    if device != "cuda":
+        return "host"
+    from kvbridge import checksum_torch
+
+    return checksum_torch.path(0, wait=300)
+
+
 def _config(backend_options: dict[str, str], checksum: bool) -> SessionConfig:
     return dataclasses.replace(CONFIG, backend_options=backend_options, checksum=checksum)
 
@@ -98,6 +108,7 @@ def _config(backend_options: dict[str, str], checksum: bool) -> SessionConfig:
 def run_decode(device: str, pages: int, backend: str, backend_options: dict[str, str]) -> int:
     """Rooms as the parent names them on stdin (``room address pages check``), one JSON line each."""
     pool, kvargs = make_pool(device, pages, fill=False)
+    device_path(device)  # decode hashes its pages too: the same path as prefill's from the first timed room
     mgr = DecodeManager(kvargs, backend, config=_config(backend_options, False))
     current = 0
     try:

@@ -111,7 +111,7 @@ def device_problem(regions: Sequence[Region], side: str) -> str | None:
     if not gpu:
         return None
     try:
-        wmix.device_sum()
+        wmix.device_sum(sorted({r.device for r in gpu}))
     except ChecksumError as exc:
         return (f"{side} region {gpu[0].name!r} is in GPU memory (vram, device {gpu[0].device}) and {exc}")
     return None

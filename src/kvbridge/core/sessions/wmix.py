@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -92,12 +92,15 @@ def sum_blocks(addr: int, nbytes: int, device: int, block: int, rows: IntArray, 
     return sum(mix_sum(region[rows[i:i + step]].view("<u8"), first_key[i:i + step]) for i in range(0, len(rows), step))
 
 
-def device_sum() -> BlockSum:
-    """GPU memory: :data:`DEVICE_MODULE`'s ``sum_blocks``, or :class:`ChecksumError` saying what is missing."""
+def device_sum(devices: Sequence[int] = ()) -> BlockSum:
+    """GPU memory: :data:`DEVICE_MODULE`'s ``sum_blocks``, or :class:`ChecksumError` saying what is missing.
+
+    ``devices``: GPUs about to be hashed (the module may prepare them in the background).
+    """
     try:
         module = importlib.import_module(DEVICE_MODULE)
         fn: BlockSum = module.sum_blocks
-        problem = module.problem()
+        problem = module.problem(devices)
     except Exception as exc:  # ImportError (no torch), or torch failing to load its libraries
         raise ChecksumError(f"hashing GPU memory needs torch in this process ({type(exc).__name__}: {exc}); "
                             "install torch with CUDA or turn checksum off") from None
