@@ -8,8 +8,8 @@ with 64-bit wrap-around::
     digest  = final(sum_i term(i) mod 2**64, total bytes)
 
 Why this shape: every step is an elementwise integer op plus one sum, so numpy (host memory) and
-torch (GPU memory, :mod:`kvbridge.checksum_torch`) compute it over whole arrays, bit for bit the
-same, and a sum splits freely: each region's blocks are hashed where they lie (their words keep
+torch (GPU memory, :mod:`kvbridge.checksum_torch`, or its one-pass Triton kernel) compute it over
+whole arrays, bit for bit the same, and a sum splits freely: each region's blocks are hashed where they lie (their words keep
 their global positions) and the parts added, so prefill on host and decode on GPU agree. ``fmix``
 is a bijection (xor with a key, multiplications by odd constants, xor-shifts), so a change
 confined to one word (any single flipped bit) always changes the digest; the position key makes a
