@@ -25,10 +25,16 @@ os.environ.setdefault("KVBRIDGE_SECRET", secrets.token_hex(32))
 # shares, so no other test competes with it for the cores.
 # (?<!de): "default" is no fault; the tests of --help's defaults and of default settings share the cores.
 SERIAL = re.compile(r"frozen|freeze|kill|signal|ctrl_c|(?<!de)fault|closed|deadline|in_time|timeout|timed_out|dead")
+# Named like the above but bound no time: settings and usage errors, a deadline that passed before the write
+# started, and bad kv_transfer_params (refused at once). They share the cores.
+UNTIMED = re.compile(r"deadline_has_passed|write_after_the_deadline|fence_timeout_defaults|bad_addresses_and_timeouts|from_dict_errors"
+                     r"|a_usage_error|bad_params_fail")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if UNTIMED.search(item.name):
+            continue
         if item.path.name == "test_faults.py" or SERIAL.search(item.name):
             item.add_marker(pytest.mark.xdist_group("faults"))
 
