@@ -357,3 +357,15 @@ def test_a_metadata_row_plan_is_planned_once_per_pair_of_rows_and_every_room_s_r
         np.testing.assert_array_equal(pair["dst_meta"][dst_row], pair["src_meta"][src_row])
     (peer,) = pm.peers()
     assert sorted(peer.row_plans) == [(0, 1), (2, 3)]
+
+
+def test_a_chunk_sent_from_the_io_thread_goes_to_the_worker(pair: dict[str, Any]) -> None:
+    pm = pair["pm"]
+    (s, r), = _rooms(pair, 1, first=340)
+    writers = _writers(pm)
+    sent = threading.Event()
+    pm.loop.call(lambda: (s.send(np.arange(0, 3), last=True), sent.set()))
+    assert sent.wait(WAIT)
+    assert r.wait(Poll.SUCCESS, WAIT) == Poll.SUCCESS, r.failure()
+    assert len(writers) == 1 and writers[0].startswith("kvbridge-xfer-"), "the I/O thread must not write"
+    np.testing.assert_array_equal(pair["dst_kv"][0:3], pair["src_kv"][0:3])

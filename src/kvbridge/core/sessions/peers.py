@@ -28,6 +28,7 @@ from .row import inline_row
 from .worker import PeerWorker
 
 if TYPE_CHECKING:
+    from ..control.channel import IOLoop
     from ..transfer.transport import Transport
     from .manager import SessionConfig
 
@@ -169,6 +170,7 @@ class PrefillSide(Protocol):
     layer_index: LayerIndex
     layer_gap: float | None
     ready: set[int]
+    loop: IOLoop
 
     def add_room(self, room: Room) -> None: ...
     def take_pending(self, room: int) -> Iterable[DecodeRequest]: ...

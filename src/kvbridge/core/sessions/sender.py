@@ -232,12 +232,12 @@ class Sender(Room):
         for its bytes), decode's lease
         is valid (the write would not wait for a renewal), no other room is ready to send (the host is about
         to send it: both chunks then go to the worker, which writes them together) and the worker is idle
-        (claimed here if so)."""
+        (claimed here if so). Never on the I/O thread, which must stay free to renew decode's lease."""
         peer, m = job.peer, self.manager
         rows = job.meta_plan.total_bytes if job.meta_plan is not None and not peer.inline_row else 0
         return (m.transport.inline_writes and not m.ready and len(job.plan) <= INLINE_MAX_DESCRIPTORS
                 and job.plan.total_bytes + rows <= INLINE_MAX_BYTES and time.monotonic() < peer.lease_until
-                and m.transport.same_host(peer.peer_id) and peer.worker.claim())
+                and m.transport.same_host(peer.peer_id) and not m.loop.on_io_thread() and peer.worker.claim())
 
     def _write_inline(self, write: ChunkWrite) -> None:
         """Run a claimed write on this thread, then hand the peer's queue back to its worker."""
