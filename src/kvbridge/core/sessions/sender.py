@@ -143,9 +143,14 @@ class Sender(Room):
     ) -> None:
         """Queue one prefill chunk (its KV pages, plus state with the last chunk).
 
-        Returns at once; progress shows in :meth:`poll`. Bad indices (out of
-        range, more pages than decode allocated, a slot-list mismatch) fail
-        the room with the reason, on both sides.
+        Returns at once; progress shows in :meth:`poll`. Except: a small chunk
+        (:data:`INLINE_MAX_BYTES`) to a decode rank on this host whose worker
+        is idle, while no other room is ready to send, is written on this
+        thread before ``send`` returns (one thread hand-off less; the backend
+        must declare ``inline_writes``, and on one host its write lands even in
+        a frozen process). Bad indices (out of range, more pages than decode
+        allocated, a slot-list mismatch) fail the room with the reason, on both
+        sides.
 
         With ``layerwise=True`` the chunk is planned now (and bad indices fail
         the room now) but nothing moves until :meth:`layer_ready` announces
