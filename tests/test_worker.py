@@ -81,6 +81,45 @@ def test_a_group_holds_at_most_max_group_jobs() -> None:
     assert sizes == [MAX_GROUP, 5]
 
 
+def test_jobs_submitted_while_a_caller_holds_the_claim_wait_for_its_release_then_run_in_order() -> None:
+    worker = PeerWorker("test")
+    ran: list[int] = []
+    assert worker.claim()
+    for i in range(3):
+        worker.submit(lambda i=i: ran.append(i))
+    time.sleep(0.05)  # the worker's thread started for the first job; it must not run any while claimed
+    assert ran == []
+    assert not worker.claim(), "a claim while jobs are queued or claimed"
+    worker.release()
+    _until(lambda: ran == [0, 1, 2])
+    worker.stop()
+    worker.join(WAIT)
+
+
+def test_a_claim_is_refused_while_a_job_runs_and_granted_once_the_worker_is_idle() -> None:
+    worker = PeerWorker("test")
+    release = _held(worker)
+    assert not worker.claim()
+    release.set()
+    deadline = time.monotonic() + WAIT
+    while not worker.claim():  # granted once the thread is back waiting for work
+        assert time.monotonic() < deadline, "the idle worker never granted the claim"
+        time.sleep(0.001)
+    worker.release()
+    worker.stop()
+    worker.join(WAIT)
+
+
+def test_join_waits_for_a_claimed_write_to_be_released() -> None:
+    worker = PeerWorker("test")
+    assert worker.claim()
+    released = []
+    timer = threading.Timer(0.1, lambda: (released.append(True), worker.release()))
+    timer.start()
+    worker.join(WAIT)
+    assert released == [True]
+
+
 # -- through the managers (memory backend, one process) ----------------------------------------
 PAGE, META, PAGES, ROWS = 256, 16, 64, 16
 
@@ -253,3 +292,80 @@ def test_wait_any_returns_at_once_for_a_room_that_moved_since_the_host_last_saw_
     pair["pm"].wait_any([s], 0.3)
     assert time.monotonic() - t0 >= 0.3
     s.abort("done")
+
+
+def _writers(pm: PrefillManager) -> list[str]:
+    """The thread of every Transport.write call from now on (the real write still happens)."""
+    names: list[str] = []
+    real = pm.transport.write
+
+    def write(peer: str, plan: Any, deadline: float, live: Any = None, announce: Any = None) -> None:
+        names.append(threading.current_thread().name)
+        real(peer, plan, deadline, live, announce)
+
+    pm.transport.write = write  # type: ignore[method-assign]
+    return names
+
+
+def test_a_small_chunk_to_an_idle_peer_is_written_by_the_sending_thread_byte_exact(pair: dict[str, Any]) -> None:
+    (s, r), = _rooms(pair, 1, first=300)
+    writers = _writers(pair["pm"])
+    s.send(np.arange(0, 3), last=True)
+    assert s.poll() == Poll.SUCCESS, "send() returned before its inline write landed"
+    assert writers == [threading.current_thread().name]
+    assert r.wait(Poll.SUCCESS, WAIT) == Poll.SUCCESS, r.failure()
+    np.testing.assert_array_equal(pair["dst_kv"][0:3], pair["src_kv"][0:3])
+    np.testing.assert_array_equal(pair["dst_meta"][0], pair["src_meta"][0])
+
+
+def test_a_chunk_sent_while_another_room_is_ready_goes_to_the_worker_and_both_land(pair: dict[str, Any]) -> None:
+    rooms = _rooms(pair, 2, first=310)
+    writers = _writers(pair["pm"])
+    for i, (s, _) in enumerate(rooms):
+        s.send(np.arange(3 * i, 3 * i + 3), last=True)
+    for s, r in rooms:
+        assert r.wait(Poll.SUCCESS, WAIT) == Poll.SUCCESS, r.failure()
+    # The first went to the worker (the second was ready too: the host was about to send it); the second
+    # found the worker busy or done: either way no write ran on this thread while another room was ready.
+    assert writers[0].startswith("kvbridge-xfer-")
+    for i in range(2):
+        np.testing.assert_array_equal(pair["dst_kv"][4 * i:4 * i + 3], pair["src_kv"][3 * i:3 * i + 3])
+
+
+def test_a_chunk_larger_than_the_inline_limit_goes_to_the_worker(pair: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.core.sessions import sender
+
+    monkeypatch.setattr(sender, "INLINE_MAX_BYTES", 2 * PAGE)  # a 3-page chunk is over it
+    (s, r), = _rooms(pair, 1, first=320)
+    writers = _writers(pair["pm"])
+    s.send(np.arange(0, 3), last=True)
+    assert r.wait(Poll.SUCCESS, WAIT) == Poll.SUCCESS, r.failure()
+    assert len(writers) == 1 and writers[0].startswith("kvbridge-xfer-")
+    np.testing.assert_array_equal(pair["dst_kv"][0:3], pair["src_kv"][0:3])
+
+
+def test_a_metadata_row_plan_is_planned_once_per_pair_of_rows_and_every_room_s_row_lands(pair: dict[str, Any]) -> None:
+    pm, dm = pair["pm"], pair["dm"]
+    for room, (src_row, dst_row) in enumerate([(0, 1), (2, 3), (0, 1)], start=330):
+        s = Sender(pm, room, metadata_row=src_row)
+        r = Receiver(dm, room, bootstrap=pair["bootstrap"])
+        pair["dst_meta"][dst_row] = 0
+        r.init(np.arange(0, 2), metadata_row=dst_row)
+        assert s.wait(Poll.WAITING_FOR_INPUT, WAIT) == Poll.WAITING_FOR_INPUT, s.failure()
+        s.send(np.arange(2 * room % PAGES, 2 * room % PAGES + 2), last=True)
+        assert r.wait(Poll.SUCCESS, WAIT) == Poll.SUCCESS, r.failure()
+        np.testing.assert_array_equal(pair["dst_meta"][dst_row], pair["src_meta"][src_row])
+    (peer,) = pm.peers()
+    assert sorted(peer.row_plans) == [(0, 1), (2, 3)]
+
+
+def test_a_chunk_sent_from_the_io_thread_goes_to_the_worker(pair: dict[str, Any]) -> None:
+    pm = pair["pm"]
+    (s, r), = _rooms(pair, 1, first=340)
+    writers = _writers(pm)
+    sent = threading.Event()
+    pm.loop.call(lambda: (s.send(np.arange(0, 3), last=True), sent.set()))
+    assert sent.wait(WAIT)
+    assert r.wait(Poll.SUCCESS, WAIT) == Poll.SUCCESS, r.failure()
+    assert len(writers) == 1 and writers[0].startswith("kvbridge-xfer-"), "the I/O thread must not write"
+    np.testing.assert_array_equal(pair["dst_kv"][0:3], pair["src_kv"][0:3])

@@ -36,7 +36,7 @@ from kvbridge.core.description.records import BackendCapabilities, BackendSpec
 
 __all__ = ["CAPABILITIES", "MemoryBackend", "kvbridge_register_backends"]
 
-CAPABILITIES = BackendCapabilities(memory_kinds=("dram",), cross_host=False)
+CAPABILITIES = BackendCapabilities(memory_kinds=("dram",), cross_host=False, inline_writes=True)
 IOV_MAX = 1024  # iovecs per system call (Linux UIO_MAXIOV)
 
 

@@ -80,6 +80,13 @@ class BackendCapabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     #: at a time. Core caps it (``kvbridge.core.transfer.pipeline.FENCE_BATCHES_IN_FLIGHT``) so the fence's
     #: bound on what a frozen prefill can still write stays small (docs/failures.md).
     batches_in_flight: int = 1
+    #: A small write to a peer on the same host completes whether or not the peer's process runs (CMA,
+    #: ``process_vm_writev``), and ``Backend.write`` may be called from any thread: core then writes a
+    #: small chunk to such a peer from the thread that called ``Sender.send`` (the host's) while the
+    #: peer's worker is idle, one thread hand-off less per small request (still one write per peer at a
+    #: time, in order). ``False`` (the default): only from core's worker threads, so that a frozen peer
+    #: holds up a worker, never the host.
+    inline_writes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_descriptors_per_batch", "max_descriptors_in_flight", "max_bytes_per_batch", "batches_in_flight"):

@@ -71,12 +71,18 @@ class TransferPlan:
             )
         self._parts: tuple[Part, ...] = (ArrayPart(src_addr, dst_addr, nbytes),) if n[0] else ()
         self._expanded: tuple[IntArray, IntArray, IntArray] | None = (src_addr, dst_addr, nbytes)
+        # Asked several times per write (batching, the fence, metrics): counted once. Parts never change
+        # what they hold (_arrays swaps them for the same descriptors as arrays).
+        self._len = int(n[0])
+        self._bytes: int | None = None
 
     @classmethod
     def _of(cls, parts: Sequence[Part]) -> TransferPlan:
         plan = cls.__new__(cls)
         plan._parts = tuple(p for p in parts if len(p))
         plan._expanded = None
+        plan._len = sum(len(p) for p in plan._parts)
+        plan._bytes = None
         return plan
 
     @classmethod
@@ -127,7 +133,7 @@ class TransferPlan:
         return self._arrays()[2]
 
     def __len__(self) -> int:
-        return sum(len(p) for p in self._parts)
+        return self._len
 
     @property
     def num_descriptors(self) -> int:
@@ -135,7 +141,9 @@ class TransferPlan:
 
     @property
     def total_bytes(self) -> int:
-        return sum(p.total_bytes for p in self._parts)
+        if self._bytes is None:
+            self._bytes = sum(p.total_bytes for p in self._parts)
+        return self._bytes
 
     @property
     def max_nbytes(self) -> int:

@@ -21,12 +21,14 @@ from ..description.layout import METADATA_SPACE, KVArgs, Region
 from ..planning.indices import Indices
 from ..planning.layers import LayerIndex
 from ..planning.pairing import Route
+from ..planning.transferplan import TransferPlan
 from .room import Poll, Room
 from .checksum import device_problem
 from .row import inline_row
 from .worker import PeerWorker
 
 if TYPE_CHECKING:
+    from ..control.channel import IOLoop
     from ..transfer.transport import Transport
     from .manager import SessionConfig
 
@@ -57,6 +59,9 @@ class DecodePeer:
         #: Its decode manager's incarnation: only that process may handshake again under this peer id.
         self.incarnation = incarnation
         self.route = route
+        #: Metadata row plans to it, by (source row, destination row), with their bytes per state type:
+        #: the same for every request using those rows, planned once (a small request's fixed cost, #27).
+        self.row_plans: dict[tuple[int, int], tuple[TransferPlan, dict[str, tuple[int, int]]]] = {}
         #: The metadata row goes to this peer inside ``Done`` (small, host memory on both sides: kvbridge.core.sessions.row).
         self.inline_row = inline_row(route, inline_row_bytes)
         self.last_seen = time.monotonic()
@@ -167,6 +172,8 @@ class PrefillSide(Protocol):
     backend_name: str
     layer_index: LayerIndex
     layer_gap: float | None
+    ready: set[int]
+    loop: IOLoop
 
     def add_room(self, room: Room) -> None: ...
     def take_pending(self, room: int) -> Iterable[DecodeRequest]: ...

@@ -64,6 +64,9 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         #: Layer-wise senders' pace: seconds between a chunk's announcements (see note_layer_gap; None until one).
         self.layer_gap: float | None = None
         self._gaps: collections.deque[float] = collections.deque(maxlen=GAP_WINDOW)
+        #: Rooms ready to send (every decode request in) that the host has not sent yet: while there are
+        #: some, a small chunk goes to its peer's worker, to be written together with theirs (Sender._inline).
+        self.ready: set[int] = set()
         self._chan = Channel(self.loop.ctx, zmq.ROUTER, self.auth, endpoint="prefill",
                              max_bytes=self.config.max_message_bytes, incarnation=self.incarnation)
         # No ROUTER_HANDOVER: a connection never takes another's routing id. A decode peer's route is
@@ -159,6 +162,13 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         if wake and self.closed:  # the loop may have stopped: nobody would wake the hosts
             self.wake_hosts()
         self.loop.call(send_all)
+
+    def finish(self, room: Room, state: Poll, reason: str | None = None, kind: str = "transfer_error",
+               wake: bool = True) -> bool:
+        with self.lock:
+            if state == Poll.FAILED or state == Poll.SUCCESS:
+                self.ready.discard(room.room)
+            return super().finish(room, state, reason, kind, wake)
 
     def fail_sender(self, sender: Sender, reason: str, kind: str) -> None:
         """Fail ``sender`` and tell every decode rank that asked for it (``kind``: the metrics reason)."""

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Receiver"]
 
+_INT32_MAX = 2**31 - 1  # indices travel as int32 (protocol.pack_indices)
+
 
 class Receiver(Room):
     """Decode side of one request.
@@ -82,7 +84,9 @@ class Receiver(Room):
                 for space, idx in indices.items():
                     count = m.kvargs.index_space(space).count
                     checked = Indices.check(f"destination {space} index", idx, count, unique=True)
-                    packed[space] = P.pack_indices(checked.array)
+                    # Checked against an index space that fits int32: packed without pack_indices' range check.
+                    packed[space] = (checked.array.astype("<i4").tobytes() if count <= _INT32_MAX
+                                     else P.pack_indices(checked.array))
                 if any(s.name == METADATA_SPACE for s in m.kvargs.index_spaces):
                     Indices.check("metadata_row", [metadata_row], m.kvargs.index_space(METADATA_SPACE).count)
             except (KeyError, PlanError, P.ProtocolError) as exc:

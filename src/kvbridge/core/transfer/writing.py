@@ -68,8 +68,12 @@ class LaneWrites:
                     memory: Memory | None, announce: Callable[[int, TransferPlan], None] | None = None) -> None:
         """``plan`` through ``lane``, batch by batch, each batch told where its descriptors are (``memory``);
         up to ``lane.in_flight`` batches posted at once (``core/transfer/pipeline.py``), the fence checked before each."""
-        pipe = Pipeline(lane.in_flight, lane.capabilities.max_descriptors_in_flight)
         state = self._state(peer)
+        if (len(plan) == 1 and state.slots is None and lane.in_flight == 1 and not state.resets
+                and plan.total_bytes <= lane.batch_bytes):
+            self._write_one(lane, peer, plan, deadline, live, memory, state)
+            return
+        pipe = Pipeline(lane.in_flight, lane.capabilities.max_descriptors_in_flight)
         posted = 0
 
         def guarded(step: Callable[[], None]) -> None:
@@ -166,6 +170,26 @@ class LaneWrites:
         if slots is not None:  # returns once decode scattered every window: in place, as a direct write is
             slots.settle(lambda where: self._check(peer, deadline, live, where))
         lane.peak_in_flight = max(lane.peak_in_flight, pipe.peak)
+
+    def _write_one(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None,
+                   memory: Memory | None, state: _Peer) -> None:
+        """:meth:`_write_lane` of a plan of one descriptor within the batch limits, to a peer lending no staging
+        slots, one batch in flight and no reset to retry after: one ``write``, the same checks, without
+        the pipeline, windows and closures (a small request's fixed cost, issue #27)."""
+        self.windows["direct"] += 1
+        self.on_window("direct")
+        plan.memory = memory
+        try:
+            self._check(peer, deadline, live, f"after 0 of 1 batches (0 of {plan.total_bytes} B landed)")
+            state.overdue = deadline + RESET_GRACE
+            self._post(lane, peer, plan, deadline, lambda: self._check(peer, deadline, live, "before a retry"))
+        except TransferError as exc:  # as _write_lane's guarded(): nothing else was posted, so raised as it is
+            state.overdue = math.inf
+            if not isinstance(exc, TransferCancelled):
+                state.drain_until = time.monotonic() + lane.backend.drain_after_failure
+                self.reset(peer, f"a write failed: {type(exc).__name__}")
+            raise
+        state.overdue = math.inf
 
     def _post_async(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float) -> Wait:
         """``backend.post``, its engine's own exceptions (and its wait's) raised as the contract's."""

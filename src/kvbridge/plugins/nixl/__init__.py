@@ -28,7 +28,8 @@ OPTIONS = (
 # to 262144 descriptors in one request (docs/engines.md, NIXL). A request's CMA copy runs
 # inside the post, so core cuts writes into 64 MiB requests and checks the deadline
 # between them (measured in .backend).
-CAPABILITIES = BackendCapabilities(memory_kinds=("dram", "vram"), max_bytes_per_batch=64 << 20, batches_in_flight=1)
+CAPABILITIES = BackendCapabilities(memory_kinds=("dram", "vram"), max_bytes_per_batch=64 << 20, batches_in_flight=1,
+                                   inline_writes=True)
 
 
 @hookimpl
