@@ -49,8 +49,14 @@ if want bench && [ -n "${BASELINE:-}" ]; then
   done
 fi
 # Per-request cost on this host's CPU (#27's numbers): small requests through the whole control plane.
-want request && { python3 -m kvbridge.cli bench request --backends nixl,memory --json > "$OUT/request.json" 2> "$OUT/request.txt" || rc=1
-tail -20 "$OUT/request.txt"
+# With BASELINE: the baseline's figures first, then this checkout's, ROUNDS times, in one call.
+want request && { for round in $(seq "${ROUNDS:-1}"); do
+  if [ -n "${BASELINE:-}" ]; then
+    PYTHONPATH=/tmp/kvb-old python3 -m kvbridge.cli bench request --backends nixl,memory --json \
+      > "$OUT/request-before-$round.json" 2> "$OUT/request-before-$round.txt" || rc=1
+  fi
+  python3 -m kvbridge.cli bench request --backends nixl,memory --json > "$OUT/request-$round.json" 2> "$OUT/request-$round.txt" || rc=1
+done
 python3 -m kvbridge.cli bench request --backends nixl --trace > "$OUT/trace.txt" 2>&1 || rc=1
 tail -40 "$OUT/trace.txt"; }
 want kernel && { python3 benchmarks/gpu_kernel_bench.py --json ${KERNEL_TUNE:+--tune} > "$OUT/kernel.json" 2> "$OUT/kernel.txt" || rc=1
