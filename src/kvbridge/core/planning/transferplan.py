@@ -199,7 +199,7 @@ class TransferPlan:
                 if inside.all():
                     for g, take in by_group(group):
                         out[g].append(p if take is None else OuterPart(p.src_rows[take], p.dst_rows[take], p.src_cols,
-                                                                    p.dst_cols, p.col_nbytes, p.hint, p.row_bytes))
+                                                                    p.dst_cols, p.col_nbytes, p.hint, p._row_bytes))
                     continue
                 p = ArrayPart(*p.arrays(0, len(p)))
             group, inside = group_of(p.src, p.nbytes)
