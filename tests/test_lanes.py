@@ -241,3 +241,29 @@ def test_a_peer_whose_regions_share_one_place_gets_its_batches_placed_without_a_
     t.write("decode", _plan(src[:1], dst[:1], [0, 9], [1, 2]), deadline=float("inf"))
     assert [w.memory for w in far.writes] == [Memory("dram", 0, "dram", 3)]
     np.testing.assert_array_equal(dst[0][[1, 2]], src[0][[0, 9]])
+
+
+def test_gpu_sources_through_a_lane_that_stages_host_memory_are_written_as_planned_not_cut_into_windows() -> None:
+    # Staging gathers host memory only: a GPU part (more descriptors than one staging window holds) goes
+    # as one window, without a choice made per window, and lands byte-exact.
+    from kvbridge.core.transfer.staging import WINDOW_DESCRIPTORS
+
+    far = _Copy()
+    t = Transport([Lane("far", far, BackendCapabilities(memory_kinds=("dram", "vram"), host_staging=True))])
+    n = WINDOW_DESCRIPTORS + 4000
+    rng = np.random.default_rng(9)
+    src = rng.integers(1, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    regions = [Region(name="gpu", addr=a.ctypes.data, nbytes=a.nbytes, stride=1, role="k", index_space="kv_page",
+                      layer=0, mem="vram") for a in (src, dst)]
+    t.register(regions[:1])
+    assert t.lanes[0].staging is not None  # the lane stages host memory, were there any
+    t.add_peer("decode", b"y", regions[1:])
+    order = rng.permutation(n)
+    seen: list[str] = []
+    t.on_window = seen.append
+    t.write("decode", TransferPlan(src.ctypes.data + np.arange(n, dtype=np.int64), dst.ctypes.data + order,
+                                   np.ones(n, np.int64)), deadline=float("inf"))
+    assert seen == ["direct"]
+    np.testing.assert_array_equal(dst[order], src)
+    assert sum(len(w) for w in far.writes) == n and all(w.memory == Memory("vram", 0, "vram", 0) for w in far.writes)

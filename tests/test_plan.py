@@ -339,3 +339,45 @@ def test_split_refuses_a_descriptor_outside_every_place():
     plan = TransferPlan(np.array([10, 5000]), np.array([0, 0]), np.array([10, 10]))
     with pytest.raises(PlanError, match=r"source 0x1388, 10 B\) lies in none of the places"):
         plan.split(_places([0], [1000], [0]), 1)
+
+
+# -- long lists: the run finder works in blocks, the uniqueness check marks flags instead of sorting ----
+def test_runs_across_block_boundaries_match_the_oracle():
+    from kvbridge.core.planning.plan import _BLOCK
+
+    n = 2 * _BLOCK + 5
+    src = np.arange(n, dtype=np.int64)
+    dst = np.arange(n, dtype=np.int64) * 3  # nothing continues on the destination side...
+    dst[_BLOCK - 2 : _BLOCK + 3] = dst[_BLOCK - 2] + np.arange(5)  # ...but a run across the first block's end
+    dst[2 * _BLOCK :] = dst[2 * _BLOCK] + np.arange(n - 2 * _BLOCK)  # and one starting the last block
+    s, d, k = coalesce_runs(src, dst)
+    assert [list(t) for t in zip(s.tolist(), d.tolist(), k.tolist())] == oracle_runs(src.tolist(), dst.tolist())
+    plan = plan_pages([1 << 30], [1 << 40], [4096], src, dst - dst.min())
+    assert plan.total_bytes == int(plan.nbytes.sum()) == 4096 * n
+
+
+@given(st.lists(st.integers(0, 10_000), min_size=65, max_size=400), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_unique_destinations_are_told_apart_from_repeats_like_a_set_would(values, dense):
+    from kvbridge.core.planning.indices import check_indices
+
+    arr = np.array(values if not dense else [v % (2 * len(values)) for v in values], np.int64)
+    if len(set(arr.tolist())) == len(arr):
+        assert check_indices("dst", arr, 10_001, unique=True) is not None
+    else:
+        first = min(v for v in set(arr.tolist()) if arr.tolist().count(v) > 1)
+        with pytest.raises(PlanError, match=f"contains index {first} more than once"):
+            check_indices("dst", arr, 10_001, unique=True)
+
+
+def test_a_scattered_destination_list_with_one_repeat_is_refused_naming_it():
+    from kvbridge.core.planning.indices import check_indices
+
+    perm = np.random.default_rng(3).permutation(100_000)
+    assert check_indices("dst", perm, 100_000, unique=True) is perm
+    perm[77_777] = perm[5]
+    with pytest.raises(PlanError, match=f"contains index {perm[5]} more than once"):
+        check_indices("dst", perm, 100_000, unique=True)
+    sparse = perm.astype(np.int64) * 1000  # values far beyond 8x the length: sorted, not flagged
+    with pytest.raises(PlanError, match=f"contains index {perm[5] * 1000} more than once"):
+        check_indices("dst", sparse, None, unique=True)

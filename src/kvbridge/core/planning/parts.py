@@ -30,22 +30,30 @@ class OuterPart:
     __slots__ = ("src_rows", "dst_rows", "src_cols", "dst_cols", "col_nbytes", "hint", "_cum", "_row_bytes")
 
     def __init__(self, src_rows: IntArray, dst_rows: IntArray, src_cols: IntArray, dst_cols: IntArray,
-                 col_nbytes: IntArray, hint: tuple[int, int] = (0, 0)) -> None:
+                 col_nbytes: IntArray, hint: tuple[int, int] = (0, 0), row_bytes: int | None = None) -> None:
         self.src_rows, self.dst_rows = src_rows, dst_rows
         self.src_cols, self.dst_cols, self.col_nbytes = src_cols, dst_cols, col_nbytes
         self.hint = hint
         self._cum: IntArray | None = None
-        # The one column size times the columns where the hint knows it; else summed once, when first asked.
-        self._row_bytes: int | None = hint[1] * int(col_nbytes.shape[0]) if hint[1] else None
+        # Given (the planner knows it), or the one column size times the columns where the hint knows it;
+        # else summed once, when first asked (a pass over the columns: a write asks before its first batch).
+        if row_bytes is None and hint[1]:
+            row_bytes = hint[1] * int(col_nbytes.shape[0])
+        self._row_bytes = row_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the columns' sizes summed)."""
+        if self._row_bytes is None:
+            self._row_bytes = int(self.col_nbytes.sum())
+        return self._row_bytes
 
     def __len__(self) -> int:
         return int(self.src_rows.shape[0] * self.col_nbytes.shape[0])
 
     @property
     def total_bytes(self) -> int:
-        if self._row_bytes is None:  # a pass over the columns (65,536 of a scattered 1 GiB of 16 KiB pages)
-            self._row_bytes = int(self.col_nbytes.sum())
-        return int(self.src_rows.shape[0]) * self._row_bytes
+        return int(self.src_rows.shape[0]) * self.row_bytes
 
     def max_nbytes(self) -> int:
         return int(self.col_nbytes.max())
@@ -101,18 +109,22 @@ class OuterPart:
 class ArrayPart:
     """Descriptors given as three int64 arrays."""
 
-    __slots__ = ("src", "dst", "nbytes", "_cum")
+    __slots__ = ("src", "dst", "nbytes", "_cum", "_total")
 
     def __init__(self, src: IntArray, dst: IntArray, nbytes: IntArray) -> None:
         self.src, self.dst, self.nbytes = src, dst, nbytes
         self._cum: IntArray | None = None
+        self._total: int | None = None
 
     def __len__(self) -> int:
         return int(self.nbytes.shape[0])
 
     @property
     def total_bytes(self) -> int:
-        return int(self.nbytes.sum())
+        # Summed once: a write asks a plan's total before each of its batches (the fence's message).
+        if self._total is None:
+            self._total = int(self.nbytes.sum())
+        return self._total
 
     def max_nbytes(self) -> int:
         return int(self.nbytes.max())

@@ -87,10 +87,11 @@ class TransferPlan:
 
     @classmethod
     def outer(cls, src_rows: IntArray, dst_rows: IntArray, src_cols: IntArray, dst_cols: IntArray,
-              col_nbytes: IntArray, hint: tuple[int, int] = (0, 0)) -> TransferPlan:
+              col_nbytes: IntArray, hint: tuple[int, int] = (0, 0), row_bytes: int | None = None) -> TransferPlan:
         """Every (row, column): ``col_nbytes[c]`` bytes from ``src_rows[r] + src_cols[c]`` to
-        ``dst_rows[r] + dst_cols[c]``, row by row; nothing is expanded yet. ``hint``: see :meth:`hints`."""
-        return cls._of([OuterPart(src_rows, dst_rows, src_cols, dst_cols, col_nbytes, hint)])
+        ``dst_rows[r] + dst_cols[c]``, row by row; nothing is expanded yet. ``hint``: see :meth:`hints`.
+        ``row_bytes``: ``col_nbytes``' sum where the caller knows it (else summed when first needed)."""
+        return cls._of([OuterPart(src_rows, dst_rows, src_cols, dst_cols, col_nbytes, hint, row_bytes)])
 
     @classmethod
     def empty(cls) -> TransferPlan:
@@ -206,7 +207,7 @@ class TransferPlan:
                 if inside.all():
                     for g, take in by_group(group):
                         out[g].append(p if take is None else OuterPart(p.src_rows[take], p.dst_rows[take], p.src_cols,
-                                                                    p.dst_cols, p.col_nbytes, p.hint))
+                                                                    p.dst_cols, p.col_nbytes, p.hint, p._row_bytes))
                     continue
                 p = ArrayPart(*p.arrays(0, len(p)))
             group, inside = group_of(p.src, p.nbytes)

@@ -121,9 +121,12 @@ class LaneWrites:
         # place waits for them, announced or not (a layer-wise write rewriting a page an earlier chunk's
         # staged window ended in must not land under that window's later scatter).
         earlier = state.slots if host else None
-        for window in self._windows(lane, plan, state, slots is not None):
+        # Staging gathers host memory only: sources known to be elsewhere (GPU pages through NIXL) are written
+        # as planned, without a window cut or a choice made per window (a pass over its descriptors each).
+        stages = lane.staging is not None and (memory is None or memory.src_kind == "dram")
+        for window in self._windows(lane, plan, state, slots is not None) if stages else (plan,):
             mode = "auto" if self.staging_mode == "gather" else self.staging_mode  # gather: auto without slots
-            how = relay.choose(window, mode, state.same_host, slots is not None) if lane.staging else "direct"
+            how = relay.choose(window, mode, state.same_host, slots is not None) if stages else "direct"
             staged = slot = None
             if how == "both":
                 assert slots is not None and lane.staging is not None
