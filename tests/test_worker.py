@@ -333,9 +333,9 @@ def test_a_chunk_sent_while_another_room_is_ready_goes_to_the_worker_and_both_la
 
 
 def test_a_chunk_larger_than_the_inline_limit_goes_to_the_worker(pair: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvbridge.core.sessions import sender
+    from kvbridge.core.sessions import inline
 
-    monkeypatch.setattr(sender, "INLINE_MAX_BYTES", 2 * PAGE)  # a 3-page chunk is over it
+    monkeypatch.setattr(inline, "INLINE_MAX_BYTES", 2 * PAGE)  # a 3-page chunk is over it
     (s, r), = _rooms(pair, 1, first=320)
     writers = _writers(pair["pm"])
     s.send(np.arange(0, 3), last=True)

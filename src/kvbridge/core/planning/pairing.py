@@ -36,7 +36,10 @@ import numpy.typing as npt
 from ..description.layout import KVArgs, Region
 from .plan import Indices, PlanError, RegionPairs, TransferPlan, _plan_pages, _plan_segments
 
-__all__ = ["IncompatibleLayoutError", "Route", "pair_layouts", "item_segments"]
+__all__ = ["IncompatibleLayoutError", "Route", "Totals", "pair_layouts", "item_segments"]
+
+#: Bytes and descriptors per state type: what :meth:`Route.plan` adds a plan's counts to.
+Totals = dict[str, tuple[int, int]]
 
 
 class IncompatibleLayoutError(ValueError):
@@ -94,7 +97,7 @@ class Route:
         self,
         src_indices: Mapping[str, Indices | npt.ArrayLike],
         dst_indices: Mapping[str, Indices | npt.ArrayLike],
-        totals: dict[str, tuple[int, int]] | None = None,
+        totals: Totals | None = None,
     ) -> TransferPlan:
         """Descriptors for the given index lists, per index space, validated.
 

@@ -21,10 +21,9 @@ from ..description.layout import METADATA_SPACE, KVArgs, Region
 from ..planning.indices import Indices
 from ..planning.layers import LayerIndex
 from ..planning.pairing import Route
-from ..planning.transferplan import TransferPlan
 from .room import Poll, Room
 from .checksum import device_problem
-from .row import inline_row
+from .row import RowPlans, inline_row
 from .worker import PeerWorker
 
 if TYPE_CHECKING:
@@ -61,7 +60,7 @@ class DecodePeer:
         self.route = route
         #: Metadata row plans to it, by (source row, destination row), with their bytes per state type:
         #: the same for every request using those rows, planned once (a small request's fixed cost, #27).
-        self.row_plans: dict[tuple[int, int], tuple[TransferPlan, dict[str, tuple[int, int]]]] = {}
+        self.row_plans = RowPlans()
         #: The metadata row goes to this peer inside ``Done`` (small, host memory on both sides: kvbridge.core.sessions.row).
         self.inline_row = inline_row(route, inline_row_bytes)
         self.last_seen = time.monotonic()

@@ -64,8 +64,7 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         #: Layer-wise senders' pace: seconds between a chunk's announcements (see note_layer_gap; None until one).
         self.layer_gap: float | None = None
         self._gaps: collections.deque[float] = collections.deque(maxlen=GAP_WINDOW)
-        #: Rooms ready to send (every decode request in) that the host has not sent yet: while there are
-        #: some, a small chunk goes to its peer's worker, to be written together with theirs (Sender._inline).
+        #: Rooms ready to send, not sent yet: a small chunk then goes to the worker (sessions.inline).
         self.ready: set[int] = set()
         self._chan = Channel(self.loop.ctx, zmq.ROUTER, self.auth, endpoint="prefill",
                              max_bytes=self.config.max_message_bytes, incarnation=self.incarnation)

@@ -18,14 +18,14 @@ Which rank carries the row is unchanged too: the one whose route plans it
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ..control import protocol as P
 from ..description.layout import METADATA_SPACE, Region
-from ..planning.pairing import Route
+from ..planning.pairing import Route, Totals
 from ..planning.transferplan import TransferPlan
 
-__all__ = ["RowError", "check_row", "inline_row", "place_row", "read_row"]
+__all__ = ["RowError", "RowPlans", "check_row", "inline_row", "place_row", "read_row"]
 
 
 class RowError(P.ProtocolError):
@@ -88,3 +88,33 @@ def place_row(pieces: Sequence[tuple[int, bytes]]) -> None:
     """Decode: copy checked pieces (:func:`check_row`) into place."""
     for addr, data in pieces:
         ctypes.memmove(addr, data, len(data))
+
+
+class RowPlans:
+    """One decode peer's metadata row plans, by (prefill row, decode row): planned once, reused by every
+    request naming the same pair (a row's plan is a handful of descriptors, but planning it costs tens of
+    microseconds per request); all are dropped when :data:`LIMIT` pairs are kept."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[int, int], tuple[TransferPlan, Totals]] = {}
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        """The (prefill row, decode row) pairs planned."""
+        return iter(self._plans)
+
+    def plan(self, route: Route, src_row: int, dst_row: int, totals: Totals) -> TransferPlan:
+        """The plan of row ``src_row`` into the peer's ``dst_row``; adds its bytes per state type to ``totals``."""
+        cached = self._plans.get((src_row, dst_row))
+        if cached is None:
+            counted: Totals = {}
+            cached = (route.plan({METADATA_SPACE: [src_row]}, {METADATA_SPACE: [dst_row]}, counted), counted)
+            if len(self._plans) >= self.LIMIT:
+                self._plans.clear()
+            self._plans[(src_row, dst_row)] = cached
+        plan, counted = cached
+        for state_type, (nbytes, descriptors) in counted.items():
+            b, n = totals.get(state_type, (0, 0))
+            totals[state_type] = (b + nbytes, n + descriptors)
+        return plan

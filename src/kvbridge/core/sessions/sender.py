@@ -19,6 +19,8 @@ from ..planning.indices import Indices, PlanError
 from ..planning.transferplan import TransferPlan
 from .room import Poll, Room
 from .peers import DecodeRequest, PrefillSide
+from .inline import inline_write, write_inline
+from .row import RowPlans
 from .worker import Group
 from .writes import ChunkWrite, Job, Totals, after_layers, write_chunks, write_layers
 
@@ -29,13 +31,6 @@ __all__ = ["DecodeRequest", "Sender"]
 
 log = logging.getLogger(__name__)
 
-#: A chunk at most this large (bytes, descriptors) is written by the thread that sent it when its peer's
-#: worker is idle and the backend allows it (``BackendCapabilities.inline_writes``): a small request then
-#: costs no hand-off to the worker's thread; a larger one does not hold the host's thread for its bytes.
-INLINE_MAX_BYTES = 256 << 10
-INLINE_MAX_DESCRIPTORS = 64
-#: Metadata row plans kept per decode peer (``DecodePeer.row_plans``); all are dropped when it is full.
-MAX_ROW_PLANS = 4096
 
 
 @dataclass
@@ -144,7 +139,7 @@ class Sender(Room):
         """Queue one prefill chunk (its KV pages, plus state with the last chunk).
 
         Returns at once; progress shows in :meth:`poll`. Except: a small chunk
-        (:data:`INLINE_MAX_BYTES`) to a decode rank on this host whose worker
+        (:data:`.inline.INLINE_MAX_BYTES`) to a decode rank on this host whose worker
         is idle, while no other room is ready to send, is written on this
         thread before ``send`` returns (one thread hand-off less; the backend
         must declare ``inline_writes``, and on one host its write lands even in
@@ -159,7 +154,7 @@ class Sender(Room):
         """
         inline = self._queue_chunk(page_indices, state_indices, last, layerwise)
         for write in inline:  # claimed under the lock, written after it: the I/O thread is not held up meanwhile
-            self._write_inline(write)
+            write_inline(write)
 
     def _queue_chunk(
         self,
@@ -169,7 +164,7 @@ class Sender(Room):
         layerwise: bool,
     ) -> list[ChunkWrite]:
         """:meth:`send` under the manager's lock: plan the chunk and queue its writes; return the writes
-        this thread runs itself (their peers' workers claimed: :meth:`_inline`)."""
+        this thread runs itself (their peers' workers claimed: :func:`.inline.inline_write`)."""
         m = self.manager
         with m.lock:
             if self.poll() == Poll.FAILED:
@@ -224,36 +219,11 @@ class Sender(Room):
                 submit = functools.partial(job.peer.worker.submit, Group(write_chunks, write))
                 if after_layers(self._layer_jobs.get(job.peer.peer_id), submit):
                     continue
-                if self._inline(job):
+                if inline_write(self.manager, job):
                     inline.append(write)
                 else:
                     submit()
             return inline
-
-    def _inline(self, job: Job) -> bool:
-        """Whether this thread writes ``job`` itself, with no hand-off to the peer's worker (under the lock):
-        the backend allows it and the peer is on this host (a write there completes even if the peer is
-        frozen: the host's thread is never held by a peer), the chunk is small (the host's thread is held
-        for its bytes), decode's lease
-        is valid (the write would not wait for a renewal), no other room is ready to send (the host is about
-        to send it: both chunks then go to the worker, which writes them together) and the worker is idle
-        (claimed here if so). Never on the I/O thread, which must stay free to renew decode's lease."""
-        peer, m = job.peer, self.manager
-        rows = job.meta_plan.total_bytes if job.meta_plan is not None and not peer.inline_row else 0
-        return (m.transport.inline_writes and not m.ready and len(job.plan) <= INLINE_MAX_DESCRIPTORS
-                and job.plan.total_bytes + rows <= INLINE_MAX_BYTES and time.monotonic() < peer.lease_until
-                and m.transport.same_host(peer.peer_id) and not m.loop.on_io_thread() and peer.worker.claim())
-
-    def _write_inline(self, write: ChunkWrite) -> None:
-        """Run a claimed write on this thread, then hand the peer's queue back to its worker."""
-        try:
-            write_chunks([write])
-        except Exception as exc:  # as the worker's thread would log it; the room does not hang on it
-            log.exception("kvbridge transfer job failed unexpectedly")
-            self.manager.fail_sender(self, f"room {self.room}: the write of chunk {write.chunk} failed unexpectedly: "
-                                           f"{type(exc).__name__}: {exc}", "transfer_error")
-        finally:
-            write.job.peer.worker.release()
 
     @property
     def layers(self) -> tuple[tuple[int, bool], ...]:
@@ -357,7 +327,7 @@ class Sender(Room):
         state: Mapping[str, Indices],
         last: bool,
         totals: Totals,
-        row_plans: dict[tuple[int, int], tuple[TransferPlan, Totals]] | None = None,
+        row_plans: RowPlans | None = None,
     ) -> tuple[TransferPlan, TransferPlan | None]:
         """This chunk's plan and (last chunk) metadata plan; adds their bytes per state type to ``totals``.
         ``row_plans``: the peer's metadata row plans planned before (``DecodePeer.row_plans``), reused."""
@@ -391,20 +361,7 @@ class Sender(Room):
         meta = route.spaces.get(METADATA_SPACE)
         # The metadata row comes from the last pipeline stage, sent by one TP rank.
         if last and meta is not None and meta.sends and kv.pp_rank == kv.pp_size - 1:
-            key = (self.metadata_row, req.metadata_row)
-            cached = row_plans.get(key) if row_plans is not None else None
-            if cached is None:
-                counted: Totals = {}
-                meta_plan = route.plan({METADATA_SPACE: [key[0]]}, {METADATA_SPACE: [key[1]]}, counted)
-                cached = (meta_plan, counted)
-                if row_plans is not None:
-                    if len(row_plans) >= MAX_ROW_PLANS:
-                        row_plans.clear()
-                    row_plans[key] = cached
-            meta_plan, counted = cached
-            for state_type, (nbytes, descriptors) in counted.items():
-                b, n = totals.get(state_type, (0, 0))
-                totals[state_type] = (b + nbytes, n + descriptors)
+            meta_plan = (row_plans or RowPlans()).plan(route, self.metadata_row, req.metadata_row, totals)
         return plan, meta_plan
 
     def _check_complete(self, route: Route, req: DecodeRequest, state: Mapping[str, Indices]) -> None:

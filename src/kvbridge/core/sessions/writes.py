@@ -18,6 +18,7 @@ from ..control import protocol as P
 from ..control.metrics import metrics
 from ..planning.indices import PlanError
 from ..planning.layers import LayeredPlan
+from ..planning.pairing import Totals
 from ..planning.transferplan import TransferPlan
 from ..transfer.backend import TransferCancelled, TransferTimeout
 from .checksum import ChecksumError, choose, summarise
@@ -27,7 +28,6 @@ from .row import read_row
 
 __all__ = ["ChunkWrite", "Job", "WritingRoom", "after_layers", "write_chunks", "write_layers"]
 
-Totals = dict[str, tuple[int, int]]  # state type -> (bytes, descriptors)
 
 
 @dataclass
