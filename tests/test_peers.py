@@ -417,8 +417,11 @@ def _decode_restart(tmp_path: Path, backend: str, instance: str
         procs.append(DR.DecodeProcess(backend, server.address, tmp_path / "decode-0", instance, 1, 3, hold=3))
         before = procs[0].wait_for("INFLIGHT")
         assert [r["state"] for r in before] == ["SUCCESS"] * 3 and all(r["exact"] for r in before), before
-        old = {room: senders[room] for room in range(DR.HELD_FROM, DR.HELD_FROM + 3)}
-        assert all(s.poll() == Poll.WAITING_FOR_INPUT for s in old.values())
+        held = range(DR.HELD_FROM, DR.HELD_FROM + 3)
+        # Decode's request is out; prefill's host creates each sender as it sees the request.
+        wait_for(lambda: all(r in senders and senders[r].poll() == Poll.WAITING_FOR_INPUT for r in held), 10.0,
+                 "prefill's senders of the rooms in flight")
+        old = {room: senders[room] for room in held}
         (old_peer,) = [p.peer_id for p in pm.peers()]
         procs[0].kill()
         procs.append(DR.DecodeProcess(backend, server.address, tmp_path / "decode-1", instance, DR.NEW_FROM, 5))
