@@ -72,6 +72,7 @@ def run_target(backend: str, fake: str, max_bytes: int, trace: bool) -> int:
         gc.collect()
         got: dict[str, Any] = usage() | {"peers": len(prefill.peers())}
         if trace:
+            got["traced"] = tracemalloc.get_traced_memory()[0]  # Python's allocations now (bytes)
             snap = tracemalloc.take_snapshot()
             if first is None:
                 first = snap
