@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,7 @@ from kvbridge.core.description.plugins import get_registry
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 from kvbridge.testing.e2e import Pools, Scenario, pattern, prefill_pools
 from kvbridge.testing.memory import MemoryBackend
+from kvbridge.testing import decode_restart as DR
 from kvbridge.testing.restart import BACKENDS, RESTART, PAGES as RESTART_PAGES, PrefillProcess, measure, table
 
 SC = Scenario(backend="memory", layers=1, page_nbytes=64, prefill_pages=256, decode_pages=256, concurrency=1,
@@ -391,3 +394,69 @@ def test_fencing_holds_while_decode_opens_rooms_to_a_frozen_prefill(tmp_path: Pa
         proc.kill()
         dm.close()
         server.close()
+
+
+# -- Build 1: a restarted decode is retired at once (leftover of issue 28) --------------------------------
+def _decode_restart(tmp_path: Path, backend: str, instance: str
+                    ) -> tuple[dict[int, tuple[Poll, str | None]], float, list[dict[str, Any]]]:
+    """Kill a decode process with rooms in flight and start another of ``instance``, TP rank 0; prefill
+    (this process) serves both with a 30 s lease. Returns the old rooms' states and reasons on prefill once the
+    new process is done (before prefill closes), the seconds
+    from the new handshake (seen here) to the last old room's FAILED (negative: failed before it was
+    seen, in the same handler), and the new process's rooms."""
+    if not get_registry().backend_available(backend):
+        pytest.fail(f"backend {backend!r} is not installed here (scripts/setup.sh installs it)")
+    src = prefill_pools(msgspec.structs.replace(RESTART, backend=backend))
+    server = BootstrapServer("127.0.0.1")
+    pm = PrefillManager(src.kvargs, backend, bootstrap=server.address, config=DR.session_config(backend))
+    stop, senders = threading.Event(), {}  # type: ignore[var-annotated]
+    host = threading.Thread(target=DR.serve, args=(pm, stop, senders), daemon=True)
+    host.start()
+    procs: list[DR.DecodeProcess] = []
+    try:
+        procs.append(DR.DecodeProcess(backend, server.address, tmp_path / "decode-0", instance, 1, 3, hold=3))
+        before = procs[0].wait_for("INFLIGHT")
+        assert [r["state"] for r in before] == ["SUCCESS"] * 3 and all(r["exact"] for r in before), before
+        held = range(DR.HELD_FROM, DR.HELD_FROM + 3)
+        # Decode's request is out; prefill's host creates each sender as it sees the request.
+        wait_for(lambda: all(r in senders and senders[r].poll() == Poll.WAITING_FOR_INPUT for r in held), 10.0,
+                 "prefill's senders of the rooms in flight")
+        old = {room: senders[room] for room in held}
+        (old_peer,) = [p.peer_id for p in pm.peers()]
+        procs[0].kill()
+        procs.append(DR.DecodeProcess(backend, server.address, tmp_path / "decode-1", instance, DR.NEW_FROM, 5))
+        # The replacement's handshake, as this process sees it (polled every 2 ms).
+        wait_for(lambda: any(p.peer_id != old_peer for p in pm.peers()), 90.0, "the new decode's handshake")
+        seen = time.monotonic()
+        after = procs[1].wait_for("DONE")
+        states = {room: (s.poll(), s.failure()) for room, s in old.items()}
+        failed = [s.ended or 0.0 for s in old.values() if s.poll() == Poll.FAILED]
+        return states, (max(failed) - seen if len(failed) == len(old) else math.inf), after
+    finally:
+        stop.set()
+        host.join(5)
+        for p in procs:
+            p.kill()
+        pm.close()
+        server.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_killed_decode_replaced_under_its_instance_name_fails_its_old_rooms_at_once_and_is_served(
+        tmp_path: Path, backend: str) -> None:
+    """Issue 28's leftover: a killed decode's rooms waited for its lease (heartbeat_timeout, 30 s here)
+    though a new process of the same decode rank had handshaken. Now the handshake retires it."""
+    old, after_handshake, rooms = _decode_restart(tmp_path, backend, instance="decode-a")
+    assert after_handshake <= 1.0, f"old rooms FAILED {after_handshake:.2f}s after the new handshake (lease: 30 s)"
+    for room, (state, reason) in old.items():
+        assert state == Poll.FAILED and reason is not None
+        assert "restarted" in reason and "'decode-a' TP rank 0" in reason and "incarnation" in reason, (room, reason)
+    assert [r["state"] for r in rooms] == ["SUCCESS"] * 5 and all(r["exact"] for r in rooms), rooms
+
+
+def test_a_killed_unnamed_decode_replaced_leaves_the_old_rooms_to_its_lease(tmp_path: Path) -> None:
+    """Without ``instance_name`` a new process cannot be told from another decode instance's rank 0:
+    the old rooms are not failed by the handshake (they wait for the 30 s lease), the new one is served."""
+    old, after_handshake, rooms = _decode_restart(tmp_path, "memory", instance="")
+    assert after_handshake == math.inf and all(state == Poll.WAITING_FOR_INPUT for state, _ in old.values()), old
+    assert [r["state"] for r in rooms] == ["SUCCESS"] * 5 and all(r["exact"] for r in rooms), rooms

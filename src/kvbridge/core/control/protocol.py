@@ -111,6 +111,9 @@ class Hello(_Msg, tag="hello", frozen=True):
     #: Slots of decode's registered staging buffer lent to this prefill rank (``core/transfer/landing.py``);
     #: None: write every descriptor into place.
     staging: StagingOffer | None = None
+    #: Decode's ``SessionConfig.instance_name`` ("": none): with its host and TP/PP rank, what a restarted
+    #: process of this decode rank shares with the one it replaced (prefill retires that one at once).
+    instance: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):

@@ -175,7 +175,7 @@ class DecodeManager(TransferManager[Receiver], RankWatch):
         for key, info in sorted(wanted.items()):
             offer = landing.offer((server.address, key)) if landing is not None else None
             hello = P.encode(P.Hello(peer_id=self.peer_id, lanes=self._meta, kvargs=self.kvargs, host=self.transport.host,
-                                     staging=offer))
+                                     staging=offer, instance=self.config.instance_name))
             rank = server.ranks[key] = PrefillRank(info)
             rank.chan = self._channel(info.control_addr)
             self.loop.add_socket(rank.chan.sock, self._rank_handler(server, rank))

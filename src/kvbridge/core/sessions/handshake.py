@@ -3,7 +3,10 @@
 :class:`Handshakes` holds what :class:`~.prefill.PrefillManager` does with a ``Hello``: the token
 bucket (``SessionConfig.handshake_rate``), the peer limit, a peer id claimed by another process
 refused, the two layouts paired and the peer added to the transport, and the connection it came
-on remembered as that peer's route (no route without proof: docs/security.md).
+on remembered as that peer's route (no route without proof: docs/security.md). A decode that named
+its instance (``SessionConfig.instance_name``) holds a *slot* (host, name, TP rank, PP rank): a new
+process's accepted handshake in a slot retires the process that held it at once (its rooms fail naming
+the restart), instead of leaving them to its lapsed lease (docs/failures.md, "Restarts").
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Handshakes:
     _peers: dict[str, DecodePeer]
     _routes: OrderedDict[str, bytes]
     _route_peer: OrderedDict[bytes, str]
+    _slots: dict[tuple[str, str, int, int], str]  # a named decode rank's slot -> the peer id holding it
     _hello_tokens: float
     _hello_refill: float
     _reply: Callable[[bytes, P.Message], None]
@@ -62,10 +66,12 @@ class Handshakes:
         cfg = self.config
         incarnation = self._chan.sender_incarnation
         held = self._peers.get(msg.peer_id)
+        slot = (msg.host, msg.instance, msg.kvargs.tp_rank, msg.kvargs.pp_rank) if msg.instance else None
+        replaced = self._slot_holder(slot, msg.peer_id, incarnation)
         if not self._hello_allowed():
             problem = (f"too many handshakes: this prefill rank accepts {cfg.handshake_rate:g} per second "
                        "(SessionConfig.handshake_rate); retry")
-        elif msg.peer_id not in self._peers and len(self._peers) >= cfg.max_peers:
+        elif msg.peer_id not in self._peers and replaced is None and len(self._peers) >= cfg.max_peers:
             problem = (f"this prefill rank already serves {len(self._peers)} decode ranks, its limit "
                        "(SessionConfig.max_peers)")
         elif held is not None and held.incarnation != incarnation:
@@ -85,6 +91,11 @@ class Handshakes:
                         # it asked for before is dead on its side.
                         self._drop_peer(old, f"decode peer {msg.peer_id!r} handshook again")
                 self.transport.add_peer(msg.peer_id, msg.lanes, msg.kvargs.regions, msg.host, msg.staging)
+                if replaced is not None:
+                    with self.lock:
+                        # Accepted: the process it replaces is dead (a name is never shared by two live
+                        # instances), and so are the destinations of its rooms.
+                        self._drop_peer(replaced, self._restart_reason(replaced, msg, incarnation))
             except IncompatibleLayoutError as exc:
                 problem = str(exc)
             except Exception as exc:
@@ -95,7 +106,10 @@ class Handshakes:
             return
         with self.lock:
             self._peers[msg.peer_id] = DecodePeer(msg.peer_id, route, self.config.heartbeat_timeout,
-                                                  self.config.inline_row_bytes, ident=ident, incarnation=incarnation)
+                                                  self.config.inline_row_bytes, ident=ident, incarnation=incarnation,
+                                                  slot=slot)
+            if slot is not None:
+                self._slots[slot] = msg.peer_id
             self._route_peer[ident] = msg.peer_id
             self._route_peer.move_to_end(ident)
             self._routes[msg.peer_id] = ident
@@ -104,3 +118,21 @@ class Handshakes:
                 while len(table) > MAX_ROUTES:
                     table.popitem(last=False)
         self._reply(ident, P.HelloAck(kvargs=self.kvargs))
+
+    def _slot_holder(self, slot: tuple[str, str, int, int] | None, peer_id: str, incarnation: bytes) -> DecodePeer | None:
+        """The live peer of another process holding ``slot``, which a handshake from ``peer_id`` of
+        ``incarnation`` replaces once accepted; or None."""
+        if slot is None:
+            return None
+        with self.lock:
+            holder = self._peers.get(self._slots.get(slot, ""))
+        if holder is None or holder.slot != slot or holder.peer_id == peer_id or holder.incarnation == incarnation:
+            return None
+        return holder
+
+    @staticmethod
+    def _restart_reason(old: DecodePeer, msg: P.Hello, incarnation: bytes) -> str:
+        """Why ``old``'s rooms fail: a new process of its decode rank handshook (naming both incarnations)."""
+        return (f"decode {msg.instance[:64]!r} TP rank {msg.kvargs.tp_rank} (PP rank {msg.kvargs.pp_rank}) restarted: "
+                f"a new process (peer {msg.peer_id[:64]!r}, incarnation {incarnation.hex() or 'none'}) replaced "
+                f"peer {old.peer_id!r} (incarnation {old.incarnation.hex() or 'none'}), whose rooms are lost")

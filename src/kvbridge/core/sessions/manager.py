@@ -80,6 +80,11 @@ class SessionConfig:
     #: in host memory on both sides travels inside ``Done`` instead of as an engine write
     #: (kvbridge.core.sessions.row); 0: always an engine write.
     inline_row_bytes: int = 4096
+    #: Decode: this decode instance's name, the same across its restarts and never shared by two
+    #: live instances (a server's address, its DP rank). A prefill rank that accepts a handshake from a
+    #: new process of the same name, host and TP/PP rank fails the old process's rooms at once, naming
+    #: the restart; without a name (the default) they fail when its lease lapses (docs/failures.md).
+    instance_name: str = ""
 
     @property
     def fence_wait(self) -> float:
@@ -114,6 +119,8 @@ class SessionConfig:
         if self.inline_row_bytes > self.max_message_bytes // 2:
             raise ValueError(f"inline_row_bytes ({self.inline_row_bytes}) must be at most half of max_message_bytes "
                              f"({self.max_message_bytes}): the row travels in a control message")
+        if not isinstance(self.instance_name, str) or len(self.instance_name) > 256:
+            raise ValueError(f"instance_name must be a str of at most 256 characters, got {self.instance_name!r:.300}")
         if self.staging not in ("gather", "auto", "on", "off"):
             raise ValueError(f"staging must be one of gather, auto, on, off, got {self.staging!r}")
         if self.fence_timeout is not None and self.fence_timeout <= 0:

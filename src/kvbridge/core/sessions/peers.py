@@ -51,8 +51,12 @@ class DecodePeer:
     """
 
     def __init__(self, peer_id: str, route: Route, lease: float, inline_row_bytes: int = 0, *,
-                 ident: bytes | None = None, incarnation: bytes = b"") -> None:
+                 ident: bytes | None = None, incarnation: bytes = b"", slot: tuple[str, str, int, int] | None = None
+                 ) -> None:
         self.peer_id = peer_id
+        #: (host, instance name, TP rank, PP rank) when decode named its instance: a new process with the
+        #: same slot replaces this one (kvbridge.core.sessions.handshake); None: unnamed.
+        self.slot = slot
         #: The connection its authenticated Hello came on: the only route to it (never its claimed id).
         self.ident = ident if ident is not None else peer_id.encode()
         #: Its decode manager's incarnation: only that process may handshake again under this peer id.

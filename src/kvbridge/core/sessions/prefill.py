@@ -76,6 +76,8 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         #: again or was dropped: an Abort on an old connection must be fenced as that peer's (its running
         #: writes, its engine's drain), not as a stranger's.
         self._route_peer: OrderedDict[bytes, str] = OrderedDict()
+        #: A named decode rank's slot (host, instance name, TP rank, PP rank) -> the live peer id holding it.
+        self._slots: dict[tuple[str, str, int, int], str] = {}
         self.control_address = self._chan.bind(self.config.host)
         self.loop.add_socket(self._chan.sock, self._on_message)
         # Handshakes are a token bucket: `handshake_rate` per second, bursts of twice as many.
@@ -376,6 +378,8 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
             if sender.asked_by(peer.peer_id):
                 self.fail_sender(sender, reason, "peer_dead")
         self._peers.pop(peer.peer_id, None)
+        if peer.slot is not None and self._slots.get(peer.slot) == peer.peer_id:
+            del self._slots[peer.slot]
         peer.worker.stop()
         for room, reqs in list(self._pending.items()):
             reqs.pop(peer.peer_id, None)
@@ -392,6 +396,7 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
             for peer in peers:
                 peer.worker.stop()
             self._peers.clear()
+            self._slots.clear()
             self._pending.clear()
         # The engine closes next: let running writes end first (they honour their
         # deadline, so this is bounded).

@@ -55,6 +55,11 @@ Timeouts (:class:`SessionConfig`, seconds):
   prefill rank it uses; either side declares the other dead after
   ``heartbeat_timeout`` of silence and fails every room shared with it.
 
+``instance_name`` (decode, ``""``: unnamed): a name a decode instance keeps across
+restarts and no other live instance uses; a prefill rank then fails a killed process's
+rooms as soon as a new process of the same name and rank handshakes, instead of by its
+lease (docs/failures.md, "Restarts").
+
 The parts, one concern each: :mod:`~kvbridge.core.sessions.room` (the state machine),
 :mod:`~kvbridge.core.sessions.manager` (what both roles share),
 :mod:`~kvbridge.core.sessions.prefill` and :mod:`~kvbridge.core.sessions.sender` (the prefill
