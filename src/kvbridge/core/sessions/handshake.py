@@ -119,6 +119,11 @@ class Handshakes:
                     table.popitem(last=False)
         self._reply(ident, P.HelloAck(kvargs=self.kvargs))
 
+    def _release_slot(self, peer: DecodePeer) -> None:
+        """``peer`` is gone: its slot, if it holds one, is free."""
+        if peer.slot is not None and self._slots.get(peer.slot) == peer.peer_id:
+            del self._slots[peer.slot]
+
     def _slot_holder(self, slot: tuple[str, str, int, int] | None, peer_id: str, incarnation: bytes) -> DecodePeer | None:
         """The live peer of another process holding ``slot``, which a handshake from ``peer_id`` of
         ``incarnation`` replaces once accepted; or None."""

@@ -15,16 +15,16 @@ import zmq
 from ..control import protocol as P
 from ..control.bootstrap import HELD, RENEW, register_rank
 from ..control.channel import Channel
-from ..planning.layers import LayerIndex
 from ..description.layout import KVArgs
+from ..planning.indices import Indices, PlanError
+from ..planning.layers import LayerIndex
+from ..transfer.transport import BackendChoice
 from .fence import WriteFence
 from .handshake import Handshakes
 from .manager import SessionConfig, TransferManager
-from ..planning.indices import Indices, PlanError
-from .room import Poll, Room
 from .peers import DecodePeer, DecodeRequest
+from .room import Poll, Room
 from .sender import Sender
-from ..transfer.transport import BackendChoice
 
 __all__ = ["PrefillManager"]
 
@@ -76,8 +76,7 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         #: again or was dropped: an Abort on an old connection must be fenced as that peer's (its running
         #: writes, its engine's drain), not as a stranger's.
         self._route_peer: OrderedDict[bytes, str] = OrderedDict()
-        #: A named decode rank's slot (host, instance name, TP rank, PP rank) -> the live peer id holding it.
-        self._slots: dict[tuple[str, str, int, int], str] = {}
+        self._slots = {}  # a named decode rank's slot -> its live peer id (Handshakes)
         self.control_address = self._chan.bind(self.config.host)
         self.loop.add_socket(self._chan.sock, self._on_message)
         # Handshakes are a token bucket: `handshake_rate` per second, bursts of twice as many.
@@ -125,11 +124,9 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
     def note_layer_gap(self, seconds: float) -> None:
         """A layer-wise sender announced layers ``seconds`` after its previous announcement (or its send()).
 
-        The pace is the fastest of the last :data:`GAP_WINDOW` gaps, as a write's cost is its class's
-        fastest: a stall (a garbage collection, a transfer thread holding the GIL) only ever lengthens a
-        gap. A moving average, raised by a stall, could stop the workers lingering for the next layer;
-        their writes layer by layer then slowed the host's announcements and kept it raised (one H200
-        run, 16 layers without compute: 8 writes per request, layer-wise TTFT 2.8x per-chunk's)."""
+        The pace is the fastest of the last :data:`GAP_WINDOW` gaps: a stall (GC, the GIL) only lengthens a
+        gap, and a moving average raised by one stopped the workers lingering for the next layer, which kept it
+        raised (one H200 run, 16 layers without compute: layer-wise TTFT 2.8x per-chunk's)."""
         self._gaps.append(seconds)
         self.layer_gap = min(self._gaps)
 
@@ -262,12 +259,10 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
                   known: bool = False) -> None:
         """Stop what ``peer_id`` asked for in the room; answer ``Fenced`` once nothing of it is being written.
 
-        A peer may abort only what it asked for, or a room nobody asked for
-        yet (a decode whose ``init`` failed before its request went out), also
-        through a connection of its own that is no longer its route (``known``:
-        it was dropped, or handshook again since). A stranger's connection
-        only gets the answer, on ``ident`` (the connection it came on). A room
-        given up on before its sender exists is remembered
+        A peer may abort only what it asked for, or a room nobody asked for yet (a decode whose ``init``
+        failed before its request went out), also through a connection of its own that is no longer its
+        route (``known``: it was dropped, or handshook again since). A stranger's connection only gets the
+        answer, on ``ident``. A room given up on before its sender exists is remembered
         (``bootstrap_timeout``): the sender fails as the host creates it.
         """
         # One "aborted by decode" however the reason was written (a peer's default reason may already say it).
@@ -378,8 +373,7 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
             if sender.asked_by(peer.peer_id):
                 self.fail_sender(sender, reason, "peer_dead")
         self._peers.pop(peer.peer_id, None)
-        if peer.slot is not None and self._slots.get(peer.slot) == peer.peer_id:
-            del self._slots[peer.slot]
+        self._release_slot(peer)
         peer.worker.stop()
         for room, reqs in list(self._pending.items()):
             reqs.pop(peer.peer_id, None)
