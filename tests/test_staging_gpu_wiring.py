@@ -190,3 +190,17 @@ def test_a_gpu_scatter_outside_the_ranks_gpu_regions_writes_nothing(pair) -> Non
     with pytest.raises(Exception, match="outside this rank's registered regions on GPU 0"):
         landing.scatter("someone", msg)
     assert host_device.calls["scatter"] == 0
+
+
+def test_a_layerwise_chunk_after_a_staged_one_lands_byte_exact(pair) -> None:
+    # The first chunk's GPU windows are staged on both sides; the second is sent layer by layer (its writes
+    # wait for the staged windows' scatter before landing, docs/architecture.md "Staging").
+    sender, recv, src, dst, pm, dm = pair("on", send=False)
+    sender.send(SRC[: PAGES // 2], last=False)
+    sender.send(SRC[PAGES // 2:], last=True, layerwise=True)
+    sender.layer_ready([0, 1])
+    wait_until(finished(recv), 30, "the receiver")
+    wait_until(finished(sender), 30, "the sender")
+    assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
+    assert landed(src, dst)
+    assert pm.transport.describe()["device_staging"]["windows"] > 0
