@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -63,8 +64,11 @@ def test_the_device_seam_gathers_and_scatters_scattered_pieces_byte_exact() -> N
 
 
 @needs_gpu
-def test_scattered_4k_and_64k_gpu_pages_through_nixl_staged_on_both_sides_land_byte_exact() -> None:
+def test_scattered_4k_and_64k_gpu_pages_through_nixl_staged_on_both_sides_land_byte_exact(monkeypatch) -> None:
     from kvbridge.bench import gpu
+
+    for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}.items():  # as the bench sets them
+        monkeypatch.setenv(key, os.environ.get(key, value))
 
     args = argparse.Namespace(page_kib=[4, 64], total_mib=[64], reps=2, decode_gpu=0, transfer_backend="nixl",
                               staging=["on"])
