@@ -5,7 +5,7 @@
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
 # Writes gpu-tests.log, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, staging-tests.log,
 # staging.{txt,json}, layerwise.txt, demo.txt, request.{txt,json} and trace.txt (STEPS=request), cold.txt (STEPS=cold),
-# checksum-tests.log and checksum.{txt,json} (STEPS=checksum)
+# checksum-tests.log and checksum.{txt,json} (STEPS=checksum), gpustage-tests.log and gpustage.{txt,json} (STEPS=gpustage)
 # to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
 # (default "tests conformance kernel bench staging demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
@@ -98,6 +98,15 @@ fi
 want staging && { python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_staging.py 2>&1 | tee "$OUT/staging-tests.log" || rc=1
 python3 benchmarks/gpu_staging_bench.py --json > "$OUT/staging.json" 2> "$OUT/staging.txt" || rc=1
 tail -6 "$OUT/staging.txt"; }
+# GPU staging wired into the write path (#29): the byte-exact tests (the seam's kernels, then scattered 4 KiB and 64 KiB
+# pages VRAM -> VRAM through NIXL, fast path off, staging on), then the plain path with staging off vs on beside the
+# fast path, 64 MiB and 1 GiB, 4 and 64 KiB pages. Each part is cut off (timeout) so the step ends within 4 minutes;
+# the bench prints each case's line to gpustage.txt as it finishes (64 MiB first).
+want gpustage && { timeout "${GPUSTAGE_TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -rs \
+  tests/test_gpu_staging_wired.py tests/test_gpu_staging.py 2>&1 | tee "$OUT/gpustage-tests.log" || rc=1
+COLUMNS=${COLUMNS:-220} timeout "${GPUSTAGE_BENCH_S:-140}" python3 -m kvbridge.cli bench transfer --device cuda \
+  --page-kib 4 64 --total-mib 64 1024 --staging on --reps 5 --json > "$OUT/gpustage.json" 2> "$OUT/gpustage.txt" || rc=1
+tail -24 "$OUT/gpustage.txt"; }
 want demo && { python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 | tee "$OUT/demo.txt" | tail -25 || rc=1; }
 # Layer-wise sending on the GPU: the synthetic model (a GPU kernel per layer, ready= CUDA events), the demo's
 # tiny model, and the demo both ways (is the --layerwise default right on a GPU?).

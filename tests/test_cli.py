@@ -165,7 +165,7 @@ def test_bench_transfer_has_one_parser_whatever_the_device():
 @pytest.mark.parametrize("args, message", [
     (["--decode-gpu", "1"], "argument --decode-gpu: applies to --device cuda only (this run is --device cpu)"),
     (["--staging", "on"], "argument --staging: applies to the fragmentation axis only; give --page-kib too"),
-    (["--device", "cuda", "--staging", "on"], "argument --staging: applies to --device cpu only (this run is --device cuda)"),
+    (["--device", "cuda", "--regions", "2"], "argument --regions: applies to --device cpu only (this run is --device cuda)"),
     (["--total-mib", "1", "2"], "argument --total-mib: takes one value with --device cpu, got [1, 2]"),
 ])
 def test_bench_transfer_refuses_the_other_devices_options(args, message):

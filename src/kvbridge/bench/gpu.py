@@ -10,6 +10,10 @@ four ways measured in the same run:
   Triton kernel per write (:mod:`kvbridge.plugins.cuda_ipc`);
 - **plain**: a second PrefillManager with it off: the same descriptors through
   the backend (NIXL), one descriptor per page;
+- **plain, staging MODE** (``--staging on`` / ``auto``): the plain path with
+  ``SessionConfig.staging`` MODE, decode lending slots on its GPU: windows of
+  pages gathered into a GPU staging slice by one kernel launch, written as one
+  descriptor, scattered on decode (:mod:`kvbridge.core.transfer.device`);
 - **raw NIXL**: the same descriptor lists through NIXL's own calls, request
   prepared outside the timed loop (:mod:`kvbridge.bench.raw_nixl`);
 - **D2D**: ``torch`` copying the same number of bytes inside this process,
@@ -20,7 +24,8 @@ four ways measured in the same run:
 kvbridge's columns are transfer time (the writes of the request, from core's
 metrics: planning and the control plane excluded; the request's end-to-end
 latency is reported beside). Decode checks every destination byte of every
-case against the source pattern with torch indexing.
+case against the source pattern with torch indexing, after each path's rooms
+(the destination zeroed before them).
 """
 
 from __future__ import annotations
@@ -83,26 +88,31 @@ def run_decode(args: argparse.Namespace) -> int:
     import torch
 
     kvargs, tensors = pools(args.page_kib, args.total_mib, args.decode_gpu, fill=False)
-    mgr = DecodeManager(kvargs, args.transfer_backend, config=CONFIG)
-    ok = True
+    # Staged paths need decode's GPU slots; the fast and plain prefills (staging gather) do not use them.
+    config = SessionConfig(**{**CONFIG.__dict__, "staging": "on"}) if args.staging else CONFIG
+    mgr = DecodeManager(kvargs, args.transfer_backend, config=config)
     try:
         room = 0
         for c, (page, total, how) in enumerate(cases(args.page_kib, args.total_mib)):
             src, dst = pages_of(page, total, how, c)
             space = f"p{page >> 10}"
-            for address in args.decode.split(","):  # the fast and the plain prefill, in turn
+            paths = []
+            for address in args.decode.split(","):  # the fast, the plain and each staged prefill, in turn
+                tensors[page].zero_()  # what this path's rooms write is checked by itself
+                torch.cuda.synchronize()
+                ok = True
                 for _ in range(args.reps + 1):
                     room += 1
                     recv = Receiver(mgr, room, bootstrap=address)
                     recv.init([], state_indices={space: dst})
                     ok &= recv.wait(Poll.SUCCESS, 600) == Poll.SUCCESS
-            words = page // 8
-            got = tensors[page].view(-1, words)[torch.as_tensor(dst, device=tensors[page].device)]
-            i = args.page_kib.index(page >> 10)
-            want = (torch.arange(words, device=got.device)[None, :]
-                    + torch.as_tensor(src, device=got.device)[:, None] * 2**20 + i * 2**40)
-            verified = bool(torch.equal(got, want))
-            print(json.dumps({"case": c, "verified": verified and ok}), flush=True)
+                words = page // 8
+                got = tensors[page].view(-1, words)[torch.as_tensor(dst, device=tensors[page].device)]
+                i = args.page_kib.index(page >> 10)
+                want = (torch.arange(words, device=got.device)[None, :]
+                        + torch.as_tensor(src, device=got.device)[:, None] * 2**20 + i * 2**40)
+                paths.append(ok and bool(torch.equal(got, want)))
+            print(json.dumps({"case": c, "verified": all(paths), "paths": paths}), flush=True)
         sys.stdin.readline()
     finally:
         mgr.close()
@@ -138,10 +148,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "plain": PrefillManager(kvargs, args.transfer_backend, bootstrap=servers[1].address,
                                 config=SessionConfig(**{**CONFIG.__dict__, "gpu_fast_path": False})),
     }
+    for mode in args.staging:  # the plain path with GPU staging (core/transfer/device.py)
+        servers.append(BootstrapServer("127.0.0.1"))
+        managers[f"plain_{mode}"] = PrefillManager(
+            kvargs, args.transfer_backend, bootstrap=servers[-1].address,
+            config=SessionConfig(**{**CONFIG.__dict__, "gpu_fast_path": False, "staging": mode}))
     child = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.bench.gpu", "--decode", ",".join(s.address for s in servers),
          "--transfer-backend", args.transfer_backend, "--reps", str(args.reps), "--decode-gpu", str(args.decode_gpu),
-         "--page-kib", *map(str, args.page_kib), "--total-mib", *map(str, args.total_mib)],
+         "--page-kib", *map(str, args.page_kib), "--total-mib", *map(str, args.total_mib),
+         *(["--staging", *args.staging] if args.staging else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rows = []
     room = 0
@@ -154,6 +170,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             d2d = []
             for path, mgr in managers.items():
                 times, latencies = [], []
+                both = mgr.transport.windows["both"]
                 for rep in range(args.reps + 1):
                     room += 1
                     sender = Sender(mgr, room)
@@ -172,6 +189,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         d2d.append(_d2d_seconds(a, b))
                 row[f"{path}_GBps"] = total / statistics.median(times) / 1e9
                 row[f"{path}_latency_ms"] = statistics.median(latencies) * 1e3
+                if path.startswith("plain_"):  # windows staged on both sides, per request
+                    row[f"{path}_windows"] = (mgr.transport.windows["both"] - both) // (args.reps + 1)
             # Raw NIXL: the plain manager's plan, through NIXL's calls (one request, re-posted).
             plain = managers["plain"]
             (peer,) = plain.peers()
@@ -192,10 +211,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             after = [_d2d_seconds(a, b) for _ in range(args.reps + 1)]
             row["d2d_after_GBps"] = total / statistics.median(after[1:]) / 1e9
             row["fast_vs_d2d_after"] = row["fast_GBps"] / row["d2d_after_GBps"]
-            row["verified"] = json.loads(child.stdout.readline())["verified"]  # type: ignore[union-attr]
+            checked = json.loads(child.stdout.readline())  # type: ignore[union-attr]
+            row["verified"] = checked["verified"]
+            row["verified_by_path"] = dict(zip(managers, checked["paths"]))
             rows.append(row)
+            staged = "".join(f", {p} {row[p + '_GBps']:.1f} ({row[p + '_windows']} windows)" for p in managers
+                             if p.startswith("plain_"))
             print(f"{page >> 10}K {total >> 20}Mi {how}: fast {row['fast_GBps']:.1f} GB/s, plain "
-                  f"{row['plain_GBps']:.1f}, D2D {row['d2d_GBps']:.1f}, bytes ok: {row['verified']}",
+                  f"{row['plain_GBps']:.1f}{staged}, D2D {row['d2d_GBps']:.1f}, bytes ok: {row['verified_by_path']}",
                   file=sys.stderr, flush=True)
     finally:
         finish_child(child)
@@ -213,6 +236,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--total-mib", type=int, nargs="+", default=[64, 1024], help="request sizes in MiB")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case, after one warm-up (median)")
     parser.add_argument("--decode-gpu", type=int, default=0, help="GPU of the decode process")
+    parser.add_argument("--staging", nargs="*", default=[], help="staged plain paths (decode lends GPU slots)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--decode", help=argparse.SUPPRESS)
 
@@ -222,15 +246,19 @@ def format_table(rows: list[dict[str, Any]]) -> Any:
     def rate(value: float | None) -> str | None:
         return f"{value:.1f}" if value else None
 
-    columns = ["page", "request", "pattern", "desc", "fast GB/s", "plain GB/s", "raw NIXL GB/s", "D2D GB/s",
-               "fast/D2D", "D2D after", "/after", "fast ms", "ok"]
+    staged = [k[:-5] for k in (rows[0] if rows else {}) if k.startswith("plain_") and k.endswith("_GBps")
+              and k != "plain_GBps"]
+    columns = ["page", "request", "pattern", "desc", "fast GB/s", "plain GB/s",
+               *[f"plain {p[6:]} GB/s" for p in staged], *[f"{p[6:]} windows" for p in staged],
+               "raw NIXL GB/s", "D2D GB/s", "fast/D2D", "D2D after", "/after", "fast ms", "ok"]
     return ui.table(
         columns,
         [(f"{r['page_bytes'] >> 10}K", f"{r['request_bytes'] >> 20}Mi", r["pattern"], r["descriptors"],
-          rate(r["fast_GBps"]), rate(r["plain_GBps"]), rate(r.get("raw_nixl_GBps")), rate(r["d2d_GBps"]),
+          rate(r["fast_GBps"]), rate(r["plain_GBps"]), *[rate(r[p + "_GBps"]) for p in staged],
+          *[r[p + "_windows"] for p in staged], rate(r.get("raw_nixl_GBps")), rate(r["d2d_GBps"]),
           f"{r['fast_vs_d2d']:.2f}", rate(r["d2d_after_GBps"]), f"{r['fast_vs_d2d_after']:.2f}",
           f"{r['fast_latency_ms']:.2f}", r["verified"]) for r in rows],
-        right=columns[3:12], nowrap=["page", "request", "pattern"],
+        right=columns[3:-1], nowrap=["page", "request", "pattern"],
     )
 
 
@@ -238,6 +266,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     common.bars(path, "VRAM -> VRAM (GB/s, higher is better)",
                 [f"{r['page_bytes'] >> 10}K {r['request_bytes'] >> 20}Mi {r['pattern']}" for r in rows],
                 {"fast path": [r["fast_GBps"] for r in rows], "plain": [r["plain_GBps"] for r in rows],
+                 **{f"plain, staging {k[6:-5]}": [r[k] for r in rows] for k in rows[0]
+                    if k.startswith("plain_") and k.endswith("_GBps") and k != "plain_GBps"},
                  "raw NIXL": [r.get("raw_nixl_GBps") for r in rows], "torch D2D": [r["d2d_GBps"] for r in rows]},
                 "GB/s")
 

@@ -308,7 +308,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "contiguous and head-sliced TP 1->2 and 2->1, each beside the contiguous rate")
     parser.add_argument("--staging", choices=("on", "off", "auto"), nargs="+", default=None, metavar="MODE",
                         help="cpu with --page-kib: prefill's staging setting per row, on, off and/or auto "
-                             "(SessionConfig.staging; default: off on)")
+                             "(SessionConfig.staging; default: off on); cuda: a plain-path column per mode on or "
+                             "auto besides the plain path (off: GPU pages as planned), decode lending GPU slots")
     parser.add_argument("--decode-gpu", type=ui.int_at_least(0), default=None, metavar="N",
                         help="cuda only: the decode process's GPU (default: 0, the prefill's)")
     common.add_output_arguments(parser, "rates in gigabytes per second: *_GBps")
@@ -318,7 +319,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _device_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Fill the device's defaults; an option of the other device is a usage error."""
-    other = ("--decode-gpu",) if args.device == "cpu" else ("--regions", "--staging")
+    other = ("--decode-gpu",) if args.device == "cpu" else ("--regions",)
     given = [flag for flag in other if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
         ui.usage_error(parser, f"argument {given[0]}: applies to --device {'cuda' if args.device == 'cpu' else 'cpu'} "
@@ -335,6 +336,7 @@ def _device_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         args.total_mib, args.reps = args.total_mib or list(CUDA_TOTAL_MIB), args.reps or CUDA_REPS
         args.page_kib = args.page_kib or list(CUDA_PAGE_KIB)
         args.decode_gpu = args.decode_gpu or 0
+        args.staging = [m for m in dict.fromkeys(args.staging or []) if m != "off"]  # off: the plain column
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:

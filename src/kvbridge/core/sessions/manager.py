@@ -74,7 +74,8 @@ class SessionConfig:
     #: gathers a window of small pieces on prefill where that merges them in the destination; ``auto`` also
     #: stages on both sides (decode lends slots) when its pieces are small
     #: (``kvbridge.core.transfer.relay.choose``); ``on`` every window it can; ``off`` none (every descriptor
-    #: written as planned). Both-sides staging is opt-in: see docs/performance.md.
+    #: written as planned). Both-sides staging is opt-in: see docs/performance.md. GPU pages through an
+    #: engine lane are staged on both sides with ``auto``/``on`` only (``kvbridge.core.transfer.device``).
     staging: str = "gather"
     #: Prefill: a metadata row of at most this many bytes (all metadata regions together)
     #: in host memory on both sides travels inside ``Done`` instead of as an engine write

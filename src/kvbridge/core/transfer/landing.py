@@ -17,6 +17,12 @@ with the rank's regions, two lent to each prefill rank this rank handshakes
 with (double buffering: one slot lands while the other is scattered); a
 prefill rank offered none (the pool is lent out) writes every piece into
 place as before.
+
+GPU memory (``device=``): a decode rank whose pages are on a GPU reached through an
+engine lane lends slots of a buffer on that GPU instead (one offer a rank: the
+``Hello`` carries one), and scatters them with the device seam
+(:mod:`kvbridge.core.transfer.device`: one kernel launch a window, complete before
+``Unstaged`` is sent and before any room can reach SUCCESS).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 from ..description.layout import Region, StagingOffer
 from ..planning.regions import RegionTable
 from ..planning.stage_index import scatter_from
+from .device import OnDevice
 from .staging import SLICE_BYTES
 
 __all__ = ["Landing", "ScatterError", "SLOTS", "SLOTS_PER_PEER"]
@@ -57,18 +64,28 @@ class ScatterError(ValueError):
 
 
 class Landing:
-    """Decode's staging slots, lent to prefill ranks, and the scatter out of them (host memory)."""
+    """Decode's staging slots, lent to prefill ranks, and the scatter out of them (host memory, or GPU
+    memory with ``device``)."""
 
-    def __init__(self, regions: Sequence[Region], slots: int = SLOTS, slice_bytes: int = SLICE_BYTES) -> None:
+    def __init__(self, regions: Sequence[Region], slots: int = SLOTS, slice_bytes: int = SLICE_BYTES,
+                 device: OnDevice | None = None) -> None:
         if slots < SLOTS_PER_PEER or slice_bytes <= 0:
             raise ValueError(f"a landing buffer needs at least {SLOTS_PER_PEER} slots and slice_bytes > 0, "
                              f"got {slots} and {slice_bytes}")
         self.slice_bytes = slice_bytes
-        # Zeroed, so its pages are mapped before an engine registers (pins) them.
-        self._buf = np.zeros(slots * slice_bytes, np.uint8)
-        self.region = Region(name="kvbridge-landing", addr=self._buf.ctypes.data, nbytes=self._buf.nbytes,
-                             stride=slice_bytes, role="state", index_space="kvbridge_staging")
-        self._dests = RegionTable([r for r in regions if r.mem == "dram"])
+        self.device = device
+        if device is None:
+            # Zeroed, so its pages are mapped before an engine registers (pins) them.
+            self._buf = np.zeros(slots * slice_bytes, np.uint8)
+            addr, self._keep = self._buf.ctypes.data, None
+            self._dests = RegionTable([r for r in regions if r.mem == "dram"])
+        else:
+            addr, self._keep = device.copy.alloc(slots * slice_bytes, device.index)
+            self._dests = RegionTable([r for r in regions if r.mem == "vram" and r.device == device.index])
+        self._where = "host regions" if device is None else f"regions on GPU {device.index}"
+        self.region = Region(name="kvbridge-landing", addr=addr, nbytes=slots * slice_bytes, stride=slice_bytes,
+                             role="state", index_space="kvbridge_staging", mem="dram" if device is None else "vram",
+                             device=0 if device is None else device.index)
         self._free = list(range(slots - SLOTS_PER_PEER, -1, -SLOTS_PER_PEER))
         self._lent: dict[Hashable, tuple[int, ...]] = {}
         self._lock = threading.Lock()
@@ -90,7 +107,7 @@ class Landing:
 
     def scatter(self, rank: Hashable, msg: StagedWindow) -> None:
         """Copy slot ``msg.slot`` into the pieces ``msg`` names. Raises :class:`ScatterError` (nothing
-        written) if the slot is not ``rank``'s or a piece lies outside this rank's host regions."""
+        written) if the slot is not ``rank``'s or a piece lies outside this rank's regions of the buffer's memory."""
         if msg.slot not in self._lent.get(rank, ()):
             raise ScatterError(f"Staged names staging slot {msg.slot}, not one lent to this prefill rank "
                                f"({self._lent.get(rank, ())})")
@@ -107,9 +124,12 @@ class Landing:
         if not inside.all():
             bad = int(np.flatnonzero(~inside)[0])
             raise ScatterError(f"Staged piece {bad} ({int(nbytes[bad])} B at {int(dst[bad]):#x}) lies outside this "
-                               "rank's registered host regions")
+                               f"rank's registered {self._where}")
         start = msg.slot * self.slice_bytes
-        scatter_from(self._buf[start:start + total], dst, nbytes, self._dests.locate(dst, nbytes)[0])
+        if self.device is not None:  # one launch, complete on return (core/transfer/device.py)
+            self.device.copy.scatter(self.region.addr + start, dst, nbytes, self.device.index)
+        else:
+            scatter_from(self._buf[start:start + total], dst, nbytes, self._dests.locate(dst, nbytes)[0])
         with self._lock:
             self.windows += 1
             self.pieces += len(dst)
@@ -117,6 +137,6 @@ class Landing:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"slots": len(self._buf) // self.slice_bytes, "slice_bytes": self.slice_bytes,
+            return {"slots": self.region.nbytes // self.slice_bytes, "slice_bytes": self.slice_bytes, "mem": self.region.mem,
                     "lent": len(self._lent) * SLOTS_PER_PEER, "windows": self.windows, "pieces": self.pieces,
                     "bytes": self.bytes, "dropped": self.dropped}

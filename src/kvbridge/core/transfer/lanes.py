@@ -54,6 +54,9 @@ class Lane:
     regions: list[Region] = field(default_factory=list)
     #: Host staging of strided sources (core/transfer/staging.py), on the first lane that moves host memory.
     staging: Staging | None = None
+    #: GPU staging (the same, on GPU memory, staged on both sides only), on the first lane reaching
+    #: other hosts that moves GPU memory, with staging auto or on (``Transport.register``).
+    device_staging: Staging | None = None
 
     def __post_init__(self) -> None:
         caps = self.capabilities

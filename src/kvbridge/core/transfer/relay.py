@@ -21,6 +21,11 @@ host memory and whose destinations are in the peer's host memory is
 ``SessionConfig.staging``: ``auto`` as above, ``on`` stages every window of two
 or more host pieces that fits a slice (both sides where the peer lent slots,
 else gathered), ``off`` never stages.
+
+GPU memory (:func:`choose_device`): a window whose sources and destinations are
+on GPUs, through an engine lane, to a peer that lent slots on its GPU, is staged
+on both sides or written as planned; never gathered alone (a GPU window's runs
+are pages, and ``both`` is one descriptor whatever they are).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import numpy as np
 from ..description.layout import StagingOffer
 from ..planning.transferplan import TransferPlan
 
-__all__ = ["MODES", "MAX_PIECE", "MAX_PIECE_REMOTE", "REMOTE_WINDOW_DESCRIPTORS", "RemoteSlots", "choose", "runs"]
+__all__ = ["MODES", "MAX_PIECE", "MAX_PIECE_DEVICE", "MAX_PIECE_REMOTE", "REMOTE_WINDOW_DESCRIPTORS", "RemoteSlots",
+           "choose", "choose_device", "runs"]
 
 #: ``SessionConfig.staging`` values.
 MODES = ("gather", "auto", "on", "off")
@@ -44,6 +50,10 @@ MAX_PIECE = 16 << 10
 #: CMA iovec (sgl-project/sglang#35036: 4 KiB entries at 15.5 MB/s against 4,792 MB/s staged).
 #: Not measured here (one host).
 MAX_PIECE_REMOTE = 256 << 10
+#: Mean bytes per piece up to which ``auto`` stages a GPU window (:func:`choose_device`), on this host or
+#: across: NIXL VRAM -> VRAM with the same-host fast path off moved 1 GiB of scattered 64 KiB pages at
+#: 6.5-7.6 GB/s against 180-300 GB/s contiguous on an H200 (docs/performance.md); larger pieces not measured.
+MAX_PIECE_DEVICE = 256 << 10
 #: Most pieces in one window staged on both sides: its ``Staged`` message carries 16 bytes a run.
 REMOTE_WINDOW_DESCRIPTORS = 16384
 #: ``auto`` gathers on prefill alone (no round trip to decode per window) when the runs merging neighbours in
@@ -72,6 +82,17 @@ def choose(window: TransferPlan, mode: str, same_host: bool, remote: bool) -> st
     if mode == "on" or merges:
         return "gather"
     return "direct"
+
+
+def choose_device(window: TransferPlan, mode: str) -> str:
+    """``"both"`` or ``"direct"`` for a GPU ``window`` (module docstring); the caller checked the memory
+    kinds, the lane, and that the peer lent GPU slots this write can announce."""
+    n = len(window)
+    if mode not in ("auto", "on") or n < 2:
+        return "direct"
+    if mode == "auto" and window.total_bytes > n * MAX_PIECE_DEVICE:
+        return "direct"
+    return "both"
 
 
 def runs(window: TransferPlan) -> TransferPlan:

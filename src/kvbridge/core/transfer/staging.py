@@ -25,6 +25,11 @@ strided), and scattered small pages are a third: gathering on prefill merges
 nothing there. Those windows are staged on both sides (:meth:`Staging.stage_to`
 gathers the window into one descriptor aimed at a staging slot decode lent,
 ``core/transfer/landing.py`` scatters it, ``core/transfer/relay.py`` chooses per window).
+
+GPU memory (``device=``): the same slices in a buffer on the GPU, gathered by the device seam
+(:mod:`kvbridge.core.transfer.device`: one kernel launch a window) and only ever staged on both
+sides (:meth:`Staging.stage_to`), into a GPU landing buffer decode lent; slices of
+:data:`DEVICE_SLICE_BYTES` (a window is at most one fence batch, ``FENCE_BATCH_BYTES``).
 """
 
 from __future__ import annotations
@@ -39,13 +44,17 @@ from ..description.layout import Region
 from ..planning.regions import RegionTable
 from ..planning.transferplan import TransferPlan
 from ..planning.stage_index import gather_into
+from .device import OnDevice
 
-__all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "MAX_PIECE"]
+__all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "DEVICE_SLICE_BYTES", "MAX_PIECE"]
 
 #: Slices of the staging buffer: windows staged at once (one per peer being written).
 SLICES = 4
 #: Bytes of one slice: the most one staged window gathers (and posts, in one or more batches).
 SLICE_BYTES = 4 << 20
+#: The same on GPU memory: a window's fixed costs (a launch, a synchronise, ``Staged`` and ``Unstaged``)
+#: are tens of microseconds, paid once per slice; 16 MiB is one fence batch (``FENCE_BATCH_BYTES``).
+DEVICE_SLICE_BYTES = 16 << 20
 #: Mean bytes per descriptor above which a window is written as it is: there, posting a
 #: descriptor costs less than copying its bytes (measured: ``kvbridge bench tp``).
 MAX_PIECE = 16 << 10
@@ -64,17 +73,26 @@ def wanted(regions: Sequence[Region]) -> bool:
 
 
 class Staging:
-    """A bounded pool of registered host slices, and the gather that fills them."""
+    """A bounded pool of registered slices (host memory, or GPU memory with ``device``), and the gather
+    that fills them."""
 
-    def __init__(self, sources: Sequence[Region], slices: int = SLICES, slice_bytes: int = SLICE_BYTES) -> None:
+    def __init__(self, sources: Sequence[Region], slices: int = SLICES, slice_bytes: int = SLICE_BYTES,
+                 device: OnDevice | None = None) -> None:
         if slices <= 0 or slice_bytes <= 0:
             raise ValueError(f"staging needs slices > 0 and slice_bytes > 0, got {slices} and {slice_bytes}")
         self.slice_bytes = slice_bytes
-        # Zeroed, so its pages are mapped before an engine registers (pins) them.
-        self._buf = np.zeros(slices * slice_bytes, np.uint8)
-        self.region = Region(name="kvbridge-staging", addr=self._buf.ctypes.data, nbytes=self._buf.nbytes,
-                             stride=slice_bytes, role="state", index_space="kvbridge_staging")
-        self._sources = RegionTable([r for r in sources if r.mem == "dram"])
+        self.device = device
+        if device is None:
+            # Zeroed, so its pages are mapped before an engine registers (pins) them.
+            self._buf = np.zeros(slices * slice_bytes, np.uint8)
+            addr, self._keep = self._buf.ctypes.data, None
+            self._sources = RegionTable([r for r in sources if r.mem == "dram"])
+        else:
+            addr, self._keep = device.copy.alloc(slices * slice_bytes, device.index)
+            self._sources = RegionTable([r for r in sources if r.mem == "vram" and r.device == device.index])
+        self.region = Region(name="kvbridge-staging", addr=addr, nbytes=slices * slice_bytes, stride=slice_bytes,
+                             role="state", index_space="kvbridge_staging", mem="dram" if device is None else "vram",
+                             device=0 if device is None else device.index)
         self._free = list(range(slices))
         self._lock = threading.Lock()
         #: Counters for ``Transport.describe()`` and the benchmarks: windows staged, the
@@ -88,7 +106,7 @@ class Staging:
         """
         n = len(window)
         total = window.total_bytes
-        if n < 2 or total > min(self.slice_bytes, max_bytes) or total > n * MAX_PIECE:
+        if n < 2 or total > min(self.slice_bytes, max_bytes) or total > n * MAX_PIECE or self.device is not None:
             return None
         dst, nbytes = window.dst_addr, window.nbytes
         joins = dst[:-1] + nbytes[:-1] == dst[1:]  # neighbours contiguous in the destination
@@ -114,14 +132,16 @@ class Staging:
         src, nbytes = window.src_addr, window.nbytes
         regions, inside = self._sources.locate(src, nbytes)
         if not inside.all():
-            return None  # a source outside this rank's registered host memory (GPU, or a plan built elsewhere)
+            return None  # a source outside the memory this buffer stages (another kind or GPU, or a plan built elsewhere)
         with self._lock:
             if not self._free:
                 return None
             slot = self._free.pop()
         try:
             start = slot * self.slice_bytes
-            if not gather_into(self._buf[start:start + window.total_bytes], src, nbytes, regions):
+            if self.device is not None:  # one launch, complete on return (core/transfer/device.py)
+                self.device.copy.gather(src, nbytes, self.region.addr + start, self.device.index)
+            elif not gather_into(self._buf[start:start + window.total_bytes], src, nbytes, regions):
                 self._release(slot)
                 return None  # odd sizes or offsets: the index arrays would outgrow the descriptors
             runs = runs_of(self.region.addr + start)
@@ -140,7 +160,7 @@ class Staging:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"slices": len(self._buf) // self.slice_bytes, "slice_bytes": self.slice_bytes,
+            return {"slices": self.region.nbytes // self.slice_bytes, "slice_bytes": self.slice_bytes, "mem": self.region.mem,
                     "windows": self.windows, "pieces": self.pieces, "posted": self.posted}
 
 

@@ -25,7 +25,8 @@ from typing import Any, Union
 
 import numpy as np
 
-from . import relay, staging
+from . import device, relay, staging
+from .device import OnDevice
 from .landing import Landing
 from .lanes import FENCE_BATCH_BYTES, FENCE_BATCH_DESCRIPTORS, Lane, Route, backend_name, lane_names, make_route, route_peer
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferError, host_id
@@ -109,23 +110,63 @@ class Transport(LaneWrites):
         (``core/transfer/landing.py``)."""
         self.check_memory(regions, "local")
         staged = self.staging_mode == "off"
-        for lane in self.lanes:
+        mines = [list(lane.backend.select([r for r in regions if r.mem in lane.capabilities.memory_kinds]))
+                 for lane in self.lanes]
+        gpu = self._device_staging(mines)
+        for i, (lane, mine) in enumerate(zip(self.lanes, mines)):
             caps = lane.capabilities
-            mine = list(lane.backend.select([r for r in regions if r.mem in caps.memory_kinds]))
-            stage = None
+            stage = device_stage = None
             extra: list[Region] = []
+            if gpu is not None and gpu[0] == i:  # GPU staging (core/transfer/device.py)
+                if sends:
+                    device_stage = staging.Staging(mine, slice_bytes=staging.DEVICE_SLICE_BYTES, device=gpu[1])
+                    extra.append(device_stage.region)
+                else:  # decode's one offer lends GPU slots: its host regions' windows go as planned
+                    self.landing = Landing(mine, slice_bytes=staging.DEVICE_SLICE_BYTES, device=gpu[1])
+                    extra.append(self.landing.region)
             if not staged and "dram" in caps.memory_kinds and caps.host_staging:
                 if sends:
                     stage = staging.Staging(mine)
                     extra.append(stage.region)
-                elif self.staging_mode in ("auto", "on"):  # gather: prefill's side only, decode lends no slots
+                elif self.staging_mode in ("auto", "on") and gpu is None:  # gather: prefill's side only
                     self.landing = Landing(mine)
                     extra.append(self.landing.region)
             staged = staged or "dram" in caps.memory_kinds
             lane.backend.register([*mine, *extra])
-            lane.regions, lane.staging = mine, stage
+            lane.regions, lane.staging, lane.device_staging = mine, stage, device_stage
         self._regions = list(regions)
         self._local = RegionTable(regions)
+
+    def _device_staging(self, mines: Sequence[Sequence[Region]]) -> tuple[int, OnDevice] | None:
+        """Which lane stages GPU memory, and on which GPU: the first lane reaching other hosts (an engine:
+        per-descriptor costs are what staging saves) that moves GPU memory, when ``staging_mode`` is auto
+        or on and this rank registers GPU regions with it; None otherwise, or when the device seam cannot
+        be loaded (core/transfer/device.py; then GPU windows are written as planned)."""
+        if self.staging_mode not in ("auto", "on"):
+            return None
+        for i, (lane, mine) in enumerate(zip(self.lanes, mines)):
+            caps = lane.capabilities
+            if caps.cross_host and caps.host_staging and "vram" in caps.memory_kinds:
+                gpus = sorted({r.device for r in mine if r.mem == "vram"})
+                if not gpus:
+                    return None
+                copy = device.load()
+                if copy is None:
+                    return None
+                if len(gpus) > 1:
+                    log.info("%s: GPU staging on GPU %d only (regions on GPUs %s)", self.name, gpus[0], gpus)
+                return i, OnDevice(copy, gpus[0])
+        return None
+
+    def _usable(self, offer: StagingOffer, same_host: bool) -> bool:
+        """Whether this rank stages into ``offer``'s slots: host slots with host staging; GPU slots with GPU
+        staging, except to a peer on this host reached by a same-host GPU lane (``cuda_ipc``: it takes GPU
+        pairs first, and the slots were not registered with it)."""
+        if offer.region.mem == "dram":
+            return any(lane.staging for lane in self.lanes)
+        near = same_host and any(not lane.capabilities.cross_host and "vram" in lane.capabilities.memory_kinds
+                                 for lane in self.lanes)
+        return not near and any(lane.device_staging for lane in self.lanes)
 
     def metadata(self) -> dict[str, bytes]:
         """Each lane's connection metadata, by backend name (sent to peers in the handshake)."""
@@ -151,7 +192,7 @@ class Transport(LaneWrites):
         state = self._state(peer)
         state.same_host = host == self.host
         state.slots = None
-        if staging_offer is not None and any(lane.staging for lane in self.lanes):  # used where staging_mode allows
+        if staging_offer is not None and self._usable(staging_offer, state.same_host):  # used where staging_mode allows
             regions = [*regions, staging_offer.region]
             state.slots = relay.RemoteSlots(staging_offer)
         if len(self.lanes) == 1:  # nothing to share out: the backend takes the peer or refuses it
@@ -278,6 +319,9 @@ class Transport(LaneWrites):
         for lane in self.lanes:
             if lane.staging is not None:
                 out["staging"] = {**lane.staging.stats(), "mode": self.staging_mode, "windows_by_choice": dict(self.windows)}
+            if lane.device_staging is not None:
+                out["device_staging"] = {**lane.device_staging.stats(), "mode": self.staging_mode,
+                                         "windows_by_choice": dict(self.windows)}
             out.setdefault("batches_in_flight", {})[lane.name] = {"limit": lane.in_flight, "peak": lane.peak_in_flight}
             out.update(lane.backend.describe())
         if self.landing is not None:

@@ -116,22 +116,36 @@ class LaneWrites:
             state.overdue = math.inf
 
         host = memory is not None and memory.src_kind == memory.dst_kind == "dram"
-        slots = state.slots if host and announce is not None and self.staging_mode != "gather" else None
+        landing = None if state.slots is None else state.slots.offer.region
+        slots = (state.slots if host and landing is not None and landing.mem == "dram" and announce is not None
+                 and self.staging_mode != "gather" else None)
+        # GPU pages through an engine lane, to a peer that lent slots on the GPU they go to: staged on both
+        # sides by the device seam (core/transfer/device.py), else written as planned.
+        stager = lane.device_staging
+        gpu = (stager is not None and memory is not None and landing is not None and announce is not None
+               and memory.src_kind == memory.dst_kind == landing.mem == "vram"
+               and memory.src_device == stager.region.device and memory.dst_device == landing.device)
+        if gpu:
+            slots = state.slots
+        else:
+            stager = lane.staging
         # Windows staged to this peer by any earlier write land at their scatter: whatever this write puts in
         # place waits for them, announced or not (a layer-wise write rewriting a page an earlier chunk's
         # staged window ended in must not land under that window's later scatter).
-        earlier = state.slots if host else None
-        # Staging gathers host memory only: sources known to be elsewhere (GPU pages through NIXL) are written
-        # as planned, without a window cut or a choice made per window (a pass over its descriptors each).
-        stages = lane.staging is not None and (memory is None or memory.src_kind == "dram")
-        for window in self._windows(lane, plan, state, slots is not None) if stages else (plan,):
+        earlier = (state.slots if landing is not None and memory is not None and memory.dst_kind == landing.mem
+                   and (host or memory.dst_device == landing.device) else None)
+        # Host staging gathers host memory only: sources known to be elsewhere (GPU pages through NIXL, no GPU
+        # slots) are written as planned, without a window cut or a choice made per window.
+        stages = gpu or (lane.staging is not None and (memory is None or memory.src_kind == "dram"))
+        for window in self._windows(lane, plan, state, slots is not None, gpu) if stages else (plan,):
             mode = "auto" if self.staging_mode == "gather" else self.staging_mode  # gather: auto without slots
-            how = relay.choose(window, mode, state.same_host, slots is not None) if stages else "direct"
+            how = ("direct" if not stages else relay.choose_device(window, mode) if gpu
+                   else relay.choose(window, mode, state.same_host, slots is not None))
             staged = slot = None
             if how == "both":
-                assert slots is not None and lane.staging is not None
+                assert slots is not None and stager is not None
                 slot = slots.take(lambda where: self._check(peer, deadline, live, where))
-                staged = lane.staging.stage_to(window, slots.address(slot), lane.batch_bytes)
+                staged = stager.stage_to(window, slots.address(slot), lane.batch_bytes)
                 if staged is None:
                     slots.give_back(slot)
                     slot = None
@@ -149,8 +163,11 @@ class LaneWrites:
                     post(batch, of)
                 continue
             local = memory
-            if memory is not None:  # staged batches come from the staging buffer
-                memory = memory._replace(src_kind="dram", src_device=lane.staging.region.device)  # type: ignore[union-attr]
+            if memory is not None:  # staged batches come from the staging buffer (into a slot, where staged to one)
+                assert stager is not None
+                memory = memory._replace(src_kind=stager.region.mem, src_device=stager.region.device)
+                if slot is not None and landing is not None:
+                    memory = memory._replace(dst_kind=landing.mem, dst_device=landing.device)
             try:
                 for batch in staged.batches(lane.batch_descriptors):
                     post(batch)
@@ -242,15 +259,18 @@ class LaneWrites:
                 self.reset(peer, f"a write failed: {failed}")
                 raise
 
-    def _windows(self, lane: Lane, plan: TransferPlan, state: _Peer, remote: bool) -> Iterator[TransferPlan]:
-        """The plan in windows that staging may gather (one slice each), or whole when it cannot help."""
-        limit = relay.MAX_PIECE if state.same_host else relay.MAX_PIECE_REMOTE
-        if (lane.staging is None or self.staging_mode == "off" or len(plan) < 2
+    def _windows(self, lane: Lane, plan: TransferPlan, state: _Peer, remote: bool,
+                 gpu: bool = False) -> Iterator[TransferPlan]:
+        """The plan in windows that staging may gather (one slice each), or whole when it cannot help.
+        ``gpu``: windows of GPU pages for ``lane.device_staging``."""
+        stager = lane.device_staging if gpu else lane.staging
+        limit = (relay.MAX_PIECE_DEVICE if gpu else relay.MAX_PIECE if state.same_host else relay.MAX_PIECE_REMOTE)
+        if (stager is None or self.staging_mode == "off" or len(plan) < 2
                 or (self.staging_mode in ("auto", "gather") and plan.total_bytes > len(plan) * limit)):
             yield plan  # pieces too large on average to be worth copying: written as planned
             return
         most = relay.REMOTE_WINDOW_DESCRIPTORS if remote else staging.WINDOW_DESCRIPTORS
-        size = min(lane.staging.slice_bytes, lane.batch_bytes)
+        size = min(stager.slice_bytes, lane.batch_bytes)
         if remote and state.slots is not None:
             size = min(size, state.slots.offer.slice_bytes)
         yield from plan.batches(most, size)

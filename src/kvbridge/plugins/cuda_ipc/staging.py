@@ -12,10 +12,11 @@ number of pieces. The table is plain numpy (tested on the CPU:
 ``tests/test_gpu_staging.py`` applies it with numpy); torch and Triton are
 imported on the first launch.
 
-Not wired into core's write path yet: core stages host memory only
-(``docs/architecture.md``, "Staging"); these are the kernels a GPU window would
-use, with their own test and benchmark in ``scripts/gpu_check.sh`` (step
-``staging``).
+Core's write path uses them through its device seam
+(``kvbridge.core.transfer.device``, adapted by :mod:`kvbridge.staging_torch`) for GPU
+windows staged on both sides (``docs/architecture.md``, "Staging"); their own test
+and benchmark are ``scripts/gpu_check.sh``'s step ``staging``, the wired path's
+step ``gpustage``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""The seam through which staging copies GPU memory: allocation, gather and scatter on a device.
+
+Host staging copies with numpy (:mod:`kvbridge.core.planning.stage_index`); a window of GPU
+pages needs a kernel, and core imports no torch. So the device half comes from
+:data:`DEVICE_MODULE`, imported by name only when a rank would stage GPU memory
+(``SessionConfig.staging`` auto or on, and GPU regions on a lane that reaches other
+hosts: ``Transport.register``), as the checksum's ``DEVICE_MODULE``
+(:mod:`kvbridge.core.sessions.wmix`) is. The module provides the three functions of
+:class:`DeviceCopy`; :mod:`kvbridge.staging_torch` is the one shipped (the
+``cuda_ipc`` plugin's Triton kernels), :mod:`kvbridge.testing.host_device` a numpy
+stand-in the CPU tests put in its place.
+
+Every call returns once the copy is complete on the device: a gathered slice is read
+by the engine right after, and a scattered window's room may reach SUCCESS right after.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["DEVICE_MODULE", "DeviceCopy", "OnDevice", "load"]
+
+log = logging.getLogger(__name__)
+
+#: The module copying GPU memory for staging: outside core, imported on first use.
+DEVICE_MODULE = "kvbridge.staging_torch"
+
+IntArray = npt.NDArray[np.int64]
+
+
+class DeviceCopy(Protocol):
+    """What :data:`DEVICE_MODULE` provides (module-level functions)."""
+
+    def alloc(self, nbytes: int, device: int) -> tuple[int, Any]:
+        """``nbytes`` of zeroed memory on GPU ``device``: its address, and an object keeping it alive."""
+
+    def gather(self, src: IntArray, nbytes: IntArray, slice_addr: int, device: int) -> None:
+        """Copy the pieces at ``src`` (``nbytes`` each) back to back to ``slice_addr``, on GPU ``device``."""
+
+    def scatter(self, slice_addr: int, dst: IntArray, nbytes: IntArray, device: int) -> None:
+        """Copy the pieces packed back to back at ``slice_addr`` to ``dst`` (``nbytes`` each), on GPU ``device``."""
+
+
+@dataclass(frozen=True)
+class OnDevice:
+    """Where a staging buffer lives: the copy functions and the GPU."""
+
+    copy: DeviceCopy
+    index: int
+
+
+def load() -> DeviceCopy | None:
+    """:data:`DEVICE_MODULE`, or None (logged, saying why) when it cannot be imported here: GPU windows
+    are then written as planned, one descriptor per piece."""
+    try:
+        module: Any = importlib.import_module(DEVICE_MODULE)
+        if not all(callable(getattr(module, name, None)) for name in ("alloc", "gather", "scatter")):
+            raise ImportError(f"{DEVICE_MODULE} lacks alloc, gather or scatter")
+    except Exception as exc:  # ImportError (no torch or Triton), or torch failing to load its libraries
+        log.info("staging: GPU windows are written as planned: %s cannot be used (%s: %s)",
+                 DEVICE_MODULE, type(exc).__name__, exc)
+        return None
+    copy: DeviceCopy = module
+    return copy

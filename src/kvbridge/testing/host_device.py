@@ -1,0 +1,63 @@
+"""A stand-in for the GPU staging seam (:mod:`kvbridge.core.transfer.device`) over host memory.
+
+The CPU tests set ``kvbridge.core.transfer.device.DEVICE_MODULE`` to this module and mark host
+regions ``vram``: core then takes the GPU staging path (its decision, windows, ``Staged``
+announcements, the scatter under decode's lock) with numpy doing what the kernels do. The index
+arithmetic is the kernels' own (:func:`kvbridge.plugins.cuda_ipc.staging.unit_table`), applied
+with whole-array numpy over raw views. ``calls`` counts the copies, so a test can tell that they ran.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbridge.plugins.cuda_ipc.staging import unit_table
+
+__all__ = ["alloc", "calls", "gather", "scatter"]
+
+IntArray = npt.NDArray[np.int64]
+
+#: Copies made, by name ("alloc", "gather", "scatter"), and the devices named.
+calls: Counter[str] = Counter()
+
+
+class _Raw:
+    """``count`` bytes at a raw address as a numpy array (no copy)."""
+
+    def __init__(self, addr: int, count: int) -> None:
+        self.__array_interface__ = {"shape": (count,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
+def alloc(nbytes: int, device: int) -> tuple[int, Any]:
+    calls["alloc"] += 1
+    buf = np.zeros(nbytes, np.uint8)
+    return buf.ctypes.data, buf
+
+
+def _copy(addr: IntArray, nbytes: IntArray, slice_addr: int, to_slice: bool) -> None:
+    table = unit_table(addr, np.cumsum(nbytes) - nbytes, nbytes)
+    lo = int(min(int(table.far.min()), slice_addr))
+    hi = int(max(int(table.far.max()), slice_addr + int(table.near.max()))) + table.unit
+    # One view over the span holding every piece and the slice; each unit's bytes as one row.
+    mem = np.asarray(_Raw(lo, hi - lo))
+    cols = np.arange(table.unit, dtype=np.int64)
+    far = (table.far - lo)[:, None] + cols
+    near = (slice_addr - lo + table.near)[:, None] + cols
+    if to_slice:
+        mem[near] = mem[far]
+    else:
+        mem[far] = mem[near]
+
+
+def gather(src: IntArray, nbytes: IntArray, slice_addr: int, device: int) -> None:
+    calls["gather"] += 1
+    _copy(src, nbytes, slice_addr, True)
+
+
+def scatter(slice_addr: int, dst: IntArray, nbytes: IntArray, device: int) -> None:
+    calls["scatter"] += 1
+    _copy(dst, nbytes, slice_addr, False)

@@ -1,0 +1,81 @@
+"""GPU staging in the write path, on a CUDA machine: scattered GPU pages through NIXL, staged on both sides.
+
+Prefill (this process) and decode (a child process) move pages VRAM -> VRAM through NIXL with the
+same-host fast path off and ``SessionConfig.staging="on"``: each window of pages is gathered into a
+GPU staging slice by one kernel launch (:mod:`kvbridge.staging_torch`), written as one descriptor
+into a slot decode lent on its GPU and scattered there before the room's ``Done``. The decode child
+of ``kvbridge bench transfer --device cuda`` checks every destination byte against the source
+pattern with torch indexing, after each path's rooms (destination zeroed before them). The CPU
+side of the same wiring runs everywhere in ``tests/test_staging_gpu_wiring.py``. Skips, naming
+why, without CUDA, Triton or NIXL (``scripts/gpu_check.sh``, step ``gpustage``, runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+from kvbridge.testing import available_backends
+
+
+def _problem() -> str | None:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+        return "needs torch and Triton with a CUDA device (scripts/gpu_check.sh, step gpustage, runs it)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA device visible to torch; this machine has none"
+    if "nixl" not in available_backends():
+        return "needs the nixl backend (pip extra kvbridge[nixl]) to move GPU memory between processes"
+    return None
+
+
+PROBLEM = _problem()
+needs_gpu = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+
+
+@needs_gpu
+def test_the_device_seam_gathers_and_scatters_scattered_pieces_byte_exact() -> None:
+    import torch
+
+    from kvbridge import staging_torch
+
+    rng = np.random.default_rng(9)
+    memory = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, device="cuda")
+    nbytes = np.array([4096, 64 << 10, 4096, 8192] * 8, np.int64)
+    addr = memory.data_ptr() + rng.permutation((16 << 20) // (64 << 10))[: len(nbytes)].astype(np.int64) * (64 << 10)
+    slice_addr, keep = staging_torch.alloc(int(nbytes.sum()), 0)
+    staging_torch.gather(addr, nbytes, slice_addr, 0)  # complete on return: no synchronise here
+    host = memory.cpu().numpy()
+    offs = (addr - memory.data_ptr()).tolist()
+    want = np.concatenate([host[a:a + n] for a, n in zip(offs, nbytes.tolist())])
+    np.testing.assert_array_equal(keep.cpu().numpy(), want)
+    back = torch.zeros_like(memory)
+    staging_torch.scatter(slice_addr, addr - memory.data_ptr() + back.data_ptr(), nbytes, 0)
+    got = back.cpu().numpy()
+    touched = np.zeros(got.size, bool)
+    for a, n in zip(offs, nbytes.tolist()):  # the oracle: plain slicing
+        touched[a:a + n] = True
+    np.testing.assert_array_equal(got, np.where(touched, host, 0))
+
+
+@needs_gpu
+def test_scattered_4k_and_64k_gpu_pages_through_nixl_staged_on_both_sides_land_byte_exact(monkeypatch) -> None:
+    from kvbridge.bench import gpu
+
+    for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}.items():  # as the bench sets them
+        monkeypatch.setenv(key, os.environ.get(key, value))
+
+    args = argparse.Namespace(page_kib=[4, 64], total_mib=[64], reps=2, decode_gpu=0, transfer_backend="nixl",
+                              staging=["on"])
+    rows = gpu.run(args)
+    assert len(rows) == 4  # 4 KiB and 64 KiB pages, scattered and contiguous
+    for r in rows:
+        case = f"{r['page_bytes'] >> 10} KiB {r['pattern']}"
+        assert r["verified_by_path"] == {"fast": True, "plain": True, "plain_on": True}, case
+        if r["pattern"] == "scattered":  # 64 MiB in 16 MiB windows, one descriptor each
+            assert r["plain_on_windows"] == 4, case

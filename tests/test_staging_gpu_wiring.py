@@ -1,0 +1,206 @@
+"""GPU staging wired into the write path (core/transfer/device.py, staging.py, landing.py, writing.py), on the CPU.
+
+Pages marked ``vram``, written through a backend that moves GPU memory across hosts, to a
+decode rank that lent slots on its GPU, are gathered on prefill into a GPU staging slice,
+written as one descriptor into decode's GPU slot and scattered there before ``Done``. Here
+the "GPU" is host memory: the KV regions are marked ``vram`` (device 0), the ``memory``
+backend is declared to move GPU memory across hosts (``process_vm_writev`` copies any
+address), and the device seam is :mod:`kvbridge.testing.host_device` (the kernels' unit
+table, applied with numpy). So the decision, the windows, the ``Staged`` announcements, the
+scatter under decode's lock and the fence run as they do on a GPU; the kernels themselves
+run in ``tests/test_gpu_staging.py`` and ``tests/test_gpu_staging_wired.py`` on a CUDA machine.
+Bytes are checked against pages copied with plain numpy indexing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvbridge.core.control import protocol as P
+from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.records import BackendCapabilities
+from kvbridge.core.planning.plan import TransferPlan
+from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
+from kvbridge.core.transfer import device
+from kvbridge.core.transfer.backend import BackendConfig
+from kvbridge.core.transfer.relay import MAX_PIECE_DEVICE, choose_device
+from kvbridge.testing import host_device
+from kvbridge.testing.e2e import Pools, Scenario, prefill_pools
+from kvbridge.testing.harness import START_WAIT, finished, wait_until
+from kvbridge.testing.memory import MemoryBackend
+
+PAGES = 24
+SRC = np.arange(PAGES) * 2
+DST = (np.arange(PAGES)[::-1] * 3) % 97  # scattered: no two neighbours follow each other
+#: The memory backend, declared as an engine lane moving GPU memory (what nixl declares).
+GPU_ENGINE = BackendCapabilities(memory_kinds=("dram", "vram"), cross_host=True, inline_writes=True)
+
+
+def _window(dst: list[int], size: int) -> TransferPlan:
+    n = len(dst)
+    return TransferPlan(np.arange(n, dtype=np.int64) * size, np.array(dst, np.int64) * size, np.full(n, size, np.int64))
+
+
+@pytest.mark.parametrize("mode, dst, size, want", [
+    ("auto", [0, 5, 2, 9], 4096, "both"),                    # scattered small pages
+    ("auto", [0, 1, 2, 3], 64 << 10, "both"),                # contiguous too: one descriptor a window either way
+    ("auto", [0, 5, 2, 9], MAX_PIECE_DEVICE * 2, "direct"),  # pieces large enough to post as they are
+    ("on", [0, 5, 2, 9], MAX_PIECE_DEVICE * 2, "both"),      # forced
+    ("gather", [0, 5, 2, 9], 4096, "direct"),                # the default: GPU pages are written as planned
+    ("off", [0, 5, 2, 9], 4096, "direct"),
+    ("on", [7], 4096, "direct"),                             # one piece: nothing to merge
+])
+def test_a_gpu_window_is_staged_on_both_sides_or_written_as_planned(mode, dst, size, want) -> None:
+    assert choose_device(_window(dst, size), mode) == want
+
+
+def _on_gpu(pools: Pools) -> Pools:
+    """The pools with their KV regions marked GPU memory (device 0); the metadata region stays on the host."""
+    regions = tuple(msgspec.structs.replace(r, mem="vram", device=0) if r.role != "metadata" else r
+                    for r in pools.kvargs.regions)
+    pools.kvargs = msgspec.structs.replace(pools.kvargs, regions=regions)
+    return pools
+
+
+def config(staging: str) -> SessionConfig:
+    return SessionConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0, transfer_timeout=10.0, staging=staging)
+
+
+Made = tuple[Sender, Receiver, Pools, Pools, PrefillManager, DecodeManager]
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Made]]:
+    """One room between an in-process prefill and decode manager, KV pages marked ``vram``."""
+    monkeypatch.setattr(MemoryBackend, "capabilities", GPU_ENGINE)
+    monkeypatch.setattr(device, "DEVICE_MODULE", "kvbridge.testing.host_device")
+    host_device.calls.clear()
+    made: list[object] = []
+
+    def make(staging: str, send: bool = True, decode_staging: str | None = None) -> Made:
+        sc = Scenario(backend="memory", prefill_pages=64, decode_pages=128, page_nbytes=4096)
+        src, dst = _on_gpu(prefill_pools(sc)), _on_gpu(Pools(sc, sc.decode_pages, meta_rows=2))
+        server = BootstrapServer("127.0.0.1")
+        made.append(server)
+        pm = PrefillManager(src.kvargs, MemoryBackend(BackendConfig(name="p")), bootstrap=server.address,
+                            config=config(staging))
+        made.append(pm)
+        dm = DecodeManager(dst.kvargs, MemoryBackend(BackendConfig(name="d")), config=config(decode_staging or staging))
+        made.append(dm)
+        sender = Sender(pm, 7, metadata_row=0)
+        recv = Receiver(dm, 7, bootstrap=server.address)
+        recv.init(DST, metadata_row=1)
+        wait_until(lambda: sender.poll() == Poll.WAITING_FOR_INPUT, START_WAIT, "the request")
+        if send:
+            sender.send(SRC[: PAGES // 2], last=False)
+            sender.send(SRC[PAGES // 2:], last=True)
+            wait_until(finished(recv), 30, "the receiver")
+            wait_until(finished(sender), 30, "the sender")
+        return sender, recv, src, dst, pm, dm
+
+    yield make
+    for obj in reversed(made):
+        obj.close()  # type: ignore[attr-defined]
+
+
+def landed(src: Pools, dst: Pools) -> bool:
+    """Independent oracle: decode page DST[i] holds prefill page SRC[i], in every region."""
+    return all(np.array_equal(d[DST], s[SRC]) for s, d in zip(src.kv, dst.kv))
+
+
+@pytest.mark.parametrize("staging", ["on", "auto"])
+def test_scattered_gpu_pages_are_gathered_and_scattered_by_the_device_seam_byte_exact(pair, staging) -> None:
+    sender, recv, src, dst, pm, dm = pair(staging)
+    assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
+    assert landed(src, dst)
+    staged = pm.transport.describe()["device_staging"]
+    assert staged["mem"] == "vram" and staged["windows"] > 0 and staged["windows_by_choice"]["both"] == staged["windows"]
+    assert staged["posted"] == staged["windows"], "one descriptor a window"
+    assert staged["pieces"] == 2 * 2 * PAGES, "every K and V page of both layers went through a window"
+    landing = dm.transport.describe()["landing"]
+    assert landing["mem"] == "vram" and landing["windows"] == staged["windows"] and landing["dropped"] == 0
+    assert host_device.calls["gather"] == host_device.calls["scatter"] == staged["windows"]
+    # Bounded: 2 slots of the one GPU slice size lent to the one prefill rank.
+    assert landing["lent"] == 2 and landing["slice_bytes"] == staged["slice_bytes"]
+    assert "staging" not in dm.transport.describe() or dm.transport.describe()["landing"]["mem"] == "vram"
+
+
+def test_by_default_gpu_pages_are_written_as_planned_and_no_gpu_memory_is_taken(pair) -> None:
+    sender, recv, src, dst, pm, dm = pair("gather")
+    assert recv.poll() == Poll.SUCCESS and landed(src, dst)
+    assert "device_staging" not in pm.transport.describe() and "landing" not in dm.transport.describe()
+    assert not host_device.calls, "the device seam is not even loaded"
+
+
+def test_a_prefill_rank_with_staging_gather_writes_gpu_pages_as_planned_into_a_decode_that_lent_gpu_slots(pair) -> None:
+    sender, recv, src, dst, pm, dm = pair("gather", decode_staging="on")
+    assert recv.poll() == Poll.SUCCESS and landed(src, dst)
+    assert dm.transport.describe()["landing"]["windows"] == 0
+    assert pm.transport.windows["both"] == 0
+
+
+def test_without_the_device_seam_gpu_pages_are_written_as_planned(pair, monkeypatch) -> None:
+    monkeypatch.setattr(device, "DEVICE_MODULE", "kvbridge.testing.no_such_module")
+    sender, recv, src, dst, pm, dm = pair("on")
+    assert recv.poll() == Poll.SUCCESS and landed(src, dst)
+    assert "device_staging" not in pm.transport.describe()
+    assert dm.transport.describe()["landing"]["mem"] == "dram", "decode lends host slots instead"
+    assert pm.transport.windows["both"] == 0
+
+
+def test_a_room_given_up_on_decode_has_nothing_scattered_into_its_gpu_pages(pair) -> None:
+    _sender, recv, _src, dst, _pm, dm = pair("on", send=False)
+    recv.abort("given up by the test")
+    server = next(iter(dm._servers.values()))
+    rank = next(iter(server.ranks.values()))
+    landing = dm.transport.landing
+    assert landing is not None and landing.region.mem == "vram"
+    offer = landing.offer((server.address, rank.key))
+    assert offer is not None
+    slot = offer.slots[0]
+    buf = landing._keep  # the stand-in's "GPU" buffer
+    buf[slot * landing.slice_bytes:(slot + 1) * landing.slice_bytes] = 0xAB  # what a late window holds
+    page = dst.kv[0][DST[0]]
+    before = page.copy()
+    msg = P.Staged(rooms=(7,), slot=slot, dst=np.array([page.ctypes.data], "<i8").tobytes(),
+                   nbytes=np.array([page.nbytes], "<i8").tobytes())
+    dm.loop.call(lambda: dm._on_staged(server, rank, msg))
+    deadline = time.monotonic() + 10
+    while landing.stats()["dropped"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert landing.stats()["dropped"] == 1 and landing.stats()["windows"] == 0
+    assert host_device.calls["scatter"] == 0
+    np.testing.assert_array_equal(page, before)
+
+
+def test_a_gpu_scatter_outside_the_ranks_gpu_regions_writes_nothing(pair) -> None:
+    _sender, recv, _src, dst, _pm, dm = pair("on", send=False)
+    landing = dm.transport.landing
+    assert landing is not None
+    offer = landing.offer("someone")
+    assert offer is not None
+    meta = dst.meta  # host memory: not a GPU region of this rank
+    msg = P.Staged(rooms=(7,), slot=offer.slots[0], dst=np.array([meta.ctypes.data], "<i8").tobytes(),
+                   nbytes=np.array([64], "<i8").tobytes())
+    with pytest.raises(Exception, match="outside this rank's registered regions on GPU 0"):
+        landing.scatter("someone", msg)
+    assert host_device.calls["scatter"] == 0
+
+
+def test_a_layerwise_chunk_after_a_staged_one_lands_byte_exact(pair) -> None:
+    # The first chunk's GPU windows are staged on both sides; the second is sent layer by layer (its writes
+    # wait for the staged windows' scatter before landing, docs/architecture.md "Staging").
+    sender, recv, src, dst, pm, dm = pair("on", send=False)
+    sender.send(SRC[: PAGES // 2], last=False)
+    sender.send(SRC[PAGES // 2:], last=True, layerwise=True)
+    sender.layer_ready([0, 1])
+    wait_until(finished(recv), 30, "the receiver")
+    wait_until(finished(sender), 30, "the sender")
+    assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
+    assert landed(src, dst)
+    assert pm.transport.describe()["device_staging"]["windows"] > 0
