@@ -267,3 +267,20 @@ def test_gpu_sources_through_a_lane_that_stages_host_memory_are_written_as_plann
     assert seen == ["direct"]
     np.testing.assert_array_equal(dst[order], src)
     assert sum(len(w) for w in far.writes) == n and all(w.memory == Memory("vram", 0, "vram", 0) for w in far.writes)
+
+
+@pytest.mark.parametrize("host_only, host, expect", [
+    (True, None, True),  # the near lane moves nothing to this peer: only the far lane's capability counts
+    (False, None, False),  # the near lane moves the GPU pages and does not declare inline writes
+    (True, "another-host", False),  # a peer on another host is never written from the host's thread
+])
+def test_writes_inline_asks_only_the_lanes_that_move_something_to_the_peer(host_only, host, expect) -> None:
+    _, src_regions = _pools(None)
+    _, dst_regions = _pools(None)
+    far_caps = BackendCapabilities(memory_kinds=("dram", "vram"), host_staging=False, inline_writes=True)
+    t = Transport([Lane("near", _Copy(), NEAR), Lane("far", _Copy(), far_caps)])
+    t.register(src_regions[:1] if host_only else src_regions)
+    t.add_peer("decode", {"near": b"x", "far": b"y"}, dst_regions[:1] if host_only else dst_regions, host=host)
+    assert t.lanes_of("decode") == (["far"] if host_only else ["near", "far"])
+    assert t.writes_inline("decode") is expect
+    assert t.writes_inline("stranger") is False

@@ -26,17 +26,17 @@ INLINE_MAX_DESCRIPTORS = 64
 
 
 def inline_write(m: PrefillSide, job: Job) -> bool:
-    """Whether this thread writes ``job`` itself (under the lock): the backend allows it
-    (``BackendCapabilities.inline_writes``) and the peer is on this host (a write there completes even if
+    """Whether this thread writes ``job`` itself (under the lock): the lanes moving something to the peer
+    allow it (``BackendCapabilities.inline_writes``) and the peer is on this host (a write there completes even if
     the peer is frozen: the host's thread is never held by a peer), the chunk is small, decode's lease is
     valid (the write would not wait for a renewal), no other room is ready to send (the host is about to
     send it: both chunks then go to the worker, which writes them together) and the worker is idle
     (claimed here if so). Never on the I/O thread, which must stay free to renew decode's lease."""
     peer = job.peer
     rows = job.meta_plan.total_bytes if job.meta_plan is not None and not peer.inline_row else 0
-    return (m.transport.inline_writes and not m.ready and len(job.plan) <= INLINE_MAX_DESCRIPTORS
-            and job.plan.total_bytes + rows <= INLINE_MAX_BYTES and time.monotonic() < peer.lease_until
-            and m.transport.same_host(peer.peer_id) and not m.loop.on_io_thread() and peer.worker.claim())
+    return (not m.ready and len(job.plan) <= INLINE_MAX_DESCRIPTORS and job.plan.total_bytes + rows <= INLINE_MAX_BYTES
+            and time.monotonic() < peer.lease_until and m.transport.writes_inline(peer.peer_id)
+            and not m.loop.on_io_thread() and peer.worker.claim())
 
 
 def write_inline(write: ChunkWrite) -> None:

@@ -57,9 +57,6 @@ class Transport(LaneWrites):
         if len(set(names)) != len(names):
             raise ValueError(f"a backend is named more than once in the lanes {names}")
         self.lanes = list(lanes)
-        #: Every lane lets core write small chunks to a same-host peer from the host's thread
-        #: (``BackendCapabilities.inline_writes``).
-        self.inline_writes = all(lane.capabilities.inline_writes for lane in self.lanes)
         #: The lanes as a host names them: "nixl", or "cuda_ipc,nixl".
         self.name = ",".join(names)
         self.host = host_id()
@@ -203,10 +200,15 @@ class Transport(LaneWrites):
         route = self._state(peer).route = route_peer(self.lanes, self._regions, peer, metadata, regions, host == self.host)
         log.info("%s: peer %r goes through %s", self.name, peer, ", ".join(self.lanes[i].name for i in route.used))
 
-    def same_host(self, peer: str) -> bool:
-        """Whether ``peer`` runs on this host (as its handshake said; False for an unknown peer)."""
+    def writes_inline(self, peer: str) -> bool:
+        """Whether core may write small chunks to ``peer`` from the host's thread: the peer runs on this
+        host (as its handshake said) and every lane moving something to it declares
+        ``BackendCapabilities.inline_writes`` (a lane moving nothing to it, such as ``cuda_ipc`` for host
+        memory, does not count)."""
         state = self._peers.get(peer)
-        return state is not None and state.route is not None and state.same_host
+        if state is None or state.route is None or not state.same_host:
+            return False
+        return all(self.lanes[i].capabilities.inline_writes for i in state.route.used)
 
     def lanes_of(self, peer: str) -> list[str]:
         """The lanes that move something to ``peer`` (empty for an unknown peer)."""
