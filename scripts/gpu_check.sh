@@ -27,12 +27,13 @@ python3 -m kvbridge.cli plugins | tee -a "$OUT/machine.txt"
 rc=0
 STEPS=" ${STEPS:-tests conformance kernel bench staging demo layerwise} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
-want tests && python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_lanes.py \
+# (Each step in braces: "want X && cmd || rc=1" would fail the run for every step not wanted.)
+want tests && { python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_lanes.py \
   "tests/test_conformance.py::TestNixl" -k "gpu or layerwise or lane" \
-  2>&1 | tee "$OUT/gpu-tests.log" || rc=1
+  2>&1 | tee "$OUT/gpu-tests.log" || rc=1; }
 # The same-host GPU copy is a backend like any other: the conformance suite, on GPU buffers.
-want conformance && python3 -m kvbridge.cli conformance cuda_ipc -q -p no:cacheprovider -rs \
-  2>&1 | tee "$OUT/conformance.log" | tail -15 || rc=1
+want conformance && { python3 -m kvbridge.cli conformance cuda_ipc -q -p no:cacheprovider -rs \
+  2>&1 | tee "$OUT/conformance.log" | tail -15 || rc=1; }
 # BASELINE=DIR: the same bench with the kvbridge wheel in DIR (an older version), interleaved with this
 # checkout's ROUNDS times (default 1) in one call on one machine, so drift shows as drift, not as a change.
 if [ -n "${BASELINE:-}" ]; then
