@@ -95,3 +95,56 @@ def test_sglangs_decode_init_kv_manager_leaves_an_unnamed_decode_unnamed():
 def test_sglangs_decode_of_dp_rank_1_of_2_appends_its_dp_rank():
     got = forked.run(decode_manager_name, {**ENV, INSTANCE_ENV: "decode-b"}, 2, 1, timeout=120)
     assert got == "KVBridgeKVManager:decode-b-dp1"
+
+
+def test_a_restarted_named_decode_server_fails_its_old_room_on_prefill_at_once_and_is_served(monkeypatch, tmp_path):
+    """Two decode managers of one name and rank in turn (the first abandoned, as if its server were replaced;
+    lease 30 s): prefill fails the first one's room as soon as the second handshakes, naming the restart, and
+    the second one's request is moved byte for byte (docs/failures.md, "Decode restarted")."""
+    import time
+
+    import sglang_pd as pd
+    import sglang_rig as rig
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from kvbridge.integrations.sglang.conn import KVBridgeKVBootstrapServer
+
+    config = tmp_path / "kvbridge.json"
+    config.write_text(json.dumps({"backend": "memory", "heartbeat_timeout": 30}))
+    monkeypatch.delenv("KVBRIDGE_SGLANG_BACKEND", raising=False)
+    monkeypatch.setenv("KVBRIDGE_SGLANG_CONFIG", str(config))
+    monkeypatch.setenv(INSTANCE_ENV, "decode-b:30001")
+    boot = KVBridgeKVBootstrapServer("127.0.0.1", 0)
+    port = int(boot.address.rsplit(":", 1)[1])
+    managers = []
+    try:
+        g = rig.global_tensors("mha", False, seed=3)
+        p_rank = rig.make_rank("mha", 0, 1, draft=False, fill=g)
+        prefill = pd.manager(p_rank, DisaggregationMode.PREFILL, port)
+        managers.append(prefill)
+        old_rank = rig.make_rank("mha", 0, 1, draft=False, fill=None)
+        managers.append(pd.manager(old_rank, DisaggregationMode.DECODE, port))
+        s1 = pd.prefill_senders([prefill], port, 101)[0]
+        pd.decode_receivers([managers[-1]], [old_rank], port, 101)
+        assert pd.wait([s1], {KVPoll.WaitingForInput, KVPoll.Failed}, 30) == [KVPoll.WaitingForInput]
+        new_rank = rig.make_rank("mha", 0, 1, draft=False, fill=None)
+        new = pd.manager(new_rank, DisaggregationMode.DECODE, port)
+        managers.append(new)
+        assert new.transfer.config.instance_name == "decode-b:30001"
+        s2 = pd.prefill_senders([prefill], port, 102)[0]
+        start = time.monotonic()
+        r2 = pd.decode_receivers([new], [new_rank], port, 102)
+        assert pd.wait([s1], {KVPoll.Failed}, 10) == [KVPoll.Failed]
+        elapsed = time.monotonic() - start
+        print(f"old room FAILED on prefill {elapsed:.2f}s after the new server's request")
+        assert elapsed < 5  # the handshake, not the 30 s lease
+        reason = s1.sender.failure() or ""
+        assert "decode 'decode-b:30001' TP rank 0" in reason and "restarted" in reason, reason
+        assert pd.wait([s2], {KVPoll.WaitingForInput, KVPoll.Failed}, 30) == [KVPoll.WaitingForInput]
+        assert pd.send_and_finish([s2], r2, [p_rank]) == []
+        assert pd.check_decode(new_rank, g) == []
+    finally:
+        for m in reversed(managers):
+            m.close()
+        boot.close()
