@@ -222,6 +222,43 @@ def test_from_dict_errors_name_the_setting_and_value(mapping, message):
     assert message in str(info.value)
 
 
+# -- instance_name ------------------------------------------------------------------------------
+def test_instance_name_defaults_to_unnamed_on_the_command_line_and_in_a_mapping():
+    assert TransferConfig.from_args(parser().parse_args([])).session_config().instance_name == ""
+    assert TransferConfig.from_dict({}).instance_name == ""
+    assert TransferConfig.from_dict({"instance_name": None}).instance_name == ""  # JSON null: the default
+
+
+def test_instance_name_from_the_flag_and_the_key_reaches_the_session_config():
+    args = parser().parse_args(["--transfer-instance-name", "decode-3.pool:8200"])
+    cfg = TransferConfig.from_args(args)
+    assert cfg == TransferConfig.from_dict({"instance_name": "decode-3.pool:8200"})
+    assert cfg.session_config().instance_name == "decode-3.pool:8200"
+    assert TransferConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize("value", ["two words", "x" * 129, "tab\there", "caf\u00e9", 7, ["a"]])
+def test_a_bad_instance_name_is_refused_naming_the_value_and_what_is_allowed(value):
+    with pytest.raises(ConfigError) as info:
+        TransferConfig.from_dict({"instance_name": value})
+    assert info.value.field == "instance_name"
+    assert "instance_name must be a short printable name, 1 to 128 of letters, digits" in str(info.value)
+    assert repr(value)[:40] in str(info.value)
+
+
+def test_a_bad_instance_name_flag_exits_2_naming_the_flag_and_value():
+    out = run_server("--transfer-instance-name", "decode one")
+    assert out.returncode == 2
+    assert "argument --transfer-instance-name: instance_name must be a short printable name" in out.stderr
+    assert "'decode one'" in out.stderr
+
+
+def test_help_shows_the_instance_name_flag_and_its_default():
+    text = " ".join(parser().format_help().split())
+    assert "--transfer-instance-name NAME" in text
+    assert "fail each other's rooms (default: none, unnamed)" in text
+
+
 # -- option declarations and core's validation ------------------------------------------------------
 def test_option_spec_prefix_matches_keys_under_it():
     spec = BackendSpec(name="u", factory="m:f", options=(OptionSpec(name="mode", choices=("a", "b")), OptionSpec(name="UCX_*")))

@@ -24,6 +24,7 @@ options the backend declares (``kvbridge plugins`` lists them).
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -62,7 +63,11 @@ _FLAGS = {
     "checksum": "--transfer-checksum",
     "staging": "--transfer-staging",
     "secret_file": "--transfer-secret-file",
+    "instance_name": "--transfer-instance-name",
 }
+
+#: What ``instance_name`` may be: short, printable, no spaces (it appears in logs and failure reasons).
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9._:@/+-]{1,128}")
 
 
 class ConfigError(ValueError):
@@ -90,6 +95,16 @@ def _check_address(value: str) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{value!r} is not HOST:PORT (a port from 1 to 65535)")
+    return value
+
+
+def _check_instance_name(value: object) -> str:
+    """``value`` if it is a valid ``instance_name`` ("" for none); ValueError saying what is allowed otherwise."""
+    if not isinstance(value, str) or (value and not INSTANCE_NAME.fullmatch(value)):
+        raise ValueError(
+            f"instance_name must be a short printable name, 1 to 128 of letters, digits and . _ : @ / + - "
+            f"(e.g. the decode server's address, 'decode-3:8200'), or empty for none; got {value!r:.200}"
+        )
     return value
 
 
@@ -132,6 +147,10 @@ class TransferConfig:
     #: A file holding the secret that authenticates control messages (docs/security.md);
     #: unset: ``$KVBRIDGE_SECRET_FILE`` or ``$KVBRIDGE_SECRET``. The secret itself is never a setting.
     secret_file: str | None = _SESSION.secret_file
+    #: Decode: this instance's name, kept across its restarts and used by no other live instance
+    #: ("": unnamed). A prefill rank fails a restarted named decode's old rooms as soon as the new
+    #: process handshakes, instead of when its lease lapses (see SessionConfig.instance_name).
+    instance_name: str = _SESSION.instance_name
 
     def __post_init__(self) -> None:
         registry = get_registry()
@@ -160,6 +179,10 @@ class TransferConfig:
                 raise ConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}", flag)
         if self.secret_file is not None and (not isinstance(self.secret_file, str) or not self.secret_file):
             raise ConfigError(f"secret_file must be a file name, got {self.secret_file!r}", "secret_file")
+        try:
+            _check_instance_name(self.instance_name)
+        except ValueError as exc:
+            raise ConfigError(str(exc), "instance_name") from None
         for name in _TIMEOUTS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -201,8 +224,9 @@ class TransferConfig:
         if unknown:
             raise ConfigError(f"unknown transfer config key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(known)}")
         values = dict(mapping)
-        if values.get("backend") is None:
-            values.pop("backend", None)
+        for name in ("backend", "instance_name"):  # JSON null: the default
+            if name in values and values[name] is None:
+                values.pop(name)
         if "backend_options" in values:
             values["backend_options"] = _options_from(values["backend_options"])
         for name in _TIMEOUTS:
@@ -268,6 +292,7 @@ _ARG_DESTS = {
     "checksum": "transfer_checksum",
     "staging": "transfer_staging",
     "secret_file": "transfer_secret_file",
+    "instance_name": "transfer_instance_name",
 }
 
 
@@ -315,6 +340,13 @@ _seconds_type = ui.positive_number("seconds")
 def _address_type(text: str) -> str:
     try:
         return _check_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _instance_name_type(text: str) -> str:
+    try:
+        return _check_instance_name(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -388,4 +420,10 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     group.add_argument("--transfer-secret-file", dest="transfer_secret_file", default=None, metavar="PATH",
                        help="file holding the secret that authenticates control messages (default: "
                             "$KVBRIDGE_SECRET_FILE, else $KVBRIDGE_SECRET; without one, loopback only)")
+    group.add_argument(_FLAGS["instance_name"], dest=_ARG_DESTS["instance_name"], type=_instance_name_type,
+                       default=_SESSION.instance_name, metavar="NAME",
+                       help="decode: this instance's name, the same across its restarts and used by no other live "
+                            "instance (e.g. its server's HOST:PORT); prefill then fails a restarted decode's old "
+                            "rooms as soon as the new process handshakes, not when its lease lapses. Two live "
+                            "instances of one name fail each other's rooms (default: none, unnamed)")
     return group

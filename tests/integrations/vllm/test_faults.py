@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_harness import (BLOCK, Seen, block_ids, hand_over, make_request, make_server, prefill_request, status,
-                          step_until)
+from vllm_harness import (BLOCK, Seen, block_ids, check_bytes, hand_over, make_request, make_server, prefill_request,
+                          status, step_until)
 from vllm.v1.request import RequestStatus
+
+from kvbridge import Poll
 
 FAST_FAILURE = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "fence_timeout": 1.0}
 
@@ -96,3 +98,39 @@ def test_request_aborted_while_loading_frees_its_blocks_once_the_room_is_fenced(
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_restarted_named_decode_engine_fails_its_old_room_on_prefill_at_once_and_is_served(model, bootstrap):
+    """A decode engine of ``instance_name`` X replaced by a new one of the same name (its lease is 30 s):
+    prefill fails the old engine's room as soon as the new engine's worker handshakes, naming the restart,
+    and the new engine's request is moved byte for byte (docs/failures.md, "Decode restarted")."""
+    lease = {"heartbeat_interval": 1.0, "heartbeat_timeout": 30.0}
+    named = {"backend": "memory", "instance_name": "decode-a:8200", **lease}
+    prefill = make_server(model, "kv_producer", {"backend": "memory", "bootstrap": bootstrap, **lease}, fill=True)
+    old = make_server(model, "kv_consumer", named)
+    new = None
+    senders = prefill.ranks[0].connector._worker.senders
+    try:
+        p1, p2 = list(range(10, 10 + 3 * BLOCK)), list(range(20, 20 + 2 * BLOCK + 5))
+        params1 = prefill_request(prefill, "r1", p1)
+        params2 = prefill_request(prefill, "r2", p2)  # prefill is not stepped after this until the new engine asks
+        src = block_ids(prefill.sched, "r2")
+        old.sched.add_request(make_request("r1", p1, 4, params1))
+        step_until([old], lambda: "r1" in senders and senders["r1"][0].poll() == Poll.WAITING_FOR_INPUT)
+        # The old engine is gone from here on (never stepped again, as if killed); its lease would hold 30 s.
+        new = make_server(model, "kv_consumer", named)
+        new.sched.add_request(make_request("r2", p2, 4, params2))
+        start = time.monotonic()
+        step_until([new], lambda: senders["r1"][0].poll() == Poll.FAILED, timeout=10)
+        elapsed = time.monotonic() - start
+        print(f"old room FAILED on prefill {elapsed:.2f}s after the new engine's request was added")
+        assert elapsed < 5  # the handshake, not the lease
+        reason = senders["r1"][0].failure() or ""
+        assert "decode 'decode-a:8200' TP rank 0" in reason and "restarted" in reason, reason
+        dst = block_ids(new.sched, "r2")
+        step_until([prefill, new], lambda: status(new.sched, "r2") == RequestStatus.RUNNING)
+        check_bytes(prefill, new, list(src), list(dst), range(len(p2)))
+    finally:
+        for server in (new, old, prefill):
+            if server is not None:
+                server.close()

@@ -50,7 +50,7 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 from .crosscheck import compare
 from .hisparse import check_draft
 from .handlers import C4_PAGE_SPACE, C128_SPACE, C128_STATE, DSA_PAGE_SPACE, SLOT_SPACE, SWA_PAGE_SPACE
-from .settings import transfer_config
+from .settings import for_dp_rank, transfer_config
 
 __all__ = ["KVBridgeKVBootstrapServer", "KVBridgeKVManager", "KVBridgeKVReceiver", "KVBridgeKVSender", "sglang_pools"]
 
@@ -102,6 +102,9 @@ class KVBridgeKVManager(BaseKVManager):
             if value is not None and (bad(value) if callable(bad) else value == bad):
                 raise ValueError(f"{flag}={value!r}: not supported by kvbridge's SGLang integration yet (attention TP "
                                  "must be the TP size, one pipeline stage); use SGLang's own transfer backend for it")
+        # One name per DP rank: every DP rank's scheduler reads the same settings.
+        self.config = for_dp_rank(self.config, getattr(args, "system_dp_rank", None),
+                                  int(getattr(server_args, "dp_size", 1) or 1))
         self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         self.tp_rank = int(args.engine_rank) % self.tp_size
         if not self.is_mla_backend and getattr(args, "total_kv_head_num", None) is not None:

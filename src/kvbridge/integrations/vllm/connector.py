@@ -53,7 +53,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         kt = self._kv_transfer_config
-        self.settings = ConnectorSettings.from_extra_config(kt.kv_connector_extra_config, kt.kv_role)
+        pc = vllm_config.parallel_config
+        self.settings = ConnectorSettings.from_extra_config(kt.kv_connector_extra_config, kt.kv_role,
+                                                            dp_rank=pc.data_parallel_rank, dp_size=pc.data_parallel_size)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbridge.config import ConfigError, TransferConfig
@@ -17,14 +17,22 @@ CONNECTOR_KEYS = ("serve_bootstrap",)
 @dataclass(frozen=True)
 class ConnectorSettings:
     """``transfer``: what ``TransferConfig.from_dict`` made of the extra config (backend, options,
-    bootstrap, secret file, timeouts). ``serve_bootstrap``: prefill's TP rank 0 worker runs the
-    bootstrap endpoint at ``transfer.bootstrap`` (default true; false when it runs elsewhere)."""
+    bootstrap, secret file, timeouts, instance name). ``serve_bootstrap``: prefill's TP rank 0 worker runs the
+    bootstrap endpoint at ``transfer.bootstrap`` (default true; false when it runs elsewhere).
+
+    ``instance_name`` (decode) is never guessed: vLLM's ``engine_id`` is a new random id at every start
+    unless set, and nothing else in its config is both kept across a restart and unique among live
+    engines, so a decode is unnamed unless the extra config names it. With data parallelism every DP
+    engine reads the same extra config, so each one's name gets ``-dp<rank>`` (vLLM's global DP rank),
+    as vLLM suffixes ``engine_id``: two engines of one name would fail each other's rooms."""
 
     transfer: TransferConfig
     serve_bootstrap: bool = True
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None, kv_role: str | None) -> ConnectorSettings:
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, kv_role: str | None, *, dp_rank: int = 0,
+                          dp_size: int = 1) -> ConnectorSettings:
+        """The settings of one engine: ``kv_connector_extra_config`` checked, its name made unique per DP rank."""
         extra = dict(extra or {})
         serve = extra.pop("serve_bootstrap", True)
         if isinstance(serve, str) and serve.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
@@ -42,4 +50,10 @@ class ConnectorSettings:
                 "servers reach this prefill server's bootstrap endpoint at (its TP rank 0 worker serves it)",
                 "bootstrap",
             )
+        if transfer.instance_name and dp_size > 1:
+            try:
+                transfer = replace(transfer, instance_name=f"{transfer.instance_name}-dp{dp_rank}")
+            except ConfigError as exc:
+                raise ConfigError(f"kv_connector_extra_config: {exc} (with data parallelism the connector appends "
+                                  f"-dp<rank> to instance_name)", exc.field) from None
         return cls(transfer, serve)
