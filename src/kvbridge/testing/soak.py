@@ -14,7 +14,14 @@ room again, or :data:`RECOVERY` seconds passed):
   another decode's claimed id) at the prefill's control endpoint and the
   bootstrap endpoint;
 - ``prefill-kill``: SIGKILL the prefill process and start a new one at once
-  (a new port; the bootstrap server survives).
+  (a new port; the bootstrap server survives);
+- ``prefill-restart-same-address``: SIGKILL it and start a new one bound to
+  the same control address (``SessionConfig.control_port``): decode must see a
+  new peer (its incarnation), fail the old rooms and be served by the new one;
+- ``prefill-restart-changed-layout``: the same, but the replacement has another
+  page size: decode must refuse it at the handshake, naming the mismatch, and
+  not a byte may land (the rooms' pages stay zero); after :data:`HOLD` seconds
+  it is replaced in turn by a prefill with decode's layout, on the same address.
 
 After ``seconds`` no fault starts, and the soak goes on until the last one
 is over (at most :data:`RECOVERY` seconds more), then lets every room end.
@@ -26,9 +33,16 @@ indexing), *late writes* (pages of a FAILED room that changed after it was
 fenced, watched for ``settle`` seconds before the pages are used again), the
 time from the fault to FAILED of the rooms in flight (on decode, the other
 side), the time from a restarted/resumed prefill's readiness to the first
-SUCCESS after it, and the soak process's threads, file descriptors and RSS
-at start and end. Network cuts (namespaces) are the fault matrix's
-(``python -m kvbridge.testing.faults --fault net-cut``), not the soak's.
+SUCCESS after it, the failure reasons seen (first words, counted), and the
+soak process's threads, file descriptors and RSS at start and end.
+
+Network cuts (namespaces) are the fault matrix's (``python -m
+kvbridge.testing.faults --fault net-cut``), not the soak's: the soak process
+itself is the decode rank and hosts the bootstrap server, on 127.0.0.1, so a
+cut between it and a prefill in a namespace needs either a veth end in the
+host's own namespace (a change to the machine's network, which tests here do
+not make) or the soak itself re-run inside a second namespace on non-loopback
+addresses with a secret (not built).
 
 ``python -m kvbridge.testing.soak --backend nixl --seconds 60`` prints the
 table; ``tests/test_soak.py`` runs it briefly on two backends.
@@ -59,7 +73,12 @@ from kvbridge.testing.e2e import Pools, pattern
 from kvbridge.testing.restart import PAGES, RESTART, PrefillProcess, source_pages
 
 #: In this order (the kill last: a new process takes longest to come back on a loaded box).
-KINDS = ("prefill-freeze", "bootstrap-restart", "hostile", "prefill-kill")
+KINDS = ("prefill-freeze", "bootstrap-restart", "hostile", "prefill-restart-changed-layout",
+         "prefill-restart-same-address", "prefill-kill")
+#: The faults that kill the prefill process and start another.
+RESTARTS = ("prefill-kill", "prefill-restart-same-address", "prefill-restart-changed-layout")
+#: Seconds the replacement with another layout serves (and is refused) before the right one replaces it.
+HOLD = 1.5
 #: Seconds the soak goes on after its time, for the last fault's prefill to serve again.
 RECOVERY = 30.0
 #: Short timeouts so a fault ends every room it touches within seconds (heartbeat_timeout 2 s: on a loaded
@@ -83,6 +102,11 @@ class KindStats(msgspec.Struct, kw_only=True):
     to_failed_s: list[float] = []
     #: Seconds from the prefill (restarted or resumed) being ready, or the fault, to the next SUCCESS.
     to_success_s: list[float] = []
+    #: FAILED rooms whose reason names a layout mismatch, and those of them with any byte landed.
+    refused_layout: int = 0
+    landed_in_refused: int = 0
+    #: FAILED rooms counted by their reason's first words.
+    reasons: dict[str, int] = {}
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -137,10 +161,12 @@ class Soak:
         self.mgr = DecodeManager(self.pools.kvargs, backend, config=self.sc.session_config())
         #: (kind, fault time, rooms in flight at it, when the prefill is ready again or None, first SUCCESS seen)
         self.pending: list[dict[str, object]] = []
+        self.thread_errors: list[str] = []
 
     # -- the prefill process --------------------------------------------------------------------------
-    def start_prefill(self) -> PrefillProcess:
-        proc = PrefillProcess(self.backend, self.server.address, self.workdir / f"prefill-{len(self.procs)}")
+    def start_prefill(self, control_port: int = 0, page_nbytes: int | None = None) -> PrefillProcess:
+        proc = PrefillProcess(self.backend, self.server.address, self.workdir / f"prefill-{len(self.procs)}",
+                              control_port=control_port, page_nbytes=page_nbytes)
         self.procs.append(proc)
         return proc
 
@@ -175,6 +201,12 @@ class Soak:
                     ev["success"] = recv.ended - ready  # type: ignore[operator]
             return
         stats.failed += 1
+        reason = recv.failure() or ""
+        key = " ".join(reason.split()[:12])[:120]
+        stats.reasons[key] = stats.reasons.get(key, 0) + 1
+        if "layout" in reason.lower() or "mismatch" in reason.lower():
+            stats.refused_layout += 1
+            stats.landed_in_refused += int(any(a[slot.pages].any() for a in self.pools.kv))
         for ev in self.pending:
             if recv.room in ev["inflight"] and recv.ended is not None:  # type: ignore[operator]
                 ev["failed"] = max(ev["failed"] or 0.0, recv.ended - ev["at"])  # type: ignore[operator,arg-type]
@@ -221,6 +253,10 @@ class Soak:
             proc.kill()
             fresh = self.start_prefill()
             threading.Thread(target=self._when_ready, args=(fresh, ev), daemon=True).start()
+        elif kind in ("prefill-restart-same-address", "prefill-restart-changed-layout"):
+            port = int(proc.control_address().rpartition(":")[2])
+            proc.kill()
+            threading.Thread(target=self._same_address, args=(port, kind.endswith("layout"), ev), daemon=True).start()
         elif kind == "prefill-freeze":
             proc.freeze()
 
@@ -254,6 +290,18 @@ class Soak:
             return True
         last = self.pending[-1]
         return last["success"] is not None or now - float(last["at"]) > RECOVERY  # type: ignore[arg-type]
+
+    def _same_address(self, port: int, other_layout: bool, ev: dict[str, object]) -> None:
+        """Start the replacement on ``port``; with ``other_layout``, one of another page size first, for HOLD s."""
+        try:
+            if other_layout:
+                wrong = self.start_prefill(port, page_nbytes=2 * self.sc.page_nbytes)
+                wrong.ready()
+                time.sleep(HOLD)
+                wrong.kill()
+            self._when_ready(self.start_prefill(port), ev)
+        except Exception as exc:  # the run reports it (a thread's exception would otherwise be lost)
+            self.thread_errors.append(f"{type(exc).__name__}: {exc}")
 
     def _when_ready(self, proc: PrefillProcess, ev: dict[str, object]) -> None:
         ready = proc.ready()
@@ -316,6 +364,8 @@ class Soak:
             report.seconds = round(time.monotonic() - t0, 1)
             report.rooms_per_s = report.rooms / report.seconds
             report.resources_end = resources()
+            if self.thread_errors:
+                report.error = "; ".join(self.thread_errors)
         except Exception as exc:
             report.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -340,15 +390,17 @@ def table(reports: list[Report]) -> str:
         return "-" if not v else (f"{v[0]:.2f} s" if len(v) == 1 else f"{min(v):.2f}-{max(v):.2f} s "
                                   f"(median {statistics.median(v):.2f})")
     rows = ["| backend | fault | faults | rooms | SUCCESS / FAILED | wrong SUCCESS | late writes | fault -> FAILED "
-            "on decode | ready -> first SUCCESS |", "|---|---|---|---|---|---|---|---|---|"]
+            "on decode | ready -> first SUCCESS | refused for layout (bytes landed) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
         for kind, k in r.kinds.items():
             rows.append(f"| {r.backend} | {kind} | {k.faults} | {k.rooms} | {k.succeeded} / {k.failed} | "
-                        f"{k.wrong_successes} | {k.late_writes} | {span(k.to_failed_s)} | {span(k.to_success_s)} |")
+                        f"{k.wrong_successes} | {k.late_writes} | {span(k.to_failed_s)} | {span(k.to_success_s)} | "
+                        f"{k.refused_layout} ({k.landed_in_refused}) |")
         rows.append(f"| {r.backend} | all | | {r.rooms} ({r.rooms_per_s:.0f}/s), {r.unfinished} unfinished | | | | "
                     f"threads/fds/RSS MB: {r.resources_start.get('threads')}/{r.resources_start.get('fds')}/"
                     f"{r.resources_start.get('rss', 0) >> 20} -> {r.resources_end.get('threads')}/"
-                    f"{r.resources_end.get('fds')}/{r.resources_end.get('rss', 0) >> 20} | |"
+                    f"{r.resources_end.get('fds')}/{r.resources_end.get('rss', 0) >> 20} | | |"
                     + (f" error: {r.error}" if r.error else ""))
     return "\n".join(rows)
 
@@ -370,7 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         for kind, k in r.kinds.items():
             for late in k.late_rooms:
                 print(f"late write ({r.backend}, {kind}): {late}")
-    bad = any(r.error or r.unfinished or any(k.wrong_successes or k.late_writes for k in r.kinds.values())
+            for reason, n in sorted(k.reasons.items(), key=lambda x: -x[1]):
+                print(f"FAILED ({r.backend}, {kind}) x{n}: {reason}")
+    bad = any(r.error or r.unfinished or any(k.wrong_successes or k.late_writes or k.landed_in_refused
+                                             for k in r.kinds.values())
               for r in reports)
     return 1 if bad else 0
 
