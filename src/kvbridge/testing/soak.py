@@ -329,7 +329,9 @@ class Soak:
             sock.close(0)
 
     # -- the run --------------------------------------------------------------------------------------
-    def run(self, seconds: float) -> Report:
+    def run(self, seconds: float, rounds: int | None = None) -> Report:
+        """Inject faults for ``seconds``; with ``rounds``, exactly ``rounds`` of each kind instead (the run
+        lasts at least ``seconds``, and at most RECOVERY + ``every`` more per fault)."""
         report = Report(backend=self.backend, seconds=seconds)
         self.unfenced = 0
         try:
@@ -338,9 +340,16 @@ class Soak:
             t0 = time.monotonic()
             next_fault = t0 + self.every
             turn = 0
-            while (now := time.monotonic()) < t0 + seconds or (not self._recovered(now) and now < t0 + seconds + RECOVERY):
+            planned = None if rounds is None else rounds * len(self.order)
+            limit = t0 + seconds + RECOVERY + (0.0 if planned is None else planned * (RECOVERY + self.every))
+
+            def injecting(now: float) -> bool:
+                return now < t0 + seconds if planned is None else turn < planned and now < limit
+
+            while (now := time.monotonic()) < limit and (now < t0 + seconds or injecting(now)
+                                                          or not self._recovered(now)):
                 self.step(now)
-                if now >= next_fault and now < t0 + seconds and self._recovered(now):
+                if now >= next_fault and injecting(now) and self._recovered(now):
                     self.inject(self.order[turn % len(self.order)], now)
                     turn += 1
                     next_fault = now + self.every
@@ -377,12 +386,13 @@ class Soak:
 
 
 def soak(backend: str, seconds: float, *, concurrency: int = 8, every: float = 3.0, freeze: float = 3.0,
-         settle: float = 0.3, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> Report:
+         settle: float = 0.3, seed: int = 0, kinds: tuple[str, ...] = KINDS, rounds: int | None = None) -> Report:
     """Run the soak on ``backend`` for ``seconds`` (plus a bounded drain); see the module docstring.
 
-    ``kinds``: the faults to inject, in this order, in turn."""
+    ``kinds``: the faults to inject, in this order, in turn; ``rounds``: inject exactly this many of
+    each (the run then lasts as long as they take, at least ``seconds``)."""
     with tempfile.TemporaryDirectory(prefix="kvbridge-soak-") as tmp:
-        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds).run(seconds)
+        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds).run(seconds, rounds)
 
 
 def table(reports: list[Report]) -> str:
@@ -412,10 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="rooms in flight")
     parser.add_argument("--every", type=float, default=3.0, help="seconds between faults")
     parser.add_argument("--fault", action="append", choices=KINDS, help=f"repeatable (default: {', '.join(KINDS)})")
+    parser.add_argument("--rounds", type=int, help="inject exactly this many faults of each kind (the run lasts "
+                        "as long as they take, at least --seconds)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     kinds = tuple(args.fault or KINDS)
-    reports = [soak(b, args.seconds, concurrency=args.concurrency, every=args.every, kinds=kinds)
+    reports = [soak(b, args.seconds, concurrency=args.concurrency, every=args.every, kinds=kinds,
+                    rounds=args.rounds)
                for b in args.backend or ["memory"]]
     print(json.dumps([msgspec.to_builtins(r) for r in reports]) if args.json else table(reports))
     for r in reports:
