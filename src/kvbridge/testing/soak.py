@@ -407,7 +407,7 @@ def table(reports: list[Report]) -> str:
             rows.append(f"| {r.backend} | {kind} | {k.faults} | {k.rooms} | {k.succeeded} / {k.failed} | "
                         f"{k.wrong_successes} | {k.late_writes} | {span(k.to_failed_s)} | {span(k.to_success_s)} | "
                         f"{k.refused_layout} ({k.landed_in_refused}) |")
-        rows.append(f"| {r.backend} | all | | {r.rooms} ({r.rooms_per_s:.0f}/s), {r.unfinished} unfinished | | | | "
+        rows.append(f"| {r.backend} | all | | {r.rooms} in {r.seconds:.0f} s ({r.rooms_per_s:.0f}/s), {r.unfinished} unfinished | | | | "
                     f"threads/fds/RSS MB: {r.resources_start.get('threads')}/{r.resources_start.get('fds')}/"
                     f"{r.resources_start.get('rss', 0) >> 20} -> {r.resources_end.get('threads')}/"
                     f"{r.resources_end.get('fds')}/{r.resources_end.get('rss', 0) >> 20} | | |"
