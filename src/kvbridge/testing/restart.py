@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -67,7 +68,7 @@ class Result(msgspec.Struct, kw_only=True):
 
 
 def run_prefill(backend: str, bootstrap: str, hold_from: int | None = None, control_port: int = 0,
-                page_nbytes: int | None = None) -> int:
+                page_nbytes: int | None = None, host: str = "127.0.0.1") -> int:
     """The prefill process: serve every room decode asks for, until killed.
 
     Rooms numbered ``hold_from`` or more get a sender that never sends (a room kept in flight).
@@ -75,7 +76,7 @@ def run_prefill(backend: str, bootstrap: str, hold_from: int | None = None, cont
     layout other than decode's (a replacement that decode must refuse at the handshake)."""
     sc = msgspec.structs.replace(RESTART, backend=backend, page_nbytes=page_nbytes or RESTART.page_nbytes)
     pools = prefill_pools(sc)
-    config = replace(sc.session_config(), control_port=control_port)
+    config = replace(sc.session_config(), control_port=control_port, host=host)
     mgr = PrefillManager(pools.kvargs, backend, bootstrap=bootstrap, config=config)
     print(f"READY {time.time():.6f} {mgr.control_address}", flush=True)
     senders: dict[int, Sender] = {}
@@ -96,15 +97,18 @@ class PrefillProcess:
     """A prefill process of this module; its output goes to files."""
 
     def __init__(self, backend: str, bootstrap: str, stem: Path, hold_from: int | None = None, control_port: int = 0,
-                 page_nbytes: int | None = None) -> None:
+                 page_nbytes: int | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        """``prefix`` runs it under another command (``ip netns exec NAME``); ``env`` adds to its environment."""
         self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
         self.started = time.time()
         extra = [] if hold_from is None else ["--hold-from", str(hold_from)]
-        extra += ["--control-port", str(control_port)] + ([] if page_nbytes is None else ["--page-nbytes", str(page_nbytes)])
+        extra += ["--host", host, "--control-port", str(control_port)] + ([] if page_nbytes is None else ["--page-nbytes", str(page_nbytes)])
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge.testing.restart", "prefill", "--backend", backend,
-                 "--bootstrap", bootstrap, *extra], stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                [*prefix, sys.executable, "-m", "kvbridge.testing.restart", "prefill", "--backend", backend,
+                 "--bootstrap", bootstrap, *extra], stdout=out, stderr=err,
+                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
 
     def ready(self, timeout: float = 60.0) -> float:
         """The unix time its manager was registered (waiting for the line)."""
@@ -214,12 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-from", type=int, help="prefill role: rooms from this number on are never sent")
     parser.add_argument("--control-port", type=int, default=0, help="prefill role: bind the control endpoint "
                         "on this port (0: ephemeral)")
+    parser.add_argument("--host", default="127.0.0.1", help="prefill role: the control endpoint's address")
     parser.add_argument("--page-nbytes", type=int, help="prefill role: a page size other than decode's")
     parser.add_argument("--repeat", type=int, default=1, help="episodes per backend")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     if args.role == "prefill":
-        return run_prefill(args.backend[0], args.bootstrap, args.hold_from, args.control_port, args.page_nbytes)
+        return run_prefill(args.backend[0], args.bootstrap, args.hold_from, args.control_port, args.page_nbytes, args.host)
     from kvbridge.core.description.plugins import get_registry
 
     backends = args.backend or [b for b in BACKENDS if get_registry().backend_available(b)]

@@ -36,13 +36,12 @@ side), the time from a restarted/resumed prefill's readiness to the first
 SUCCESS after it, the failure reasons seen (first words, counted), and the
 soak process's threads, file descriptors and RSS at start and end.
 
-Network cuts (namespaces) are the fault matrix's (``python -m
-kvbridge.testing.faults --fault net-cut``), not the soak's: the soak process
-itself is the decode rank and hosts the bootstrap server, on 127.0.0.1, so a
-cut between it and a prefill in a namespace needs either a veth end in the
-host's own namespace (a change to the machine's network, which tests here do
-not make) or the soak itself re-run inside a second namespace on non-loopback
-addresses with a secret (not built).
+``net-cut`` (not in the default order: it needs root and ``ip``) runs the
+whole soak in network namespaces (:mod:`kvbridge.testing.soaknet`: this
+process re-run inside decode's namespace, its prefill processes in another,
+a veth pair between them) and takes the link down for ``cut`` seconds, then
+up; the other kinds, asked for with it, run there too. Where namespaces
+cannot be created the report's ``skipped`` says why.
 
 ``python -m kvbridge.testing.soak --backend nixl --seconds 60`` prints the
 table; ``tests/test_soak.py`` runs it briefly on two backends.
@@ -54,12 +53,15 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -72,9 +74,14 @@ from kvbridge.core.sessions.session import DecodeManager, Poll, Receiver
 from kvbridge.testing.e2e import Pools, pattern
 from kvbridge.testing.restart import PAGES, RESTART, PrefillProcess, source_pages
 
+if TYPE_CHECKING:
+    from kvbridge.testing.soaknet import Net
+
 #: In this order (the kill last: a new process takes longest to come back on a loaded box).
 KINDS = ("prefill-freeze", "bootstrap-restart", "hostile", "prefill-restart-changed-layout",
          "prefill-restart-same-address", "prefill-kill")
+#: Faults that need the soak in network namespaces (kvbridge.testing.soaknet): never in the default order.
+NET_KINDS = ("net-cut",)
 #: The faults that kill the prefill process and start another.
 RESTARTS = ("prefill-kill", "prefill-restart-same-address", "prefill-restart-changed-layout")
 #: Seconds the replacement with another layout serves (and is refused) before the right one replaces it.
@@ -119,6 +126,8 @@ class Report(msgspec.Struct, kw_only=True):
     resources_start: dict[str, int] = {}
     resources_end: dict[str, int] = {}
     error: str | None = None
+    #: Why the soak did not run (network namespaces unavailable for a net-cut).
+    skipped: str | None = None
 
 
 def resources() -> dict[str, int]:
@@ -143,8 +152,11 @@ class _Slot:
 
 class Soak:
     def __init__(self, backend: str, workdir: Path, concurrency: int, every: float, freeze: float,
-                 settle: float, seed: int, kinds: tuple[str, ...] = KINDS) -> None:
+                 settle: float, seed: int, kinds: tuple[str, ...] = KINDS, net: Net | None = None,
+                 cut: float = 3.0) -> None:
         self.order = kinds
+        self.net, self.cut_s = net, cut
+        host = net.decode_ip if net is not None else "127.0.0.1"
         self.backend = backend
         self.workdir = workdir
         self.sc = msgspec.structs.replace(SOAK, backend=backend, decode_pages=concurrency * PAGES)
@@ -153,12 +165,12 @@ class Soak:
         self.every, self.freeze_s, self.settle = every, freeze, settle
         self.rng = random.Random(seed)
         self.words = self.sc.page_nbytes // 4
-        self.kinds = {k: KindStats() for k in ("none", *KINDS)}
+        self.kinds = {k: KindStats() for k in ("none", *KINDS, *(k for k in kinds if k not in KINDS))}
         self.current = "none"
         self.next_room = 1
         self.procs: list[PrefillProcess] = []
-        self.server = BootstrapServer("127.0.0.1")
-        self.mgr = DecodeManager(self.pools.kvargs, backend, config=self.sc.session_config())
+        self.server = BootstrapServer(host)
+        self.mgr = DecodeManager(self.pools.kvargs, backend, config=replace(self.sc.session_config(), host=host))
         #: (kind, fault time, rooms in flight at it, when the prefill is ready again or None, first SUCCESS seen)
         self.pending: list[dict[str, object]] = []
         self.thread_errors: list[str] = []
@@ -166,7 +178,8 @@ class Soak:
     # -- the prefill process --------------------------------------------------------------------------
     def start_prefill(self, control_port: int = 0, page_nbytes: int | None = None) -> PrefillProcess:
         proc = PrefillProcess(self.backend, self.server.address, self.workdir / f"prefill-{len(self.procs)}",
-                              control_port=control_port, page_nbytes=page_nbytes)
+                              control_port=control_port, page_nbytes=page_nbytes,
+                              **({} if self.net is None else self.net.prefill_process()))
         self.procs.append(proc)
         return proc
 
@@ -202,7 +215,7 @@ class Soak:
             return
         stats.failed += 1
         reason = recv.failure() or ""
-        key = " ".join(reason.split()[:12])[:120]
+        key = re.sub(r"\S+:\d+\b", "<addr>", " ".join(reason.split()[:12]))[:120]  # one line per cause, any port
         stats.reasons[key] = stats.reasons.get(key, 0) + 1
         if "layout" in reason.lower() or "mismatch" in reason.lower():
             stats.refused_layout += 1
@@ -257,6 +270,17 @@ class Soak:
             port = int(proc.control_address().rpartition(":")[2])
             proc.kill()
             threading.Thread(target=self._same_address, args=(port, kind.endswith("layout"), ev), daemon=True).start()
+        elif kind == "net-cut":
+            assert self.net is not None, "net-cut needs the soak in namespaces (kvbridge.testing.soaknet)"
+            net = self.net
+            net.set(up=False)
+
+            def heal() -> None:
+                time.sleep(self.cut_s)
+                net.set(up=True)
+                ev["ready"] = time.monotonic()
+
+            threading.Thread(target=heal, daemon=True).start()
         elif kind == "prefill-freeze":
             proc.freeze()
 
@@ -386,13 +410,22 @@ class Soak:
 
 
 def soak(backend: str, seconds: float, *, concurrency: int = 8, every: float = 3.0, freeze: float = 3.0,
-         settle: float = 0.3, seed: int = 0, kinds: tuple[str, ...] = KINDS, rounds: int | None = None) -> Report:
+         settle: float = 0.3, seed: int = 0, kinds: tuple[str, ...] = KINDS, rounds: int | None = None,
+         net: Net | None = None, cut: float = 3.0) -> Report:
     """Run the soak on ``backend`` for ``seconds`` (plus a bounded drain); see the module docstring.
 
     ``kinds``: the faults to inject, in this order, in turn; ``rounds``: inject exactly this many of
-    each (the run then lasts as long as they take, at least ``seconds``)."""
+    each (the run then lasts as long as they take, at least ``seconds``). With a kind of
+    :data:`NET_KINDS` the soak runs in network namespaces (:mod:`kvbridge.testing.soaknet`; ``net``
+    is set there, in the soak's own namespace); where they cannot be created the report's
+    ``skipped`` says why."""
+    if net is None and any(k in NET_KINDS for k in kinds):
+        from kvbridge.testing.soaknet import soak_in_namespaces
+
+        return soak_in_namespaces(backend, seconds, concurrency=concurrency, every=every, freeze=freeze,
+                                  settle=settle, seed=seed, kinds=kinds, rounds=rounds, cut=cut)
     with tempfile.TemporaryDirectory(prefix="kvbridge-soak-") as tmp:
-        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds).run(seconds, rounds)
+        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds, net, cut).run(seconds, rounds)
 
 
 def table(reports: list[Report]) -> str:
@@ -411,7 +444,7 @@ def table(reports: list[Report]) -> str:
                     f"threads/fds/RSS MB: {r.resources_start.get('threads')}/{r.resources_start.get('fds')}/"
                     f"{r.resources_start.get('rss', 0) >> 20} -> {r.resources_end.get('threads')}/"
                     f"{r.resources_end.get('fds')}/{r.resources_end.get('rss', 0) >> 20} | | |"
-                    + (f" error: {r.error}" if r.error else ""))
+                    + (f" error: {r.error}" if r.error else "") + (f" skipped: {r.skipped}" if r.skipped else ""))
     return "\n".join(rows)
 
 
@@ -421,14 +454,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="soak time per backend (plus a drain)")
     parser.add_argument("--concurrency", type=int, default=8, help="rooms in flight")
     parser.add_argument("--every", type=float, default=3.0, help="seconds between faults")
-    parser.add_argument("--fault", action="append", choices=KINDS, help=f"repeatable (default: {', '.join(KINDS)})")
+    parser.add_argument("--fault", action="append", choices=KINDS + NET_KINDS,
+                        help=f"repeatable (default: {', '.join(KINDS)}; net-cut runs the soak in network namespaces)")
+    parser.add_argument("--cut", type=float, default=3.0, help="net-cut: seconds the link is down")
     parser.add_argument("--rounds", type=int, help="inject exactly this many faults of each kind (the run lasts "
                         "as long as they take, at least --seconds)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     kinds = tuple(args.fault or KINDS)
     reports = [soak(b, args.seconds, concurrency=args.concurrency, every=args.every, kinds=kinds,
-                    rounds=args.rounds)
+                    rounds=args.rounds, cut=args.cut)
                for b in args.backend or ["memory"]]
     print(json.dumps([msgspec.to_builtins(r) for r in reports]) if args.json else table(reports))
     for r in reports:
