@@ -16,8 +16,35 @@ from __future__ import annotations
 
 import pytest
 
+from dataclasses import replace
+
+import msgspec
+
+from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.description.plugins import get_registry
+from kvbridge.core.sessions.session import PrefillManager
+from kvbridge.testing.e2e import prefill_pools
+from kvbridge.testing.restart import RESTART
 from kvbridge.testing.soak import KINDS, NET_KINDS, soak, table
+
+
+def test_a_prefill_given_a_control_port_binds_it_and_its_replacement_comes_back_there_as_a_new_incarnation() -> None:
+    sc = msgspec.structs.replace(RESTART, backend="memory")
+    pools = prefill_pools(sc)
+    server = BootstrapServer("127.0.0.1")
+    first = PrefillManager(pools.kvargs, "memory", bootstrap=server.address, config=sc.session_config())
+    port = int(first.control_address.rpartition(":")[2])
+    first.close()
+    try:
+        again = PrefillManager(pools.kvargs, "memory", bootstrap=server.address,
+                               config=replace(sc.session_config(), control_port=port))
+        try:
+            assert again.control_address == f"127.0.0.1:{port}"
+            assert again.incarnation != first.incarnation
+        finally:
+            again.close()
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("backend", ["memory", "nixl"])
