@@ -4,7 +4,7 @@ On two backends, one fault of each kind (about 15-25 s each on this box): rooms 
 process that is frozen and resumed, whose bootstrap server is restarted, which is sent hostile
 frames, which is killed and replaced on the same control address by one of another page size (then by
 a right one, there too), killed and replaced on the same address, and killed and replaced on a new
-one, in turn, each fault 1 s after the previous one is over. No SUCCESS may be wrong, no byte may land
+one, in turn, each fault 0.5 s after the previous one is over. No SUCCESS may be wrong, no byte may land
 in a FAILED room once it was fenced nor in a room refused for its layout, every room must end, a
 killed prefill's rooms must fail on decode within 2 s and its replacement serve within the restart
 bound, and the soak process must not keep threads or file descriptors. Then, on nixl (its UCX over
@@ -51,7 +51,7 @@ def test_a_prefill_given_a_control_port_binds_it_and_its_replacement_comes_back_
 def test_the_soak_with_kills_freezes_bootstrap_restarts_and_hostile_frames(backend: str) -> None:
     if not get_registry().backend_available(backend):
         pytest.fail(f"backend {backend!r} is not installed here (scripts/setup.sh installs it)")
-    report = soak(backend, 4.0, concurrency=8, every=1.0, rounds=1)
+    report = soak(backend, 4.0, concurrency=8, every=0.5, rounds=1)
     text = table([report])
     assert report.error is None, text
     assert report.unfinished == 0, text

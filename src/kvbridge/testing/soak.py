@@ -114,6 +114,8 @@ class KindStats(msgspec.Struct, kw_only=True):
     landed_in_refused: int = 0
     #: FAILED rooms counted by their reason's first words.
     reasons: dict[str, int] = {}
+    #: Outcomes (SUCCESS/FAILED) of the rooms that were in flight when a fault of this kind began.
+    inflight: dict[str, int] = {}
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -179,7 +181,8 @@ class Soak:
     def start_prefill(self, control_port: int = 0, page_nbytes: int | None = None) -> PrefillProcess:
         proc = PrefillProcess(self.backend, self.server.address, self.workdir / f"prefill-{len(self.procs)}",
                               control_port=control_port, page_nbytes=page_nbytes,
-                              **({} if self.net is None else self.net.prefill_process()))
+                              host=self.net.prefill_ip if self.net else "127.0.0.1",
+                              prefix=self.net.prefix() if self.net else (), env=self.net.env() if self.net else None)
         self.procs.append(proc)
         return proc
 
@@ -202,6 +205,10 @@ class Soak:
         slot.accounted = True
         stats = self.kinds[self.current]
         stats.rooms += 1
+        for ev in self.pending:
+            if recv.room in ev["inflight"]:  # type: ignore[operator]
+                seen = self.kinds[str(ev["kind"])].inflight
+                seen[recv.poll().name] = seen.get(recv.poll().name, 0) + 1
         if recv.poll() == Poll.SUCCESS:
             stats.succeeded += 1
             got = [a[slot.pages] for a in self.pools.kv]
@@ -470,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind, k in r.kinds.items():
             for late in k.late_rooms:
                 print(f"late write ({r.backend}, {kind}): {late}")
+            if k.inflight:
+                print(f"in flight at the fault ({r.backend}, {kind}): {k.inflight}")
             for reason, n in sorted(k.reasons.items(), key=lambda x: -x[1]):
                 print(f"FAILED ({r.backend}, {kind}) x{n}: {reason}")
     bad = any(r.error or r.unfinished or any(k.wrong_successes or k.late_writes or k.landed_in_refused

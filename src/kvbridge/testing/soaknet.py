@@ -43,10 +43,13 @@ class Net:
     decode_ip: str = DECODE_IP
     prefill_ip: str = PREFILL_IP
 
-    def prefill_process(self) -> dict[str, object]:
-        """Keyword arguments of :class:`~kvbridge.testing.restart.PrefillProcess` for a prefill in its namespace."""
-        return {"host": self.prefill_ip, "prefix": ["ip", "netns", "exec", self.prefill_ns],
-                "env": {"UCX_NET_DEVICES": self.prefill_dev, "UCX_TLS": "tcp", "UCX_HANDLE_ERRORS": "bt"}}
+    def prefix(self) -> list[str]:
+        """The command that runs a prefill process in its namespace."""
+        return ["ip", "netns", "exec", self.prefill_ns]
+
+    def env(self) -> dict[str, str]:
+        """A prefill process's UCX on its veth, over TCP (as :meth:`kvbridge.testing.netcut.Link.env` says why)."""
+        return {"UCX_NET_DEVICES": self.prefill_dev, "UCX_TLS": "tcp", "UCX_HANDLE_ERRORS": "bt"}
 
     def set(self, up: bool) -> None:
         """Take prefill's end of the link down (or up)."""
