@@ -484,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = any(r.error or r.unfinished or any(k.wrong_successes or k.late_writes or k.landed_in_refused
                                              for k in r.kinds.values())
               for r in reports)
+    if any(r.skipped for r in reports):  # did not run: not a pass
+        print("skipped: " + "; ".join(f"{r.backend}: {r.skipped}" for r in reports if r.skipped), file=sys.stderr)
+        return 2
     return 1 if bad else 0
 
 
