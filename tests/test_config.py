@@ -413,3 +413,9 @@ def test_trace_goes_to_the_hosts_logging_configuration():
 def test_inline_row_bytes_out_of_range_is_refused_naming_the_value(value: object, why: str) -> None:
     with pytest.raises(ValueError, match=f"inline_row_bytes.*{why}"):
         SessionConfig(inline_row_bytes=value)
+
+
+@pytest.mark.parametrize("bad", [-1, 65536, True, "5555"])
+def test_a_bad_control_port_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"control_port must be an int in 0\.\.65535"):
+        SessionConfig(control_port=bad)

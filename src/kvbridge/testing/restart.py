@@ -17,7 +17,8 @@ reports:
 ``python -m kvbridge.testing.restart [--backend NAME ...]`` prints the table;
 ``tests/test_restart.py`` asserts a generous bound on every backend.
 Run as ``python -m kvbridge.testing.restart prefill --backend NAME --bootstrap ADDR``
-for the prefill process (it prints ``READY <unix time>`` once registered).
+for the prefill process (it prints ``READY <unix time> <control host:port>`` once registered;
+``--control-port`` binds a given port, ``--page-nbytes`` a layout other than decode's).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -64,14 +67,18 @@ class Result(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
-def run_prefill(backend: str, bootstrap: str, hold_from: int | None = None) -> int:
+def run_prefill(backend: str, bootstrap: str, hold_from: int | None = None, control_port: int = 0,
+                page_nbytes: int | None = None, host: str = "127.0.0.1") -> int:
     """The prefill process: serve every room decode asks for, until killed.
 
-    Rooms numbered ``hold_from`` or more get a sender that never sends (a room kept in flight)."""
-    sc = msgspec.structs.replace(RESTART, backend=backend)
+    Rooms numbered ``hold_from`` or more get a sender that never sends (a room kept in flight).
+    ``control_port``: bind the control endpoint there (0: an ephemeral port); ``page_nbytes``: a
+    layout other than decode's (a replacement that decode must refuse at the handshake)."""
+    sc = msgspec.structs.replace(RESTART, backend=backend, page_nbytes=page_nbytes or RESTART.page_nbytes)
     pools = prefill_pools(sc)
-    mgr = PrefillManager(pools.kvargs, backend, bootstrap=bootstrap, config=sc.session_config())
-    print(f"READY {time.time():.6f}", flush=True)
+    config = replace(sc.session_config(), control_port=control_port, host=host)
+    mgr = PrefillManager(pools.kvargs, backend, bootstrap=bootstrap, config=config)
+    print(f"READY {time.time():.6f} {mgr.control_address}", flush=True)
     senders: dict[int, Sender] = {}
     while True:
         for room in mgr.pending_rooms():
@@ -89,13 +96,19 @@ def run_prefill(backend: str, bootstrap: str, hold_from: int | None = None) -> i
 class PrefillProcess:
     """A prefill process of this module; its output goes to files."""
 
-    def __init__(self, backend: str, bootstrap: str, stem: Path, hold_from: int | None = None) -> None:
+    def __init__(self, backend: str, bootstrap: str, stem: Path, hold_from: int | None = None, control_port: int = 0,
+                 page_nbytes: int | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        """``prefix`` runs it under another command (``ip netns exec NAME``); ``env`` adds to its environment."""
         self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
         self.started = time.time()
+        extra = [] if hold_from is None else ["--hold-from", str(hold_from)]
+        extra += ["--host", host, "--control-port", str(control_port)] + ([] if page_nbytes is None else ["--page-nbytes", str(page_nbytes)])
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge.testing.restart", "prefill", "--backend", backend,
-                 "--bootstrap", bootstrap, *([] if hold_from is None else ["--hold-from", str(hold_from)])], stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                [*prefix, sys.executable, "-m", "kvbridge.testing.restart", "prefill", "--backend", backend,
+                 "--bootstrap", bootstrap, *extra], stdout=out, stderr=err,
+                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
 
     def ready(self, timeout: float = 60.0) -> float:
         """The unix time its manager was registered (waiting for the line)."""
@@ -108,6 +121,12 @@ class PrefillProcess:
                 raise RuntimeError(f"prefill exited with {self.proc.returncode}: {self.err.read_text()[-2000:]}")
             time.sleep(0.01)
         raise TimeoutError(f"prefill printed no READY line within {timeout}s: {self.err.read_text()[-2000:]}")
+
+    def control_address(self, timeout: float = 60.0) -> str:
+        """Its control endpoint's ``host:port`` (from its READY line)."""
+        self.ready(timeout)
+        return next(line.split()[2] for line in self.out.read_text(errors="replace").splitlines()
+                    if line.startswith("READY "))
 
     def freeze(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
@@ -197,11 +216,15 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(BACKENDS)})")
     parser.add_argument("--bootstrap", help="prefill role: the bootstrap address")
     parser.add_argument("--hold-from", type=int, help="prefill role: rooms from this number on are never sent")
+    parser.add_argument("--control-port", type=int, default=0, help="prefill role: bind the control endpoint "
+                        "on this port (0: ephemeral)")
+    parser.add_argument("--host", default="127.0.0.1", help="prefill role: the control endpoint's address")
+    parser.add_argument("--page-nbytes", type=int, help="prefill role: a page size other than decode's")
     parser.add_argument("--repeat", type=int, default=1, help="episodes per backend")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     if args.role == "prefill":
-        return run_prefill(args.backend[0], args.bootstrap, args.hold_from)
+        return run_prefill(args.backend[0], args.bootstrap, args.hold_from, args.control_port, args.page_nbytes, args.host)
     from kvbridge.core.description.plugins import get_registry
 
     backends = args.backend or [b for b in BACKENDS if get_registry().backend_available(b)]

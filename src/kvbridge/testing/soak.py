@@ -14,7 +14,14 @@ room again, or :data:`RECOVERY` seconds passed):
   another decode's claimed id) at the prefill's control endpoint and the
   bootstrap endpoint;
 - ``prefill-kill``: SIGKILL the prefill process and start a new one at once
-  (a new port; the bootstrap server survives).
+  (a new port; the bootstrap server survives);
+- ``prefill-restart-same-address``: SIGKILL it and start a new one bound to
+  the same control address (``SessionConfig.control_port``): decode must see a
+  new peer (its incarnation), fail the old rooms and be served by the new one;
+- ``prefill-restart-changed-layout``: the same, but the replacement has another
+  page size: decode must refuse it at the handshake, naming the mismatch, and
+  not a byte may land (the rooms' pages stay zero); after :data:`HOLD` seconds
+  it is replaced in turn by a prefill with decode's layout, on the same address.
 
 After ``seconds`` no fault starts, and the soak goes on until the last one
 is over (at most :data:`RECOVERY` seconds more), then lets every room end.
@@ -26,9 +33,15 @@ indexing), *late writes* (pages of a FAILED room that changed after it was
 fenced, watched for ``settle`` seconds before the pages are used again), the
 time from the fault to FAILED of the rooms in flight (on decode, the other
 side), the time from a restarted/resumed prefill's readiness to the first
-SUCCESS after it, and the soak process's threads, file descriptors and RSS
-at start and end. Network cuts (namespaces) are the fault matrix's
-(``python -m kvbridge.testing.faults --fault net-cut``), not the soak's.
+SUCCESS after it, the failure reasons seen (first words, counted), and the
+soak process's threads, file descriptors and RSS at start and end.
+
+``net-cut`` (not in the default order: it needs root and ``ip``) runs the
+whole soak in network namespaces (:mod:`kvbridge.testing.soaknet`: this
+process re-run inside decode's namespace, its prefill processes in another,
+a veth pair between them) and takes the link down for ``cut`` seconds, then
+up; the other kinds, asked for with it, run there too. Where namespaces
+cannot be created the report's ``skipped`` says why.
 
 ``python -m kvbridge.testing.soak --backend nixl --seconds 60`` prints the
 table; ``tests/test_soak.py`` runs it briefly on two backends.
@@ -40,12 +53,15 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -58,8 +74,18 @@ from kvbridge.core.sessions.session import DecodeManager, Poll, Receiver
 from kvbridge.testing.e2e import Pools, pattern
 from kvbridge.testing.restart import PAGES, RESTART, PrefillProcess, source_pages
 
+if TYPE_CHECKING:
+    from kvbridge.testing.soaknet import Net
+
 #: In this order (the kill last: a new process takes longest to come back on a loaded box).
-KINDS = ("prefill-freeze", "bootstrap-restart", "hostile", "prefill-kill")
+KINDS = ("prefill-freeze", "bootstrap-restart", "hostile", "prefill-restart-changed-layout",
+         "prefill-restart-same-address", "prefill-kill")
+#: Faults that need the soak in network namespaces (kvbridge.testing.soaknet): never in the default order.
+NET_KINDS = ("net-cut",)
+#: The faults that kill the prefill process and start another.
+RESTARTS = ("prefill-kill", "prefill-restart-same-address", "prefill-restart-changed-layout")
+#: Seconds the replacement with another layout serves (and is refused) before the right one replaces it.
+HOLD = 1.5
 #: Seconds the soak goes on after its time, for the last fault's prefill to serve again.
 RECOVERY = 30.0
 #: Short timeouts so a fault ends every room it touches within seconds (heartbeat_timeout 2 s: on a loaded
@@ -83,6 +109,13 @@ class KindStats(msgspec.Struct, kw_only=True):
     to_failed_s: list[float] = []
     #: Seconds from the prefill (restarted or resumed) being ready, or the fault, to the next SUCCESS.
     to_success_s: list[float] = []
+    #: FAILED rooms whose reason names a layout mismatch, and those of them with any byte landed.
+    refused_layout: int = 0
+    landed_in_refused: int = 0
+    #: FAILED rooms counted by their reason's first words.
+    reasons: dict[str, int] = {}
+    #: Outcomes (SUCCESS/FAILED) of the rooms that were in flight when a fault of this kind began.
+    inflight: dict[str, int] = {}
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -95,6 +128,8 @@ class Report(msgspec.Struct, kw_only=True):
     resources_start: dict[str, int] = {}
     resources_end: dict[str, int] = {}
     error: str | None = None
+    #: Why the soak did not run (network namespaces unavailable for a net-cut).
+    skipped: str | None = None
 
 
 def resources() -> dict[str, int]:
@@ -119,8 +154,11 @@ class _Slot:
 
 class Soak:
     def __init__(self, backend: str, workdir: Path, concurrency: int, every: float, freeze: float,
-                 settle: float, seed: int, kinds: tuple[str, ...] = KINDS) -> None:
+                 settle: float, seed: int, kinds: tuple[str, ...] = KINDS, net: Net | None = None,
+                 cut: float = 3.0) -> None:
         self.order = kinds
+        self.net, self.cut_s = net, cut
+        host = net.decode_ip if net is not None else "127.0.0.1"
         self.backend = backend
         self.workdir = workdir
         self.sc = msgspec.structs.replace(SOAK, backend=backend, decode_pages=concurrency * PAGES)
@@ -129,18 +167,22 @@ class Soak:
         self.every, self.freeze_s, self.settle = every, freeze, settle
         self.rng = random.Random(seed)
         self.words = self.sc.page_nbytes // 4
-        self.kinds = {k: KindStats() for k in ("none", *KINDS)}
+        self.kinds = {k: KindStats() for k in ("none", *KINDS, *(k for k in kinds if k not in KINDS))}
         self.current = "none"
         self.next_room = 1
         self.procs: list[PrefillProcess] = []
-        self.server = BootstrapServer("127.0.0.1")
-        self.mgr = DecodeManager(self.pools.kvargs, backend, config=self.sc.session_config())
+        self.server = BootstrapServer(host)
+        self.mgr = DecodeManager(self.pools.kvargs, backend, config=replace(self.sc.session_config(), host=host))
         #: (kind, fault time, rooms in flight at it, when the prefill is ready again or None, first SUCCESS seen)
         self.pending: list[dict[str, object]] = []
+        self.thread_errors: list[str] = []
 
     # -- the prefill process --------------------------------------------------------------------------
-    def start_prefill(self) -> PrefillProcess:
-        proc = PrefillProcess(self.backend, self.server.address, self.workdir / f"prefill-{len(self.procs)}")
+    def start_prefill(self, control_port: int = 0, page_nbytes: int | None = None) -> PrefillProcess:
+        proc = PrefillProcess(self.backend, self.server.address, self.workdir / f"prefill-{len(self.procs)}",
+                              control_port=control_port, page_nbytes=page_nbytes,
+                              host=self.net.prefill_ip if self.net else "127.0.0.1",
+                              prefix=self.net.prefix() if self.net else (), env=self.net.env() if self.net else None)
         self.procs.append(proc)
         return proc
 
@@ -163,6 +205,10 @@ class Soak:
         slot.accounted = True
         stats = self.kinds[self.current]
         stats.rooms += 1
+        for ev in self.pending:
+            if recv.room in ev["inflight"]:  # type: ignore[operator]
+                seen = self.kinds[str(ev["kind"])].inflight
+                seen[recv.poll().name] = seen.get(recv.poll().name, 0) + 1
         if recv.poll() == Poll.SUCCESS:
             stats.succeeded += 1
             got = [a[slot.pages] for a in self.pools.kv]
@@ -175,6 +221,12 @@ class Soak:
                     ev["success"] = recv.ended - ready  # type: ignore[operator]
             return
         stats.failed += 1
+        reason = recv.failure() or ""
+        key = re.sub(r"\S+:\d+\b", "<addr>", " ".join(reason.split()[:12]))[:120]  # one line per cause, any port
+        stats.reasons[key] = stats.reasons.get(key, 0) + 1
+        if "layout" in reason.lower() or "mismatch" in reason.lower():
+            stats.refused_layout += 1
+            stats.landed_in_refused += int(any(a[slot.pages].any() for a in self.pools.kv))
         for ev in self.pending:
             if recv.room in ev["inflight"] and recv.ended is not None:  # type: ignore[operator]
                 ev["failed"] = max(ev["failed"] or 0.0, recv.ended - ev["at"])  # type: ignore[operator,arg-type]
@@ -221,6 +273,21 @@ class Soak:
             proc.kill()
             fresh = self.start_prefill()
             threading.Thread(target=self._when_ready, args=(fresh, ev), daemon=True).start()
+        elif kind in ("prefill-restart-same-address", "prefill-restart-changed-layout"):
+            port = int(proc.control_address().rpartition(":")[2])
+            proc.kill()
+            threading.Thread(target=self._same_address, args=(port, kind.endswith("layout"), ev), daemon=True).start()
+        elif kind == "net-cut":
+            assert self.net is not None, "net-cut needs the soak in namespaces (kvbridge.testing.soaknet)"
+            net = self.net
+            net.set(up=False)
+
+            def heal() -> None:
+                time.sleep(self.cut_s)
+                net.set(up=True)
+                ev["ready"] = time.monotonic()
+
+            threading.Thread(target=heal, daemon=True).start()
         elif kind == "prefill-freeze":
             proc.freeze()
 
@@ -255,6 +322,18 @@ class Soak:
         last = self.pending[-1]
         return last["success"] is not None or now - float(last["at"]) > RECOVERY  # type: ignore[arg-type]
 
+    def _same_address(self, port: int, other_layout: bool, ev: dict[str, object]) -> None:
+        """Start the replacement on ``port``; with ``other_layout``, one of another page size first, for HOLD s."""
+        try:
+            if other_layout:
+                wrong = self.start_prefill(port, page_nbytes=2 * self.sc.page_nbytes)
+                wrong.ready()
+                time.sleep(HOLD)
+                wrong.kill()
+            self._when_ready(self.start_prefill(port), ev)
+        except Exception as exc:  # the run reports it (a thread's exception would otherwise be lost)
+            self.thread_errors.append(f"{type(exc).__name__}: {exc}")
+
     def _when_ready(self, proc: PrefillProcess, ev: dict[str, object]) -> None:
         ready = proc.ready()
         ev["ready"] = time.monotonic() - (time.time() - ready)
@@ -281,7 +360,9 @@ class Soak:
             sock.close(0)
 
     # -- the run --------------------------------------------------------------------------------------
-    def run(self, seconds: float) -> Report:
+    def run(self, seconds: float, rounds: int | None = None) -> Report:
+        """Inject faults for ``seconds``; with ``rounds``, exactly ``rounds`` of each kind instead (the run
+        lasts at least ``seconds``, and at most RECOVERY + ``every`` more per fault)."""
         report = Report(backend=self.backend, seconds=seconds)
         self.unfenced = 0
         try:
@@ -290,9 +371,16 @@ class Soak:
             t0 = time.monotonic()
             next_fault = t0 + self.every
             turn = 0
-            while (now := time.monotonic()) < t0 + seconds or (not self._recovered(now) and now < t0 + seconds + RECOVERY):
+            planned = None if rounds is None else rounds * len(self.order)
+            limit = t0 + seconds + RECOVERY + (0.0 if planned is None else planned * (RECOVERY + self.every))
+
+            def injecting(now: float) -> bool:
+                return now < t0 + seconds if planned is None else turn < planned and now < limit
+
+            while (now := time.monotonic()) < limit and (now < t0 + seconds or injecting(now)
+                                                          or not self._recovered(now)):
                 self.step(now)
-                if now >= next_fault and now < t0 + seconds and self._recovered(now):
+                if now >= next_fault and injecting(now) and self._recovered(now):
                     self.inject(self.order[turn % len(self.order)], now)
                     turn += 1
                     next_fault = now + self.every
@@ -316,6 +404,8 @@ class Soak:
             report.seconds = round(time.monotonic() - t0, 1)
             report.rooms_per_s = report.rooms / report.seconds
             report.resources_end = resources()
+            if self.thread_errors:
+                report.error = "; ".join(self.thread_errors)
         except Exception as exc:
             report.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -327,12 +417,22 @@ class Soak:
 
 
 def soak(backend: str, seconds: float, *, concurrency: int = 8, every: float = 3.0, freeze: float = 3.0,
-         settle: float = 0.3, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> Report:
+         settle: float = 0.3, seed: int = 0, kinds: tuple[str, ...] = KINDS, rounds: int | None = None,
+         net: Net | None = None, cut: float = 3.0) -> Report:
     """Run the soak on ``backend`` for ``seconds`` (plus a bounded drain); see the module docstring.
 
-    ``kinds``: the faults to inject, in this order, in turn."""
+    ``kinds``: the faults to inject, in this order, in turn; ``rounds``: inject exactly this many of
+    each (the run then lasts as long as they take, at least ``seconds``). With a kind of
+    :data:`NET_KINDS` the soak runs in network namespaces (:mod:`kvbridge.testing.soaknet`; ``net``
+    is set there, in the soak's own namespace); where they cannot be created the report's
+    ``skipped`` says why."""
+    if net is None and any(k in NET_KINDS for k in kinds):
+        from kvbridge.testing.soaknet import soak_in_namespaces
+
+        return soak_in_namespaces(backend, seconds, concurrency=concurrency, every=every, freeze=freeze,
+                                  settle=settle, seed=seed, kinds=kinds, rounds=rounds, cut=cut)
     with tempfile.TemporaryDirectory(prefix="kvbridge-soak-") as tmp:
-        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds).run(seconds)
+        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds, net, cut).run(seconds, rounds)
 
 
 def table(reports: list[Report]) -> str:
@@ -340,16 +440,18 @@ def table(reports: list[Report]) -> str:
         return "-" if not v else (f"{v[0]:.2f} s" if len(v) == 1 else f"{min(v):.2f}-{max(v):.2f} s "
                                   f"(median {statistics.median(v):.2f})")
     rows = ["| backend | fault | faults | rooms | SUCCESS / FAILED | wrong SUCCESS | late writes | fault -> FAILED "
-            "on decode | ready -> first SUCCESS |", "|---|---|---|---|---|---|---|---|---|"]
+            "on decode | ready -> first SUCCESS | refused for layout (bytes landed) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
         for kind, k in r.kinds.items():
             rows.append(f"| {r.backend} | {kind} | {k.faults} | {k.rooms} | {k.succeeded} / {k.failed} | "
-                        f"{k.wrong_successes} | {k.late_writes} | {span(k.to_failed_s)} | {span(k.to_success_s)} |")
-        rows.append(f"| {r.backend} | all | | {r.rooms} ({r.rooms_per_s:.0f}/s), {r.unfinished} unfinished | | | | "
+                        f"{k.wrong_successes} | {k.late_writes} | {span(k.to_failed_s)} | {span(k.to_success_s)} | "
+                        f"{k.refused_layout} ({k.landed_in_refused}) |")
+        rows.append(f"| {r.backend} | all | | {r.rooms} in {r.seconds:.0f} s ({r.rooms_per_s:.0f}/s), {r.unfinished} unfinished | | | | "
                     f"threads/fds/RSS MB: {r.resources_start.get('threads')}/{r.resources_start.get('fds')}/"
                     f"{r.resources_start.get('rss', 0) >> 20} -> {r.resources_end.get('threads')}/"
-                    f"{r.resources_end.get('fds')}/{r.resources_end.get('rss', 0) >> 20} | |"
-                    + (f" error: {r.error}" if r.error else ""))
+                    f"{r.resources_end.get('fds')}/{r.resources_end.get('rss', 0) >> 20} | | |"
+                    + (f" error: {r.error}" if r.error else "") + (f" skipped: {r.skipped}" if r.skipped else ""))
     return "\n".join(rows)
 
 
@@ -359,19 +461,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="soak time per backend (plus a drain)")
     parser.add_argument("--concurrency", type=int, default=8, help="rooms in flight")
     parser.add_argument("--every", type=float, default=3.0, help="seconds between faults")
-    parser.add_argument("--fault", action="append", choices=KINDS, help=f"repeatable (default: {', '.join(KINDS)})")
+    parser.add_argument("--fault", action="append", choices=KINDS + NET_KINDS,
+                        help=f"repeatable (default: {', '.join(KINDS)}; net-cut runs the soak in network namespaces)")
+    parser.add_argument("--cut", type=float, default=3.0, help="net-cut: seconds the link is down")
+    parser.add_argument("--rounds", type=int, help="inject exactly this many faults of each kind (the run lasts "
+                        "as long as they take, at least --seconds)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     kinds = tuple(args.fault or KINDS)
-    reports = [soak(b, args.seconds, concurrency=args.concurrency, every=args.every, kinds=kinds)
+    reports = [soak(b, args.seconds, concurrency=args.concurrency, every=args.every, kinds=kinds,
+                    rounds=args.rounds, cut=args.cut)
                for b in args.backend or ["memory"]]
     print(json.dumps([msgspec.to_builtins(r) for r in reports]) if args.json else table(reports))
     for r in reports:
         for kind, k in r.kinds.items():
             for late in k.late_rooms:
                 print(f"late write ({r.backend}, {kind}): {late}")
-    bad = any(r.error or r.unfinished or any(k.wrong_successes or k.late_writes for k in r.kinds.values())
+            if k.inflight:
+                print(f"in flight at the fault ({r.backend}, {kind}): {k.inflight}")
+            for reason, n in sorted(k.reasons.items(), key=lambda x: -x[1]):
+                print(f"FAILED ({r.backend}, {kind}) x{n}: {reason}")
+    bad = any(r.error or r.unfinished or any(k.wrong_successes or k.late_writes or k.landed_in_refused
+                                             for k in r.kinds.values())
               for r in reports)
+    if any(r.skipped for r in reports):  # did not run: not a pass
+        print("skipped: " + "; ".join(f"{r.backend}: {r.skipped}" for r in reports if r.skipped), file=sys.stderr)
+        return 2
     return 1 if bad else 0
 
 

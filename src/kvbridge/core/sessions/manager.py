@@ -86,6 +86,9 @@ class SessionConfig:
     #: new process of the same name, host and TP/PP rank fails the old process's rooms at once, naming
     #: the restart; without a name (the default) they fail when its lease lapses (docs/failures.md).
     instance_name: str = ""
+    #: Prefill: the TCP port of the control endpoint on ``host`` (0: an ephemeral port). A fixed port
+    #: lets a restarted prefill come back on the same address; decode tells it apart by its incarnation.
+    control_port: int = 0
 
     @property
     def fence_wait(self) -> float:
@@ -122,6 +125,9 @@ class SessionConfig:
                              f"({self.max_message_bytes}): the row travels in a control message")
         if not isinstance(self.instance_name, str) or len(self.instance_name) > 256:
             raise ValueError(f"instance_name must be a str of at most 256 characters, got {self.instance_name!r:.300}")
+        if isinstance(self.control_port, bool) or not isinstance(self.control_port, int) \
+                or not 0 <= self.control_port <= 65535:
+            raise ValueError(f"control_port must be an int in 0..65535 (0: ephemeral), got {self.control_port!r}")
         if self.staging not in ("gather", "auto", "on", "off"):
             raise ValueError(f"staging must be one of gather, auto, on, off, got {self.staging!r}")
         if self.fence_timeout is not None and self.fence_timeout <= 0:

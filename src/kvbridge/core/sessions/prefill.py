@@ -77,7 +77,8 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         #: writes, its engine's drain), not as a stranger's.
         self._route_peer: OrderedDict[bytes, str] = OrderedDict()
         self._slots = {}  # a named decode rank's slot -> its live peer id (Handshakes)
-        self.control_address = self._chan.bind(self.config.host)
+        port = self.config.control_port
+        self.control_address = self._chan.bind_port(self.config.host, port) if port else self._chan.bind(self.config.host)
         self.loop.add_socket(self._chan.sock, self._on_message)
         # Handshakes are a token bucket: `handshake_rate` per second, bursts of twice as many.
         self._hello_tokens = 2 * self.config.handshake_rate
