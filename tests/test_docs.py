@@ -16,7 +16,7 @@ OTHERS = {"--no-deps", "--extra-index-url", "--index-url", "--help", "--version"
           "--isolated", "--dist", "--maxprocesses", "--trace-config", "--import-mode", "--strict-markers",
           "--timeout", "--collect-only", "--progress-bar", "--dry-run", "--directory",
           "--lower-case-words",  # docs/cli.md's naming rule, as an example
-          "--fault",  # python -m kvbridge.testing.faults, named apart from its command line in docs/failures.md
+          "--fault", "--cut",  # python -m kvbridge.testing.faults and .soak, named apart from their command lines (docs/failures.md)
           # the frameworks' own servers and routers (docs/integrations.md: vllm serve, sglang.launch_server, the router)
           "--kv-transfer-config", "--port", "--host", "--model-path", "--tp", "--disaggregation-mode",
           "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port", "--pd-disaggregation", "--prefill",
