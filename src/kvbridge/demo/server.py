@@ -428,10 +428,10 @@ class PrefillServer(RankServer):
         if streaming:
             if last:
                 fill_row(self.caches, job.seq, job.room, len(job.prompt))
+            if last:  # stamped before the hand-off: the room may end before finish() returns
+                job.last_sent_at = time.monotonic()
             job.announcer.finish()  # the chunk's last layer, once the row is final
             job.layerwise_chunks += 1
-            if last:
-                job.last_sent_at = time.monotonic()
         else:
             job.unsent.append((pages, last))
         job.compute_s += time.monotonic() - t0
@@ -448,8 +448,9 @@ class PrefillServer(RankServer):
                 continue
             fill_row(self.caches, job.seq, job.room, len(job.prompt))
             _, state = self.caches.transfer_indices(job.seq, len(job.prompt))
-            job.sender.send(pages, state_indices=state, last=True)  # then kvbridge writes the metadata row
+            # Stamped before send(): a small last chunk may be written, and the room end, inside it (inline writes).
             job.last_sent_at = time.monotonic()
+            job.sender.send(pages, state_indices=state, last=True)  # then kvbridge writes the metadata row
         job.unsent = []
 
     def finish(self, job: PrefillJob, ok: bool, reason: str | None) -> None:
