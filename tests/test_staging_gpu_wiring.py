@@ -163,7 +163,7 @@ def test_a_room_given_up_on_decode_has_nothing_scattered_into_its_gpu_pages(pair
     offer = landing.offer((server.address, rank.key))
     assert offer is not None
     slot = offer.slots[0]
-    buf = landing._keep  # the stand-in's "GPU" buffer
+    buf = landing._mem.keep  # the stand-in's "GPU" buffer
     buf[slot * landing.slice_bytes:(slot + 1) * landing.slice_bytes] = 0xAB  # what a late window holds
     page = dst.kv[0][DST[0]]
     before = page.copy()

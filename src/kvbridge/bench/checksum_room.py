@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge import ui
+from kvbridge.bench.common import finish_child
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.description.layout import IndexSpace, KVArgs, Region
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
@@ -180,12 +181,7 @@ def run(device: str, backend: str, backend_options: dict[str, str], sizes_mib: l
             if tracker is not None:
                 tracker.advance()
     finally:
-        child.stdin.write("done\n")
-        child.stdin.close()
-        try:
-            child.wait(120)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        finish_child(child)
         for m in mgrs.values():
             m.close()
         for s in servers.values():

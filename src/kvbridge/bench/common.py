@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,3 +113,14 @@ def bars(path: str, title: str, labels: Sequence[str], series: dict[str, Sequenc
     fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
     fig.savefig(path)
     plt.close(fig)
+
+
+def finish_child(child: subprocess.Popen[str], timeout: float = 120) -> None:
+    """Tell the decode child (waiting on stdin) to close, then reap it."""
+    if child.stdin:
+        child.stdin.write("done\n")
+        child.stdin.close()
+    try:
+        child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()

@@ -118,7 +118,8 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, argv: dict[s
 def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: int, tp_p: int, tp_d: int, case: str,
                  staging: list[str], reps: int) -> list[dict[str, Any]]:
     """One row per staging setting for one (page size, TP pair, case)."""
-    from kvbridge.bench.transfer import _raw_for, finish_child
+    from kvbridge.bench.common import finish_child
+    from kvbridge.bench.transfer import _raw_for
 
     page = page_kib << 10
     pages = max(ROWS, (total_mib << 20) // page)

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from kvbridge.bench.raw_nixl import raw
-    from kvbridge.bench.transfer import finish_child
+    from kvbridge.bench.common import finish_child
 
     kvargs, tensors = pools(args.page_kib, args.total_mib, 0, fill=True)
     servers = [BootstrapServer("127.0.0.1"), BootstrapServer("127.0.0.1")]

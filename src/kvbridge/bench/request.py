@@ -346,13 +346,7 @@ def run_backend(backend: str, cell_list: list[Cell], tracker: ui.Tracker | None 
         raw = raw_write(mgr, backend)
         raw_us = [x * 1e6 for x in raw] if raw is not None else None
     finally:
-        if child.stdin:
-            child.stdin.write("done\n")
-            child.stdin.close()
-        try:
-            child.wait(120)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        common.finish_child(child)
         mgr.close()
         server.close()
     if child.returncode not in (0, None):

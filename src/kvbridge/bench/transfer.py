@@ -224,7 +224,7 @@ def run(backend: str, config: SessionConfig, reps: int, regions: int, total_mib:
             if tracker is not None:
                 tracker.advance()
     finally:
-        finish_child(child)
+        common.finish_child(child)
         mgr.close()
         server.close()
     return results
@@ -257,17 +257,6 @@ def serial(mgr: PrefillManager) -> Iterator[None]:
     finally:
         for lane, n in zip(lanes, saved):
             lane.in_flight = n
-
-
-def finish_child(child: subprocess.Popen[str], timeout: float = 120) -> None:
-    """Tell the decode child (waiting on stdin) to close, then reap it."""
-    if child.stdin:
-        child.stdin.write("done\n")
-        child.stdin.close()
-    try:
-        child.wait(timeout)
-    except subprocess.TimeoutExpired:
-        child.kill()
 
 
 def format_table(results: list[dict[str, Any]]) -> Any:

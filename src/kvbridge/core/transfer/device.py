@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["DEVICE_MODULE", "DeviceCopy", "OnDevice", "load"]
+from ..description.layout import Region
+from ..planning.regions import RegionTable
+
+__all__ = ["DEVICE_MODULE", "Buffer", "DeviceCopy", "OnDevice", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,27 @@ class OnDevice:
 
     copy: DeviceCopy
     index: int
+
+
+class Buffer:
+    """A staging or landing buffer of ``count`` slices in host memory (zeroed, so its pages are mapped before
+    an engine registers, i.e. pins, them) or on ``device``'s GPU, as the registered ``Region`` ``name``; and
+    the registered regions of that memory (``table``: where gathers read from or scatters write to)."""
+
+    def __init__(self, name: str, count: int, slice_bytes: int, regions: Sequence[Region],
+                 device: OnDevice | None) -> None:
+        nbytes = count * slice_bytes
+        self.host: npt.NDArray[np.uint8] | None = None
+        if device is None:
+            self.host = np.zeros(nbytes, np.uint8)
+            addr, self.keep = self.host.ctypes.data, None
+            self.table = RegionTable([r for r in regions if r.mem == "dram"])
+        else:
+            addr, self.keep = device.copy.alloc(nbytes, device.index)  # what holds the device memory
+            self.table = RegionTable([r for r in regions if r.mem == "vram" and r.device == device.index])
+        self.region = Region(name=name, addr=addr, nbytes=nbytes, stride=slice_bytes, role="state",
+                             index_space="kvbridge_staging", mem="dram" if device is None else "vram",
+                             device=0 if device is None else device.index)
 
 
 def load() -> DeviceCopy | None:

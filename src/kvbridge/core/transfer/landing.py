@@ -35,9 +35,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..description.layout import Region, StagingOffer
-from ..planning.regions import RegionTable
 from ..planning.stage_index import scatter_from
-from .device import OnDevice
+from .device import Buffer, OnDevice
 from .staging import SLICE_BYTES
 
 __all__ = ["Landing", "ScatterError", "SLOTS", "SLOTS_PER_PEER"]
@@ -74,18 +73,9 @@ class Landing:
                              f"got {slots} and {slice_bytes}")
         self.slice_bytes = slice_bytes
         self.device = device
-        if device is None:
-            # Zeroed, so its pages are mapped before an engine registers (pins) them.
-            self._buf = np.zeros(slots * slice_bytes, np.uint8)
-            addr, self._keep = self._buf.ctypes.data, None
-            self._dests = RegionTable([r for r in regions if r.mem == "dram"])
-        else:
-            addr, self._keep = device.copy.alloc(slots * slice_bytes, device.index)
-            self._dests = RegionTable([r for r in regions if r.mem == "vram" and r.device == device.index])
+        self._mem = Buffer("kvbridge-landing", slots, slice_bytes, regions, device)
+        self._buf, self._dests, self.region = self._mem.host, self._mem.table, self._mem.region
         self._where = "host regions" if device is None else f"regions on GPU {device.index}"
-        self.region = Region(name="kvbridge-landing", addr=addr, nbytes=slots * slice_bytes, stride=slice_bytes,
-                             role="state", index_space="kvbridge_staging", mem="dram" if device is None else "vram",
-                             device=0 if device is None else device.index)
         self._free = list(range(slots - SLOTS_PER_PEER, -1, -SLOTS_PER_PEER))
         self._lent: dict[Hashable, tuple[int, ...]] = {}
         self._lock = threading.Lock()

@@ -41,10 +41,9 @@ from typing import Any
 import numpy as np
 
 from ..description.layout import Region
-from ..planning.regions import RegionTable
 from ..planning.transferplan import TransferPlan
 from ..planning.stage_index import gather_into
-from .device import OnDevice
+from .device import Buffer, OnDevice
 
 __all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "DEVICE_SLICE_BYTES", "MAX_PIECE"]
 
@@ -82,17 +81,8 @@ class Staging:
             raise ValueError(f"staging needs slices > 0 and slice_bytes > 0, got {slices} and {slice_bytes}")
         self.slice_bytes = slice_bytes
         self.device = device
-        if device is None:
-            # Zeroed, so its pages are mapped before an engine registers (pins) them.
-            self._buf = np.zeros(slices * slice_bytes, np.uint8)
-            addr, self._keep = self._buf.ctypes.data, None
-            self._sources = RegionTable([r for r in sources if r.mem == "dram"])
-        else:
-            addr, self._keep = device.copy.alloc(slices * slice_bytes, device.index)
-            self._sources = RegionTable([r for r in sources if r.mem == "vram" and r.device == device.index])
-        self.region = Region(name="kvbridge-staging", addr=addr, nbytes=slices * slice_bytes, stride=slice_bytes,
-                             role="state", index_space="kvbridge_staging", mem="dram" if device is None else "vram",
-                             device=0 if device is None else device.index)
+        self._mem = Buffer("kvbridge-staging", slices, slice_bytes, sources, device)
+        self._buf, self._sources, self.region = self._mem.host, self._mem.table, self._mem.region
         self._free = list(range(slices))
         self._lock = threading.Lock()
         #: Counters for ``Transport.describe()`` and the benchmarks: windows staged, the

@@ -83,10 +83,7 @@ class LaneWrites:
                 step()
             except TransferError as exc:
                 pipe.abandon(deadline)
-                state.overdue = math.inf
-                if not isinstance(exc, TransferCancelled):  # cancelled: the backend posted nothing more
-                    state.drain_until = time.monotonic() + lane.backend.drain_after_failure
-                    self.reset(peer, f"a write failed: {type(exc).__name__}")
+                self._failed(lane, peer, state, exc)
                 if posted == 0:
                     raise
                 raise type(exc)(f"{exc} (after {posted} batch(es) posted; {pipe.landed} B had landed)") from exc
@@ -204,12 +201,18 @@ class LaneWrites:
             state.overdue = deadline + RESET_GRACE
             self._post(lane, peer, plan, deadline, lambda: self._check(peer, deadline, live, "before a retry"))
         except TransferError as exc:  # as _write_lane's guarded(): nothing else was posted, so raised as it is
-            state.overdue = math.inf
-            if not isinstance(exc, TransferCancelled):
-                state.drain_until = time.monotonic() + lane.backend.drain_after_failure
-                self.reset(peer, f"a write failed: {type(exc).__name__}")
+            self._failed(lane, peer, state, exc)
             raise
         state.overdue = math.inf
+
+    def _failed(self, lane: Lane, peer: str, state: _Peer, exc: TransferError) -> None:
+        """A write to ``peer`` through ``lane`` failed: no reset is due for it any more, and unless it was
+        cancelled (the backend then posted nothing more) the peer's connections are reset and the engine
+        given ``drain_after_failure`` to finish what it had posted."""
+        state.overdue = math.inf
+        if not isinstance(exc, TransferCancelled):
+            state.drain_until = time.monotonic() + lane.backend.drain_after_failure
+            self.reset(peer, f"a write failed: {type(exc).__name__}")
 
     def _post_async(self, lane: Lane, peer: str, batch: TransferPlan, deadline: float) -> Wait:
         """``backend.post``, its engine's own exceptions (and its wait's) raised as the contract's."""
