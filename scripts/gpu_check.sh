@@ -79,6 +79,11 @@ fi
 # The end-to-end checksum's cost (#28): host and GPU memory in one run, rooms of 64 MiB..4 GiB off and on
 # (prefill's send to decode's SUCCESS), hash GB/s; the table goes to checksum.txt, the numbers to checksum.json.
 want checksum && { python3 -m pytest -q -p no:cacheprovider -rs tests/test_wmix.py 2>&1 | tee "$OUT/checksum-tests.log" || rc=1
+  if [ -n "${BASELINE:-}" ]; then  # the baseline's hash and rooms first, in the same call
+    PYTHONPATH=/tmp/kvb-old python3 -m kvbridge.cli bench checksum --device cuda --json > "$OUT/checksum-before.json" \
+      2> "$OUT/checksum-before.log" || rc=1
+    tail -12 "$OUT/checksum-before.log"
+  fi
   python3 -m kvbridge.cli bench checksum --device cpu cuda --json > "$OUT/checksum.json" \
     2> "$OUT/checksum.log" || rc=1
   python3 -c "import json, sys; from kvbridge import ui; from kvbridge.bench.checksum import format_table; \

@@ -199,6 +199,26 @@ def test_summarise_and_verify_name_wmix64_and_catch_a_flip() -> None:
     assert C.choose([region(src, "s")], [region(dst, "d")]) == C.default_algorithm() != "wmix64"
 
 
+@pytest.mark.parametrize("algorithm", ["wmix64", "crc32"])
+def test_a_room_over_adjacent_regions_is_hashed_though_its_merged_ranges_cross_them(algorithm: str) -> None:
+    # One allocation described as a region per layer: a room's last page of layer 0 and first of
+    # layer 1 are one merged range on each side, running from one region into the next.
+    src, dst = pools(1, 8, 512, seed=11)[0], np.zeros(8 * 512, np.uint8)
+    halves = lambda buf, tag: [Region(name=f"{tag}{i}", addr=buf.ctypes.data + i * 2048, nbytes=2048, stride=512,
+                                      role="k", index_space="pages", layer=i) for i in range(2)]
+    pages = np.array([2, 3, 4, 5])  # 3 | 4 is the boundary between the two regions
+    dst[2 * 512:6 * 512] = src[2 * 512:6 * 512]
+    plan = TransferPlan(src.ctypes.data + pages * 512, dst.ctypes.data + pages * 512, np.full(4, 512, np.int64))
+    summary = C.summarise([plan], algorithm, 1 << 20, halves(src, "s"))
+    assert np.frombuffer(summary.ranges, "<i8").tolist() == [dst.ctypes.data + 1024, 2048]  # one range, two regions
+    assert C.verify(summary, halves(dst, "d")) is None
+    dst[4 * 512 + 3] ^= 1  # in the second region
+    assert "checksum mismatch" in (C.verify(summary, halves(dst, "d")) or "")
+    # A range that leaves every region is still refused, naming it.
+    why = C.verify(summary, halves(dst, "d")[:1])
+    assert why is not None and "not inside one registered region" in why
+
+
 def test_a_failure_while_hashing_is_a_checksum_error_naming_it(room) -> None:
     # The hashing thread is prefill's worker or decode's I/O thread: an error there (the GPU out
     # of memory, say) must fail the room, not escape as another exception.

@@ -27,9 +27,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvbridge.core.sessions.wmix import C1, C2, K_POS, MASK, BlockSum
+from kvbridge.core.sessions.wmix import C1, C2, CHUNK_BYTES, K_POS, MASK, BlockSum, Part, PartsSum
 
-__all__ = ["block_sum", "path", "problem", "sum_blocks"]
+__all__ = ["block_sum", "path", "problem", "sum_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,13 @@ def _mix_sum(words: torch.Tensor, first_key: torch.Tensor) -> int:
 def _rows(region: torch.Tensor, block: int, rows: npt.NDArray[np.int64], first_key: npt.NDArray[np.uint64]) -> int:
     nrows = region.numel() // block
     grid = region[: nrows * block].view(nrows, block)
-    idx = torch.from_numpy(rows).to(region.device, non_blocking=False)
-    keys = torch.from_numpy(first_key.view(np.int64)).to(region.device)
-    return _mix_sum(grid.index_select(0, idx).view(torch.int64), keys)
+    step = max(1, CHUNK_BYTES // block)  # the ops gather, then need two more chunks: bounded memory
+    total = 0
+    for i in range(0, len(rows), step):
+        idx = torch.from_numpy(rows[i:i + step]).to(region.device, non_blocking=False)
+        keys = torch.from_numpy(first_key[i:i + step].view(np.int64)).to(region.device)
+        total += _mix_sum(grid.index_select(0, idx).view(torch.int64), keys)
+    return total & MASK
 
 
 def path(device: int, wait: float = 0.0) -> str:
@@ -116,23 +120,32 @@ def _probe(device: int, done: threading.Event) -> None:
     done.set()
 
 
-def sum_blocks(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArray[np.int64],
-               first_key: npt.NDArray[np.uint64]) -> int:
-    """GPU memory: core's ``BlockSum`` over the region at device address ``addr`` on CUDA device ``device``."""
+def sum_parts(device: int, block: int, parts: Sequence[Part]) -> int:
+    """GPU memory: core's ``PartsSum``: the blocks of every part (a region of CUDA device ``device`` and its rows).
+
+    With the Triton kernel, every block of every part in one launch and one synchronisation; else
+    the torch ops, region by region.
+    """
     with _lock:
         stream = _streams.get(device)
         if stream is None:
             stream = _streams[device] = torch.cuda.Stream(device)
     fused = path(device) == "triton"
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        region = torch.as_tensor(_DeviceBytes(addr, nbytes), device=f"cuda:{device}")
         if fused:
             from kvbridge.checksum_triton import fused_sum
 
-            got = fused_sum(region, block, rows, first_key)
+            got = fused_sum(torch.device("cuda", device), block, *_addresses(block, parts))
             if got is not None:
                 return got
-        return _rows(region, block, rows, first_key)  # .item() synchronises the stream
+        return sum(_rows(torch.as_tensor(_DeviceBytes(addr, nbytes), device=f"cuda:{device}"), block, rows, keys)
+                   for addr, nbytes, rows, keys in parts) & MASK  # .item() synchronises the stream
+
+
+def _addresses(block: int, parts: Sequence[Part]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]]:
+    """Every part's blocks as (device address, first key) arrays."""
+    addrs = np.concatenate([addr + rows * block for addr, _, rows, _ in parts])
+    return addrs, np.concatenate([keys for *_, keys in parts])
 
 
 def _sum_host(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArray[np.int64],
@@ -145,21 +158,18 @@ def _sum_interpreted(addr: int, nbytes: int, device: int, block: int, rows: npt.
                      first_key: npt.NDArray[np.uint64]) -> int:
     from kvbridge.checksum_triton import fused_sum
 
-    region = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
-    got = fused_sum(region, block, rows, first_key)
-    return _rows(region, block, rows, first_key) if got is None else got
+    got = fused_sum(torch.device("cpu"), block, *_addresses(block, [(addr, nbytes, rows, first_key)]))
+    return _sum_host(addr, nbytes, device, block, rows, first_key) if got is None else got
 
 
 def block_sum(on: str) -> BlockSum:
-    """The torch ``BlockSum`` for ``on``: ``"cuda"`` (device addresses), ``"cpu"`` (host addresses, the torch
-    ops, for tests) or ``"interpret"`` (host addresses, the Triton kernel under ``TRITON_INTERPRET=1``, for tests)."""
-    if on == "cuda":
-        return sum_blocks
+    """A torch ``BlockSum`` over host addresses, for tests: ``"cpu"`` (the torch ops) or ``"interpret"`` (the
+    Triton kernel under ``TRITON_INTERPRET=1``)."""
     if on == "cpu":
         return _sum_host
     if on == "interpret":
         return _sum_interpreted
-    raise ValueError(f"block_sum: on must be 'cuda', 'cpu' or 'interpret', got {on!r}")
+    raise ValueError(f"block_sum: on must be 'cpu' or 'interpret', got {on!r}")
 
 
 def problem(devices: Sequence[int] = ()) -> str | None:

@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvbridge import ui
@@ -43,8 +44,26 @@ def _address(device: str, pool: Any) -> int:
     return int(pool.data_ptr()) if device == "cuda" else int(pool.ctypes.data)
 
 
+#: A room spans a region per layer and role; the hash is also timed over the same bytes cut into this many.
+LAYER_REGIONS = 128
+
+
+def _cut(regions: tuple[Any, ...], parts: int) -> tuple[Any, ...]:
+    """The one region of ``regions`` described as ``parts`` regions of equal size, one after another."""
+    (r,) = regions
+    size = r.nbytes // parts // r.stride * r.stride
+    return tuple(msgspec.structs.replace(r, name=f"{r.name}{i}", addr=r.addr + i * size, nbytes=size, layer=i)
+                 for i in range(parts)) + ((msgspec.structs.replace(r, name=f"{r.name}-rest", addr=r.addr + parts * size,
+                                                                    nbytes=r.nbytes - parts * size, layer=parts),)
+                                           if r.nbytes > parts * size else ())
+
+
 def hash_rates(device: str, total_mib: int, reps: int) -> list[dict[str, Any]]:
-    """GB/s of each hash's prefill and decode halves over ``total_mib`` of scattered pages in ``device`` memory."""
+    """GB/s of each hash's prefill and decode halves over ``total_mib`` of scattered pages in ``device`` memory.
+
+    ``wmix64`` also over the same pages described as :data:`LAYER_REGIONS` regions (as a room's
+    layers are): what a hash pays per region shows as the difference.
+    """
     pages = (total_mib << 20) // R.PAGE
     src_pool, src_args = R.make_pool(device, pages, fill=True)
     dst_pool, dst_args = R.make_pool(device, pages, fill=False)
@@ -56,20 +75,23 @@ def hash_rates(device: str, total_mib: int, reps: int) -> list[dict[str, Any]]:
     algorithms = [C.choose(src_args.regions, dst_args.regions)]
     if device == "cpu":  # every hash host memory can use, the default first
         algorithms += [a for a in C.ALGORITHMS if a not in algorithms]
+    cases = [(a, 1) for a in algorithms] + [("wmix64", LAYER_REGIONS)]
     gb = pages * R.PAGE / 1e9
     rows = []
-    for algo in algorithms:
+    for algo, parts in cases:
+        src_regions = src_args.regions if parts == 1 else _cut(src_args.regions, parts)
+        dst_regions = dst_args.regions if parts == 1 else _cut(dst_args.regions, parts)
         pre: list[float] = []
         post: list[float] = []
         for _ in range(reps + 1):  # the first warms up (CUDA context, caches), left out
             t0 = time.perf_counter()
-            summary = C.summarise([plan], algo, 64 << 20, src_args.regions)
+            summary = C.summarise([plan], algo, 64 << 20, src_regions)
             pre.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            got = C.digest_ranges(summary, dst_args.regions)
+            got = C.digest_ranges(summary, dst_regions)
             post.append(time.perf_counter() - t0)
         rows.append({"device": device, "algorithm": algo, "path": how if algo == "wmix64" else "host",
-                     "default": algo == algorithms[0], "bytes": pages * R.PAGE,
+                     "default": algo == algorithms[0] and parts == 1, "regions": parts, "bytes": pages * R.PAGE,
                      "prefill_GBps": gb / statistics.median(pre[1:]), "decode_GBps": gb / statistics.median(post[1:]),
                      "match": got == summary.digest})
     del src_pool, dst_pool
@@ -83,7 +105,8 @@ def format_table(results: dict[str, Any]) -> Any:
     for r in results["hash"]:
         used = " *" if r["default"] else ""
         how = f" ({r['path']})" if r["device"] == "cuda" else ""
-        rows.append((f"{memory[r['device']]} hash {r['algorithm']}{how}{used}", None, None,
+        regions = f", {r['regions']} regions" if r.get("regions", 1) > 1 else ""
+        rows.append((f"{memory[r['device']]} hash {r['algorithm']}{how}{regions}{used}", None, None,
                      f"{r['prefill_GBps']:.2f} / {r['decode_GBps']:.2f}", None, r["match"]))
     for r in results["rooms"]:
         rows.append((f"{memory[r['device']]} room {r['bytes'] >> 20} MiB",

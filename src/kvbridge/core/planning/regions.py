@@ -49,6 +49,28 @@ class RegionTable:
         pos = np.where(ok, pos, 0)
         return pos, ok & (addrs + nbytes <= self.ends[pos])
 
+    def split(self, addrs: IntArray, nbytes: IntArray) -> tuple[IntArray, IntArray]:
+        """The ranges cut wherever a region starts inside one, in order.
+
+        Ranges merged because they continue each other (a checksum's) can run from one region into
+        the next where regions are adjacent (one allocation described per layer); cut there, each
+        piece can lie inside one region. A piece still crossing a region's end into memory no
+        region holds stays whole, for the caller's bounds check to refuse.
+        """
+        if not len(self) or not len(addrs):
+            return addrs, nbytes
+        ends = addrs + nbytes
+        lo = np.searchsorted(self.starts, addrs, side="right")  # the first region starting after each range starts
+        cuts = np.searchsorted(self.starts, ends, side="left") - lo  # region starts strictly inside each range
+        if not cuts.any():
+            return addrs, nbytes
+        which = np.repeat(np.arange(len(addrs)), cuts + 1)
+        j = np.arange(len(which)) - np.repeat(np.cumsum(cuts + 1) - (cuts + 1), cuts + 1)  # piece j of its range
+        last = len(self) - 1
+        start = np.where(j == 0, addrs[which], self.starts[np.clip(lo[which] + j - 1, 0, last)])
+        end = np.where(j == cuts[which], ends[which], self.starts[np.clip(lo[which] + j, 0, last)])
+        return start, end - start
+
 
 def nearest_region(addr: int, regions: Sequence[Region]) -> str:
     """`` (nearest: NAME [start, end))``: for an error about an address outside every region."""

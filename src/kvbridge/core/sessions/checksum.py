@@ -128,7 +128,7 @@ def _hash(algorithm: str, addrs: IntArray, nbytes: IntArray, regions: Sequence[R
             "install it on both sides: pip install kvbridge[checksum]"
         ) from None
     table = RegionTable(regions)
-    where, _ = table.locate(addrs, nbytes)
+    where, _ = table.locate(*table.split(addrs, nbytes))
     if len(table) and table.vram[where].any():
         raise ChecksumError(f"{algorithm} hashes host memory only, but a range lies in GPU memory; "
                             f"prefill should have named {wmix.NAME}")
@@ -180,8 +180,8 @@ def digest_ranges(summary: P.Checksum, regions: Sequence[Region]) -> int:
     if len(summary.ranges) % 16:
         raise ChecksumError(f"the checksum's range list has {len(summary.ranges)} bytes, not pairs of int64")
     pairs = np.frombuffer(summary.ranges, "<i8").reshape(-1, 2).astype(np.int64)
-    addr, n = pairs[:, 0].copy(), pairs[:, 1].copy()
     table = RegionTable(regions)
+    addr, n = table.split(pairs[:, 0].copy(), pairs[:, 1].copy())  # a merged range over adjacent regions: a piece in each
     where, inside = table.locate(addr, n)
     bad = np.flatnonzero(~inside | (n <= 0))
     if len(bad):

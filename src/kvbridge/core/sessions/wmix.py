@@ -18,9 +18,10 @@ It is an integrity check against accidents, not a MAC (the control plane's seal 
 
 Memory is read in blocks of ``B`` bytes: the largest power of two (at most :data:`MAX_BLOCK`) that
 divides every range's offset inside its region and its length. ``B >= 8`` is the normal case (pages,
-state rows); then a region's blocks are gathered as rows (``index_select``) and hashed in chunks of
-:data:`CHUNK_BYTES`. Ranges not multiples of 8 bytes are hashed on host memory only, through a
-contiguous copy of the stream (small rows); on GPU memory they are refused.
+state rows); then a region's blocks are gathered as rows and hashed, by numpy a chunk of
+:data:`CHUNK_BYTES` at a time on host memory, on GPU memory every region's blocks in one call per
+device. Ranges not multiples of 8 bytes are hashed on host memory only, through a contiguous copy
+of the stream (small rows); on GPU memory they are refused.
 
 Core imports no torch: GPU regions' parts come from :data:`DEVICE_MODULE`, imported on first use.
 """
@@ -37,7 +38,7 @@ import numpy.typing as npt
 
 from ..planning.regions import RegionTable
 
-__all__ = ["C1", "C2", "CHUNK_BYTES", "DEVICE_MODULE", "K_POS", "MAX_BLOCK", "NAME", "BlockSum", "device_sum",
+__all__ = ["C1", "C2", "CHUNK_BYTES", "DEVICE_MODULE", "K_POS", "MAX_BLOCK", "NAME", "BlockSum", "Part", "PartsSum", "device_sum",
            "digest", "mix_sum", "sum_blocks"]
 
 NAME = "wmix64"
@@ -69,6 +70,20 @@ class BlockSum(Protocol):
     def __call__(self, addr: int, nbytes: int, device: int, block: int, rows: IntArray, first_key: U64) -> int: ...
 
 
+#: One region's share of a digest: the region's address and size, its rows (blocks) and their first keys.
+Part = tuple[int, int, IntArray, U64]
+
+
+class PartsSum(Protocol):
+    """GPU memory: the sum of the terms of every part's rows, all on CUDA device ``device``.
+
+    One call per device and digest, so the device module can hash every region's blocks in one
+    launch and synchronise once (a room spans a region per layer and role: hundreds of them).
+    """
+
+    def __call__(self, device: int, block: int, parts: Sequence[Part]) -> int: ...
+
+
 def mix_sum(words: U64, first_key: U64) -> int:
     """numpy: the sum (mod 2**64) of the terms of ``words`` (k rows of W words), row r's first key ``first_key[r]``.
 
@@ -92,14 +107,14 @@ def sum_blocks(addr: int, nbytes: int, device: int, block: int, rows: IntArray, 
     return sum(mix_sum(region[rows[i:i + step]].view("<u8"), first_key[i:i + step]) for i in range(0, len(rows), step))
 
 
-def device_sum(devices: Sequence[int] = ()) -> BlockSum:
-    """GPU memory: :data:`DEVICE_MODULE`'s ``sum_blocks``, or :class:`ChecksumError` saying what is missing.
+def device_sum(devices: Sequence[int] = ()) -> PartsSum:
+    """GPU memory: :data:`DEVICE_MODULE`'s ``sum_parts``, or :class:`ChecksumError` saying what is missing.
 
     ``devices``: GPUs about to be hashed (the module may prepare them in the background).
     """
     try:
         module = importlib.import_module(DEVICE_MODULE)
-        fn: BlockSum = module.sum_blocks
+        fn: PartsSum = module.sum_parts
         problem = module.problem(devices)
     except Exception as exc:  # ImportError (no torch), or torch failing to load its libraries
         raise ChecksumError(f"hashing GPU memory needs torch in this process ({type(exc).__name__}: {exc}); "
@@ -125,12 +140,15 @@ def digest(addr: IntArray, nbytes: IntArray, table: RegionTable,
            pick: Callable[[bool], BlockSum] | None = None) -> int:
     """The ``wmix64`` digest of the ranges ``(addr, nbytes)`` in order, each inside a region of ``table``.
 
-    ``pick(vram)`` gives the function hashing a region's blocks: by default numpy for host memory
-    and :func:`device_sum` for GPU memory (tests pass torch's for both, to compare the two paths).
+    Host regions' blocks are hashed by :func:`sum_blocks` (numpy), a chunk of the stream at a time;
+    GPU regions' by :func:`device_sum`, once per device, after every chunk's blocks were located
+    (their index arrays, 16 bytes a block, are what is held meanwhile). ``pick(vram)``: tests pass
+    a ``BlockSum`` for both kinds (host memory standing in for both), to compare the paths.
     """
     total = int(nbytes.sum())
     if not total:
         return _final(0, 0)
+    addr, nbytes = table.split(addr, nbytes)  # a merged range over adjacent regions: a piece in each
     where, inside = table.locate(addr, nbytes)
     if not inside.all():
         i = int(np.flatnonzero(~inside)[0])
@@ -143,11 +161,11 @@ def digest(addr: IntArray, nbytes: IntArray, table: RegionTable,
             raise ChecksumError(f"the checksum's ranges on GPU memory must be multiples of 8 bytes at 8-byte offsets "
                                 f"(a range or offset here is {block} bytes aligned)")
         return _final(_unaligned(addr, nbytes), total)
-    pick = pick or (lambda vram: device_sum() if vram else sum_blocks)
     count = nbytes // block
     ends = np.cumsum(count)  # block index just past each range
     words = block // 8
     acc = 0
+    on_device: dict[int, list[Part]] = {}
     step = max(1, CHUNK_BYTES // block)
     for k0 in range(0, int(ends[-1]), step):  # a chunk of the stream's blocks at a time: bounded memory
         k = np.arange(k0, min(k0 + step, int(ends[-1])), dtype=np.int64)
@@ -156,20 +174,29 @@ def digest(addr: IntArray, nbytes: IntArray, table: RegionTable,
         rows = off[r] // block + (k - (ends[r] - count[r]))
         order = np.argsort(reg, kind="stable")
         cuts = np.flatnonzero(np.diff(reg[order])) + 1
-        for part in np.split(order, cuts):  # one call per region the chunk touches, not per block
+        for part in np.split(order, cuts):  # one part per region the chunk touches, not per block
             g = int(reg[part[0]])
-            vram = bool(table.vram[g])
-            fn = pick(vram)
-            try:
-                acc += fn(int(table.starts[g]), int(table.ends[g] - table.starts[g]), int(table.device[g]), block,
-                          rows[part], _keys(k[part] * words))
-            except ChecksumError:
-                raise
-            except Exception as exc:  # e.g. the device out of memory: the room fails, the thread hashing survives
-                where_ = f"GPU {int(table.device[g])}" if vram else "host memory"
-                raise ChecksumError(f"hashing {len(part)} blocks of {block} bytes in {where_} failed: "
-                                    f"{type(exc).__name__}: {exc}") from exc
+            vram, device = bool(table.vram[g]), int(table.device[g])
+            share: Part = (int(table.starts[g]), int(table.ends[g] - table.starts[g]), rows[part], _keys(k[part] * words))
+            if vram and pick is None:
+                on_device.setdefault(device, []).append(share)
+                continue
+            fn = pick(vram) if pick else sum_blocks
+            acc += _hashed(lambda: fn(share[0], share[1], device, block, share[2], share[3]), vram, device, len(part), block)
+    for device, parts in on_device.items():
+        acc += _hashed(lambda: device_sum()(device, block, parts), True, device, sum(len(p[2]) for p in parts), block)
     return _final(acc & MASK, total)
+
+
+def _hashed(run: Callable[[], int], vram: bool, device: int, blocks: int, block: int) -> int:
+    try:
+        return run()
+    except ChecksumError:
+        raise
+    except Exception as exc:  # e.g. the device out of memory: the room fails, the thread hashing survives
+        where = f"GPU {device}" if vram else "host memory"
+        raise ChecksumError(f"hashing {blocks} blocks of {block} bytes in {where} failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
 
 
 def _unaligned(addr: IntArray, nbytes: IntArray) -> int:
