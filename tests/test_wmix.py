@@ -94,13 +94,14 @@ def test_numpy_and_torch_agree_with_the_oracle_bit_for_bit(room) -> None:
     assert wmix.digest(addr, n, table, torch_side) == expect
 
 
-@pytest.mark.parametrize("chunk", [8, 24, 256, 4096], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("chunk", [1, 3, 32, 512], ids=lambda c: f"chunk{c}")
 def test_the_digest_does_not_depend_on_chunks_blocks_or_cuts(room, monkeypatch, chunk: int) -> None:
     bufs, picks = room
     table = RegionTable([region(b, f"r{i}") for i, b in enumerate(bufs)])
     addr, n = scattered(bufs, PAGE, picks)
     whole = wmix.digest(addr, n, table, numpy_side)
-    monkeypatch.setattr(wmix, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(wmix, "CHUNK_BLOCKS", chunk)
+    monkeypatch.setattr(checksum_torch, "GATHER_BYTES", chunk * 8)
     assert wmix.digest(addr, n, table, numpy_side) == whole
     assert wmix.digest(addr, n, table, torch_side) == whole
     # The same stream cut into 8-, 32- and 64-byte ranges: smaller blocks, same digest.
@@ -258,6 +259,31 @@ def test_cuda_digest_equals_numpy_over_the_same_bytes() -> None:
     assert wmix.digest(g_addr, n, RegionTable(g_regions)) != wmix.digest(h_addr, n, h_table)
 
 
+def test_gpu_regions_are_hashed_once_per_device_with_the_same_digest(monkeypatch) -> None:
+    # Host buffers described as GPU memory on two devices, beside a host region: core's GPU path (every
+    # device's blocks in one call, here the torch ops over host addresses) gives numpy's digest.
+    bufs = pools(3, 16, 4096, seed=13)
+    kinds = [("vram", 0), ("dram", 0), ("vram", 1)]
+    table = RegionTable([Region(name=f"r{i}", addr=b.ctypes.data, nbytes=b.nbytes, stride=4096, role="k",
+                                index_space="p", mem=mem, device=d)  # type: ignore[arg-type]
+                         for i, (b, (mem, d)) in enumerate(zip(bufs, kinds))])
+    host = RegionTable([region(b, f"h{i}") for i, b in enumerate(bufs)])
+    calls: list[tuple[int, int]] = []
+    on_host = checksum_torch.device_sum_on_host(kernel=False)
+
+    def spy(device: int, block: int, blocks: wmix.DeviceBlocks) -> int:
+        calls.append((device, len(blocks.rows)))
+        return on_host(device, block, blocks)
+
+    monkeypatch.setattr(wmix, "device_sum", lambda devices=(): spy)
+    monkeypatch.setattr(wmix, "CHUNK_BLOCKS", 8)  # several chunks: the GPU blocks still go in one call a device
+    picks = [(int(i % 3), int(p)) for i, p in enumerate(np.random.default_rng(3).permutation(48)[:30] % 16)]
+    picks = list(dict.fromkeys(picks))
+    addr, n = scattered(bufs, 4096, picks)
+    assert wmix.digest(addr, n, table) == wmix.digest(addr, n, host)
+    assert sorted(calls) == [(0, sum(b == 0 for b, _ in picks)), (1, sum(b == 2 for b, _ in picks))]
+
+
 INTERPRETED = """
 import json, numpy as np, torch
 from kvbridge.core.description.layout import Region
@@ -269,15 +295,19 @@ bufs = [rng.integers(0, 256, 64 * 4096, dtype=np.uint8) for _ in range(2)]
 table = RegionTable([Region(name=f"r{i}", addr=b.ctypes.data, nbytes=b.nbytes, stride=4096, role="k",
                             index_space="p") for i, b in enumerate(bufs)])
 out = {"probe": checksum_triton.probe(torch.device("cpu"))}
+# The same buffers described as GPU memory (two devices), hashed by core's GPU path with the kernel.
+gpu = RegionTable([Region(name=f"g{i}", addr=b.ctypes.data, nbytes=b.nbytes, stride=4096, role="k",
+                          index_space="p", mem="vram", device=i) for i, b in enumerate(bufs)])
+wmix.device_sum = lambda devices=(): checksum_torch.device_sum_on_host(kernel=True)
 for page in (4096, 512, 64):  # 512 and 4096 words a block: the kernel; 8 words: below MIN_WORDS, the torch ops
     picks = [(int(i % 2), int(p)) for i, p in enumerate(rng.permutation(64 * 4096 // page)[:24])]
     addr = np.array([bufs[b].ctypes.data + p * page for b, p in picks], np.int64)
     n = np.full(len(picks), page, np.int64)
-    fused = wmix.digest(addr, n, table, lambda vram: checksum_torch.block_sum("interpret"))
+    fused = wmix.digest(addr, n, gpu)
     plain = wmix.digest(addr, n, table)
     b, p = picks[7]
     bufs[b][p * page + 101 % page] ^= 0x20
-    flipped = wmix.digest(addr, n, table, lambda vram: checksum_torch.block_sum("interpret"))
+    flipped = wmix.digest(addr, n, gpu)
     bufs[b][p * page + 101 % page] ^= 0x20
     out[page] = [fused == plain, flipped != plain]
 print(json.dumps(out))

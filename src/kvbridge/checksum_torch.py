@@ -10,8 +10,8 @@ host's compute stream is not serialised behind it. Only the sum comes back to th
 Where Triton is installed, :mod:`kvbridge.checksum_triton`'s kernel does the same in one pass over
 memory instead, once it has matched these ops on a probe on that device (:func:`path`).
 
-:func:`block_sum` ``("cpu")`` runs the same torch ops over host memory, and ``("interpret")`` the
-Triton kernel under ``TRITON_INTERPRET=1``: the tests compare both with numpy bit for bit on a
+:func:`block_sum` and :func:`device_sum_on_host` run the same torch ops, or the Triton kernel under
+``TRITON_INTERPRET=1``, over host memory: the tests compare them with numpy bit for bit on a
 machine without a GPU.
 """
 
@@ -20,16 +20,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvbridge.core.sessions.wmix import C1, C2, CHUNK_BYTES, K_POS, MASK, BlockSum, Part, PartsSum
+from kvbridge.core.sessions.wmix import C1, C2, K_POS, MASK, BlockSum, DeviceBlocks, DeviceSum
 
-__all__ = ["block_sum", "path", "problem", "sum_parts"]
+__all__ = ["block_sum", "device_sum_on_host", "path", "problem", "sum_device"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ def _signed(x: int) -> int:
 
 
 _C1, _C2, _K_POS = _signed(C1), _signed(C2), _signed(K_POS)
+#: Bytes the torch ops gather at a time (they need about two more such chunks meanwhile): bounded memory.
+GATHER_BYTES = 64 << 20
 _streams: dict[int, Any] = {}
 _paths: dict[int, str] = {}  # device -> "triton" or "torch", decided once by a probe (path())
 _decided: dict[int, threading.Event] = {}  # device -> set when its probe ended
@@ -71,7 +73,7 @@ def _mix_sum(words: torch.Tensor, first_key: torch.Tensor) -> int:
 def _rows(region: torch.Tensor, block: int, rows: npt.NDArray[np.int64], first_key: npt.NDArray[np.uint64]) -> int:
     nrows = region.numel() // block
     grid = region[: nrows * block].view(nrows, block)
-    step = max(1, CHUNK_BYTES // block)  # the ops gather, then need two more chunks: bounded memory
+    step = max(1, GATHER_BYTES // block)
     total = 0
     for i in range(0, len(rows), step):
         idx = torch.from_numpy(rows[i:i + step]).to(region.device, non_blocking=False)
@@ -120,56 +122,53 @@ def _probe(device: int, done: threading.Event) -> None:
     done.set()
 
 
-def sum_parts(device: int, block: int, parts: Sequence[Part]) -> int:
-    """GPU memory: core's ``PartsSum``: the blocks of every part (a region of CUDA device ``device`` and its rows).
+def sum_device(device: int, block: int, blocks: DeviceBlocks) -> int:
+    """GPU memory: core's ``DeviceSum``: every block of ``blocks`` on CUDA device ``device``.
 
-    With the Triton kernel, every block of every part in one launch and one synchronisation; else
+    With the Triton kernel: one launch over the blocks' addresses and one synchronisation; else
     the torch ops, region by region.
     """
     with _lock:
         stream = _streams.get(device)
         if stream is None:
             stream = _streams[device] = torch.cuda.Stream(device)
-    fused = path(device) == "triton"
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        if fused:
-            from kvbridge.checksum_triton import fused_sum
-
-            got = fused_sum(torch.device("cuda", device), block, *_addresses(block, parts))
-            if got is not None:
-                return got
-        return sum(_rows(torch.as_tensor(_DeviceBytes(addr, nbytes), device=f"cuda:{device}"), block, rows, keys)
-                   for addr, nbytes, rows, keys in parts) & MASK  # .item() synchronises the stream
+        return _sum_blocks(block, blocks, lambda addr, n: torch.as_tensor(_DeviceBytes(addr, n), device=f"cuda:{device}"),
+                           torch.device("cuda", device) if path(device) == "triton" else None)
 
 
-def _addresses(block: int, parts: Sequence[Part]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]]:
-    """Every part's blocks as (device address, first key) arrays."""
-    addrs = np.concatenate([addr + rows * block for addr, _, rows, _ in parts])
-    return addrs, np.concatenate([keys for *_, keys in parts])
+def _sum_blocks(block: int, blocks: DeviceBlocks, region_at: Callable[[int, int], torch.Tensor],
+                fused_on: torch.device | None) -> int:
+    if fused_on is not None:
+        from kvbridge.checksum_triton import fused_sum
+
+        got = fused_sum(fused_on, block, blocks.starts[blocks.region] + blocks.rows * block, blocks.keys)
+        if got is not None:
+            return got
+    order = np.argsort(blocks.region, kind="stable")
+    total = 0
+    for part in np.split(order, np.flatnonzero(np.diff(blocks.region[order])) + 1):
+        g = int(blocks.region[part[0]])
+        region = region_at(int(blocks.starts[g]), int(blocks.sizes[g]))
+        total += _rows(region, block, blocks.rows[part], blocks.keys[part])  # .item() synchronises the stream
+    return total & MASK
 
 
-def _sum_host(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArray[np.int64],
-              first_key: npt.NDArray[np.uint64]) -> int:
-    region = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
-    return _rows(region, block, rows, first_key)
+def _host_bytes(addr: int, nbytes: int) -> torch.Tensor:
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
 
 
-def _sum_interpreted(addr: int, nbytes: int, device: int, block: int, rows: npt.NDArray[np.int64],
-                     first_key: npt.NDArray[np.uint64]) -> int:
-    from kvbridge.checksum_triton import fused_sum
-
-    got = fused_sum(torch.device("cpu"), block, *_addresses(block, [(addr, nbytes, rows, first_key)]))
-    return _sum_host(addr, nbytes, device, block, rows, first_key) if got is None else got
+def device_sum_on_host(kernel: bool) -> DeviceSum:
+    """For tests: :func:`sum_device`'s work over host addresses, by the Triton kernel (``kernel``: run under
+    ``TRITON_INTERPRET=1``) or by the torch ops."""
+    return lambda device, block, blocks: _sum_blocks(block, blocks, _host_bytes, torch.device("cpu") if kernel else None)
 
 
 def block_sum(on: str) -> BlockSum:
-    """A torch ``BlockSum`` over host addresses, for tests: ``"cpu"`` (the torch ops) or ``"interpret"`` (the
-    Triton kernel under ``TRITON_INTERPRET=1``)."""
-    if on == "cpu":
-        return _sum_host
-    if on == "interpret":
-        return _sum_interpreted
-    raise ValueError(f"block_sum: on must be 'cpu' or 'interpret', got {on!r}")
+    """For tests: the torch ops as a ``BlockSum`` over host addresses (``on``: ``"cpu"``)."""
+    if on != "cpu":
+        raise ValueError(f"block_sum: on must be 'cpu', got {on!r}")
+    return lambda addr, nbytes, device, block, rows, first_key: _rows(_host_bytes(addr, nbytes), block, rows, first_key)
 
 
 def problem(devices: Sequence[int] = ()) -> str | None:

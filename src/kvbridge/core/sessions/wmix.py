@@ -18,9 +18,9 @@ It is an integrity check against accidents, not a MAC (the control plane's seal 
 
 Memory is read in blocks of ``B`` bytes: the largest power of two (at most :data:`MAX_BLOCK`) that
 divides every range's offset inside its region and its length. ``B >= 8`` is the normal case (pages,
-state rows); then a region's blocks are gathered as rows and hashed, by numpy a chunk of
-:data:`CHUNK_BYTES` at a time on host memory, on GPU memory every region's blocks in one call per
-device. Ranges not multiples of 8 bytes are hashed on host memory only, through a contiguous copy
+state rows); then the blocks are located (:data:`CHUNK_BLOCKS` at a time) and hashed: on host memory
+by numpy, region by region, in slices of :data:`HOST_SLICE`; on GPU memory every region's blocks in
+one call per device. Ranges not multiples of 8 bytes are hashed on host memory only, through a contiguous copy
 of the stream (small rows); on GPU memory they are refused.
 
 Core imports no torch: GPU regions' parts come from :data:`DEVICE_MODULE`, imported on first use.
@@ -31,14 +31,14 @@ from __future__ import annotations
 import ctypes
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from ..planning.regions import RegionTable
 
-__all__ = ["C1", "C2", "CHUNK_BYTES", "DEVICE_MODULE", "K_POS", "MAX_BLOCK", "NAME", "BlockSum", "Part", "PartsSum", "device_sum",
+__all__ = ["C1", "C2", "CHUNK_BLOCKS", "DEVICE_MODULE", "K_POS", "MAX_BLOCK", "NAME", "BlockSum", "DeviceBlocks", "DeviceSum", "device_sum",
            "digest", "mix_sum", "sum_blocks"]
 
 NAME = "wmix64"
@@ -49,8 +49,8 @@ C1 = 0xBF58476D1CE4E5B9  # splitmix64's multipliers (odd: multiplication is a bi
 C2 = 0x94D049BB133111EB
 K_LEN = 0xC2B2AE3D27D4EB4F
 MAX_BLOCK = 1 << 16
-#: Bytes gathered and mixed per step: bounds the temporary memory (about 3x this) on either side.
-CHUNK_BYTES = 64 << 20
+#: Blocks located per step: bounds the index arrays (about 80 bytes a block); each hash bounds its own gathers.
+CHUNK_BLOCKS = 1 << 16
 #: Bytes numpy mixes per pass on host memory (a slice of a chunk small enough to stay in cache).
 HOST_SLICE = 256 << 10
 #: The module hashing GPU regions (torch): outside core, imported on first use (docs/architecture.md).
@@ -70,18 +70,25 @@ class BlockSum(Protocol):
     def __call__(self, addr: int, nbytes: int, device: int, block: int, rows: IntArray, first_key: U64) -> int: ...
 
 
-#: One region's share of a digest: the region's address and size, its rows (blocks) and their first keys.
-Part = tuple[int, int, IntArray, U64]
+class DeviceBlocks(NamedTuple):
+    """Blocks on one GPU: block ``i`` is row ``rows[i]`` of region ``region[i]`` (at ``starts``, of ``sizes``
+    bytes), its first word's key ``keys[i]``."""
+
+    starts: IntArray
+    sizes: IntArray
+    region: IntArray
+    rows: IntArray
+    keys: U64
 
 
-class PartsSum(Protocol):
-    """GPU memory: the sum of the terms of every part's rows, all on CUDA device ``device``.
+class DeviceSum(Protocol):
+    """GPU memory: the sum of the terms of ``blocks`` (of ``block`` bytes), all on CUDA device ``device``.
 
-    One call per device and digest, so the device module can hash every region's blocks in one
-    launch and synchronise once (a room spans a region per layer and role: hundreds of them).
+    One call per device and digest, with every block as arrays, so the device module can hash a
+    room in one launch and synchronise once (a room spans a region per layer and role: hundreds).
     """
 
-    def __call__(self, device: int, block: int, parts: Sequence[Part]) -> int: ...
+    def __call__(self, device: int, block: int, blocks: DeviceBlocks) -> int: ...
 
 
 def mix_sum(words: U64, first_key: U64) -> int:
@@ -107,14 +114,14 @@ def sum_blocks(addr: int, nbytes: int, device: int, block: int, rows: IntArray, 
     return sum(mix_sum(region[rows[i:i + step]].view("<u8"), first_key[i:i + step]) for i in range(0, len(rows), step))
 
 
-def device_sum(devices: Sequence[int] = ()) -> PartsSum:
-    """GPU memory: :data:`DEVICE_MODULE`'s ``sum_parts``, or :class:`ChecksumError` saying what is missing.
+def device_sum(devices: Sequence[int] = ()) -> DeviceSum:
+    """GPU memory: :data:`DEVICE_MODULE`'s ``sum_device``, or :class:`ChecksumError` saying what is missing.
 
     ``devices``: GPUs about to be hashed (the module may prepare them in the background).
     """
     try:
         module = importlib.import_module(DEVICE_MODULE)
-        fn: PartsSum = module.sum_parts
+        fn: DeviceSum = module.sum_device
         problem = module.problem(devices)
     except Exception as exc:  # ImportError (no torch), or torch failing to load its libraries
         raise ChecksumError(f"hashing GPU memory needs torch in this process ({type(exc).__name__}: {exc}); "
@@ -162,29 +169,41 @@ def digest(addr: IntArray, nbytes: IntArray, table: RegionTable,
                                 f"(a range or offset here is {block} bytes aligned)")
         return _final(_unaligned(addr, nbytes), total)
     count = nbytes // block
+    whole = bool((count == 1).all())
     ends = np.cumsum(count)  # block index just past each range
     words = block // 8
     acc = 0
-    on_device: dict[int, list[Part]] = {}
-    step = max(1, CHUNK_BYTES // block)
+    on_device: dict[int, list[tuple[IntArray, IntArray, U64]]] = {}
+    step = CHUNK_BLOCKS
     for k0 in range(0, int(ends[-1]), step):  # a chunk of the stream's blocks at a time: bounded memory
         k = np.arange(k0, min(k0 + step, int(ends[-1])), dtype=np.int64)
-        r = np.searchsorted(ends, k, side="right")
-        reg = where[r]
-        rows = off[r] // block + (k - (ends[r] - count[r]))
+        if whole:  # each range one block (pages): block k is range k
+            reg, rows = where[k], off[k] // block
+        else:
+            r = np.searchsorted(ends, k, side="right")
+            reg, rows = where[r], off[r] // block + (k - (ends[r] - count[r]))
+        keys = _keys(k * words)
+        gpu = table.vram[reg] if pick is None else np.zeros(len(reg), bool)
+        if gpu.all() and len(devices := np.flatnonzero(np.bincount(table.device[reg]))) == 1:
+            on_device.setdefault(int(devices[0]), []).append((reg, rows, keys))  # hashed once per device below
+            continue
+        if gpu.any():
+            dev = table.device[reg]
+            for d in np.flatnonzero(np.bincount(dev[gpu])).tolist():
+                sel = gpu & (dev == d)
+                on_device.setdefault(d, []).append((reg[sel], rows[sel], keys[sel]))
+            reg, rows, keys = reg[~gpu], rows[~gpu], keys[~gpu]
         order = np.argsort(reg, kind="stable")
         cuts = np.flatnonzero(np.diff(reg[order])) + 1
-        for part in np.split(order, cuts):  # one part per region the chunk touches, not per block
+        for part in np.split(order, cuts) if len(order) else ():  # one call per region the chunk touches
             g = int(reg[part[0]])
             vram, device = bool(table.vram[g]), int(table.device[g])
-            share: Part = (int(table.starts[g]), int(table.ends[g] - table.starts[g]), rows[part], _keys(k[part] * words))
-            if vram and pick is None:
-                on_device.setdefault(device, []).append(share)
-                continue
             fn = pick(vram) if pick else sum_blocks
-            acc += _hashed(lambda: fn(share[0], share[1], device, block, share[2], share[3]), vram, device, len(part), block)
-    for device, parts in on_device.items():
-        acc += _hashed(lambda: device_sum()(device, block, parts), True, device, sum(len(p[2]) for p in parts), block)
+            acc += _hashed(lambda: fn(int(table.starts[g]), int(table.ends[g] - table.starts[g]), device, block,
+                                      rows[part], keys[part]), vram, device, len(part), block)
+    for d, parts in on_device.items():
+        blocks = DeviceBlocks(table.starts, table.ends - table.starts, *(np.concatenate(c) for c in zip(*parts)))
+        acc += _hashed(lambda: device_sum()(d, block, blocks), True, d, len(blocks.rows), block)
     return _final(acc & MASK, total)
 
 
