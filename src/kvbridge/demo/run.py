@@ -373,6 +373,7 @@ def summarize(args: argparse.Namespace, cfg: TransferConfig, results: list[Resul
         "layerwise_chunks": layerwise_chunks,
         "transfer_latency_p50_ms": _pct(lat, 0.5),
         "transfer_latency_p99_ms": _pct(lat, 0.99),
+        "transfer_latency_ms_in_order": lat,  # requests in submission order: the first ones show a cold start
         "ttft_p50_ms": _pct(ttft, 0.5),
         "ttft_p99_ms": _pct(ttft, 0.99),
         "wall_s": wall_s,

@@ -53,7 +53,9 @@ class CudaIpcBackend(Backend):
         self._device = min((r.device for r in regions), default=-1)
         self._metadata = ipc.local_metadata(self._regions) if self._regions else b""
         if self._metadata:  # compile ahead, guessing that peers share as many allocations as this rank
-            self._warm("registration", self._regions, split.search_steps(ipc.allocation_count(self._metadata)))
+            # and waiting: compiling beside the first copies slowed them 100-300 ms on an H200 (the compile
+            # holds the interpreter), so registration (server start) pays it instead, once per Triton cache.
+            self._warm("registration", self._regions, split.search_steps(ipc.allocation_count(self._metadata))).join(120)
 
     def metadata(self) -> bytes:
         return self._metadata
@@ -75,10 +77,10 @@ class CudaIpcBackend(Backend):
         self._peers[peer] = mapped
         self._warm(f"peer {peer!r}", regions, split.search_steps(len(mapped.starts)))
 
-    def _warm(self, what: str, peer_regions: Sequence[Region], steps: int) -> None:
+    def _warm(self, what: str, peer_regions: Sequence[Region], steps: int) -> threading.Thread:
         """Compile, beside the caller, the kernels copies to such peer regions will launch, so that requests do
         not pay for compiling (a fraction of a second each, and Triton's import before the first). A copy that
-        needs one still being compiled waits for it; close() waits for these threads."""
+        needs one still being compiled waits for it; close() waits for these threads. Returns the thread."""
         def run() -> None:
             try:
                 n = kernel.warm(self._device, warm_shapes(self._regions, peer_regions), steps)
@@ -90,6 +92,7 @@ class CudaIpcBackend(Backend):
         thread = threading.Thread(target=run, name="kvbridge-cuda-ipc-warm")
         self._warming = [t for t in self._warming if t.is_alive()] + [thread]
         thread.start()
+        return thread
 
     def remove_peer(self, peer: str) -> None:
         # Mappings stay open until the process ends: a write in flight may still use them, and CUDA
