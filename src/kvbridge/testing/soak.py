@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="inject exactly this many faults of each kind (the run lasts "
                         "as long as they take, at least --seconds)")
     parser.add_argument("--room-faults", type=float, default=0.01, help="the fraction of rooms given a fault of "
-                        f"their own ({', '.join(ROOM_KINDS)}, a third each)")
+                        f"their own ({', '.join(ROOM_KINDS)}, a third each; default 0.01)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     kinds = tuple(args.fault or KINDS)
