@@ -41,6 +41,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("faults"))
 
 
+# Tables a test hands to the run's summary (tests/test_soak.py's chaos soak: per backend and fault kind).
+# The test's report carries it (a user property) to the controller, also from an xdist worker (whose
+# stdout is hidden), and the summary prints it after the results, passed or failed.
+SUMMARY = "summary_table"
+_tables: list[tuple[str, str]] = []
+
+
+@pytest.fixture
+def summary_table(record_property):
+    """``summary_table(text)``: print ``text`` in the run's terminal summary, under the test's id."""
+    return lambda text: record_property(SUMMARY, text)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _tables.extend((report.nodeid, value) for name, value in report.user_properties if name == SUMMARY)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or not _tables:
+        return
+    terminalreporter.section("tables the tests measured")
+    for nodeid, text in sorted(_tables):
+        terminalreporter.write_line(nodeid)
+        terminalreporter.write_line(text)
+
+
 @pytest.fixture(autouse=True)
 def _serial_tests_run_alone(request: pytest.FixtureRequest):
     workerinput = getattr(request.config, "workerinput", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import threading
 import time
@@ -29,6 +30,7 @@ from kvbridge.core.control.channel import Channel
 from kvbridge.core.control.metrics import metrics
 from kvbridge.core.planning.plan import TransferPlan
 from kvbridge.core.description.plugins import get_registry
+from kvbridge.core.sessions import servers
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
 from kvbridge.testing.e2e import Pools, Scenario, pattern, prefill_pools
 from kvbridge.testing.memory import MemoryBackend
@@ -122,6 +124,65 @@ def test_a_killed_and_replaced_prefill_serves_new_rooms_within_the_bound(tmp_pat
     # No room waits out bootstrap_timeout (30 s here) for the dead rank the lookup still listed.
     assert res.timed_out_rooms == 0, report
     assert res.first_success_s is not None and res.first_success_s <= RESTART_BOUND, report
+
+
+@contextlib.contextmanager
+def same_address_restart(tmp_path: Path) -> Iterator[tuple[Receiver, Any, Any]]:
+    """A decode in this process with room 1 in flight (asked, never sent) to a prefill process bound to a fixed
+    port; yields the room, ``kill()`` (that process) and ``start()`` (another on the same port, serving every
+    room; returns once it registered). On the way out, the new process must serve a new room."""
+    sc = msgspec.structs.replace(RESTART, backend="memory", heartbeat_timeout=30.0)  # no silence before the restart
+    dst = Pools(sc, sc.decode_pages, meta_rows=2)
+    server = BootstrapServer("127.0.0.1")
+    dm = DecodeManager(dst.kvargs, "memory", config=sc.session_config())
+    procs = [PrefillProcess("memory", server.address, tmp_path / "old", hold_from=1)]
+    try:
+        port = int(procs[0].control_address().rpartition(":")[2])
+        recv = Receiver(dm, 1, bootstrap=server.address)
+        recv.init(np.arange(RESTART_PAGES), metadata_row=0)
+        assert recv.wait(Poll.WAITING_FOR_INPUT, 30.0) == Poll.WAITING_FOR_INPUT, recv.failure()
+
+        def start() -> None:
+            procs.append(PrefillProcess("memory", server.address, tmp_path / "new", control_port=port))
+            procs[-1].ready()
+
+        yield recv, procs[0].kill, start
+        fresh = Receiver(dm, 2, bootstrap=server.address)  # the new process serves new rooms
+        fresh.init(np.arange(RESTART_PAGES, 2 * RESTART_PAGES), metadata_row=1)
+        assert fresh.wait(Poll.SUCCESS, 30.0) == Poll.SUCCESS, fresh.failure()
+    finally:
+        for proc in procs:
+            proc.kill()
+        dm.close()
+        server.close()
+
+
+def test_a_prefill_killed_and_replaced_on_its_address_before_decode_saw_it_gone_fails_the_rooms_naming_the_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A replacement that binds the port before decode's grace for a closed connection ends (a fast restart):
+    # decode's connection reaches the new process, whose first answer comes from another incarnation.
+    monkeypatch.setattr(servers, "GONE_GRACE", 60.0)
+    with same_address_restart(tmp_path) as (recv, kill, start):
+        kill()
+        start()
+        assert recv.wait(Poll.SUCCESS, 30.0) == Poll.FAILED  # waits until final
+        assert "it restarted: a new process (incarnation" in (recv.failure() or ""), recv.failure()
+        assert recv.fenced  # the old process is gone: nothing more of it lands
+
+
+def test_a_prefill_killed_and_seen_gone_before_its_replacement_on_its_address_answered_is_named_in_the_log(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # On one host the old process dies before the new one can bind its port, and starting one takes longer than
+    # GONE_GRACE: the rooms fail as the process gone, final then (docs/failures.md), and decode says which
+    # process replaced it once the new one answers its handshake.
+    caplog.set_level(logging.WARNING, logger="kvbridge")
+    with same_address_restart(tmp_path) as (recv, kill, start):
+        kill()
+        assert recv.wait(Poll.SUCCESS, 30.0) == Poll.FAILED  # waits until final
+        assert "the process is gone" in (recv.failure() or ""), recv.failure()
+        start()
+    named = [r.getMessage() for r in caplog.records if "restarted: a new process" in r.getMessage()]
+    assert len(named) == 1 and "seen gone before" in named[0], named
 
 
 def test_a_restarted_bootstrap_refuses_what_was_sealed_for_the_old_one_and_the_rank_registers_again() -> None:

@@ -4,7 +4,8 @@ On two backends, one fault of each kind (about 15-25 s each on this box): rooms 
 process that is frozen and resumed, whose bootstrap server is restarted, which is sent hostile
 frames, which is killed and replaced on the same control address by one of another page size (then by
 a right one, there too), killed and replaced on the same address, and killed and replaced on a new
-one, in turn, each fault 0.5 s after the previous one is over. No SUCCESS may be wrong, no byte may land
+one, in turn, each fault 0.5 s after the previous one is over; and 1% of the rooms aborted, by decode's host
+or by prefill's. No SUCCESS may be wrong, no byte may land
 in a FAILED room once it was fenced nor in a room refused for its layout, every room must end, a
 killed prefill's rooms must fail on decode within 2 s and its replacement serve within the restart
 bound, and the soak process must not keep threads or file descriptors. Then, on nixl (its UCX over
@@ -13,6 +14,8 @@ the link between prefill and decode (skipped, saying why, where namespaces canno
 """
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 
@@ -48,11 +51,12 @@ def test_a_prefill_given_a_control_port_binds_it_and_its_replacement_comes_back_
 
 
 @pytest.mark.parametrize("backend", ["memory", "nixl"])
-def test_the_soak_with_kills_freezes_bootstrap_restarts_and_hostile_frames(backend: str) -> None:
+def test_the_soak_with_kills_freezes_bootstrap_restarts_and_hostile_frames(backend: str, summary_table) -> None:
     if not get_registry().backend_available(backend):
         pytest.fail(f"backend {backend!r} is not installed here (scripts/setup.sh installs it)")
     report = soak(backend, 4.0, concurrency=8, every=0.5, rounds=1)
     text = table([report])
+    summary_table(table([report], details=True))  # printed in the run's summary (tests/conftest.py)
     assert report.error is None, text
     assert report.unfinished == 0, text
     for stats in report.kinds.values():
@@ -79,17 +83,25 @@ def test_the_soak_with_kills_freezes_bootstrap_restarts_and_hostile_frames(backe
     for kind in ("bootstrap-restart", "hostile"):  # a bootstrap restart and hostile frames fail nothing; the rooms go on
         stats = report.kinds[kind]
         assert not stats.faults or stats.succeeded > 0, text
+    # 1% of the rooms have a fault of their own: decode's host aborts it at once (prefill's host has mostly not
+    # created the Sender yet) or 0-10 ms later, or prefill's host aborts it. None of the first and last can
+    # succeed, and most fail within a second (those opened during a process fault wait for it instead).
+    for kind in ("room-abort-decode", "room-abort-prefill"):
+        stats = report.kinds[kind]
+        assert stats.faults > 0 and stats.succeeded == 0 and stats.failed == stats.rooms, text
+        assert statistics.median(stats.to_failed_s) <= 1.0, text
     start, end = report.resources_start, report.resources_end
     assert end["threads"] <= start["threads"] + 4 and end["fds"] <= start["fds"] + 16, text
 
 
-def test_the_soak_with_a_network_cut() -> None:
+def test_the_soak_with_a_network_cut(summary_table) -> None:
     if not get_registry().backend_available("nixl"):
         pytest.fail("backend 'nixl' is not installed here (scripts/setup.sh installs it)")
     report = soak("nixl", 2.0, concurrency=8, every=1.0, rounds=1, kinds=NET_KINDS, cut=3.0)
     if report.skipped:
         pytest.skip(report.skipped)
     text = table([report])
+    summary_table(table([report], details=True))
     assert report.error is None, text
     assert report.unfinished == 0, text
     cut = report.kinds["net-cut"]

@@ -18,7 +18,8 @@ reports:
 ``tests/test_restart.py`` asserts a generous bound on every backend.
 Run as ``python -m kvbridge.testing.restart prefill --backend NAME --bootstrap ADDR``
 for the prefill process (it prints ``READY <unix time> <control host:port>`` once registered;
-``--control-port`` binds a given port, ``--page-nbytes`` a layout other than decode's).
+``--control-port`` binds a given port, ``--page-nbytes`` a layout other than decode's,
+``--abort-fraction`` has its host abort that fraction of the rooms).
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ RESTART = Scenario(backend="?", layers=2, page_nbytes=64, prefill_pages=1024, de
                    bootstrap_timeout=30.0, transfer_timeout=5.0, heartbeat_interval=0.2, heartbeat_timeout=1.0)
 
 
+def host_aborts(room: int, fraction: float) -> bool:
+    """Whether prefill's host aborts ``room`` instead of sending it, for ``fraction`` of the rooms (a fixed
+    rule on the room number, so the soak's decode knows which rooms without being told)."""
+    return (room * 2654435761) % 2**32 < fraction * 2**32  # Knuth's multiplicative hash: spread evenly
+
+
 def source_pages(room: int) -> np.ndarray:
     """The prefill pages room ``room`` sends (both sides compute them; nothing is exchanged)."""
     return (np.arange(PAGES) * 3 + room * 5) % RESTART.prefill_pages
@@ -68,10 +75,11 @@ class Result(msgspec.Struct, kw_only=True):
 
 
 def run_prefill(backend: str, bootstrap: str, hold_from: int | None = None, control_port: int = 0,
-                page_nbytes: int | None = None, host: str = "127.0.0.1") -> int:
+                page_nbytes: int | None = None, host: str = "127.0.0.1", abort_fraction: float = 0.0) -> int:
     """The prefill process: serve every room decode asks for, until killed.
 
-    Rooms numbered ``hold_from`` or more get a sender that never sends (a room kept in flight).
+    Rooms numbered ``hold_from`` or more get a sender that never sends (a room kept in flight); rooms
+    :func:`host_aborts` picks for ``abort_fraction`` are aborted by the host when they could be sent.
     ``control_port``: bind the control endpoint there (0: an ephemeral port); ``page_nbytes``: a
     layout other than decode's (a replacement that decode must refuse at the handshake)."""
     sc = msgspec.structs.replace(RESTART, backend=backend, page_nbytes=page_nbytes or RESTART.page_nbytes)
@@ -86,7 +94,9 @@ def run_prefill(backend: str, bootstrap: str, hold_from: int | None = None, cont
                 senders[room] = Sender(mgr, room, metadata_row=0)
         for room, sender in list(senders.items()):
             state = sender.poll()
-            if state == Poll.WAITING_FOR_INPUT and (hold_from is None or room < hold_from):
+            if state == Poll.WAITING_FOR_INPUT and host_aborts(room, abort_fraction):
+                sender.abort("prefill's host aborted the room (the soak's room fault)")
+            elif state == Poll.WAITING_FOR_INPUT and (hold_from is None or room < hold_from):
                 sender.send(source_pages(room), last=True)
             elif sender.final:
                 del senders[room]
@@ -98,12 +108,13 @@ class PrefillProcess:
 
     def __init__(self, backend: str, bootstrap: str, stem: Path, hold_from: int | None = None, control_port: int = 0,
                  page_nbytes: int | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, abort_fraction: float = 0.0) -> None:
         """``prefix`` runs it under another command (``ip netns exec NAME``); ``env`` adds to its environment."""
         self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
         self.started = time.time()
         extra = [] if hold_from is None else ["--hold-from", str(hold_from)]
         extra += ["--host", host, "--control-port", str(control_port)] + ([] if page_nbytes is None else ["--page-nbytes", str(page_nbytes)])
+        extra += ["--abort-fraction", str(abort_fraction)] if abort_fraction else []
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "kvbridge.testing.restart", "prefill", "--backend", backend,
@@ -220,11 +231,14 @@ def main(argv: list[str] | None = None) -> int:
                         "on this port (0: ephemeral)")
     parser.add_argument("--host", default="127.0.0.1", help="prefill role: the control endpoint's address")
     parser.add_argument("--page-nbytes", type=int, help="prefill role: a page size other than decode's")
+    parser.add_argument("--abort-fraction", type=float, default=0.0, help="prefill role: the host aborts this "
+                        "fraction of the rooms instead of sending them")
     parser.add_argument("--repeat", type=int, default=1, help="episodes per backend")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     if args.role == "prefill":
-        return run_prefill(args.backend[0], args.bootstrap, args.hold_from, args.control_port, args.page_nbytes, args.host)
+        return run_prefill(args.backend[0], args.bootstrap, args.hold_from, args.control_port, args.page_nbytes, args.host,
+                           args.abort_fraction)
     from kvbridge.core.description.plugins import get_registry
 
     backends = args.backend or [b for b in BACKENDS if get_registry().backend_available(b)]

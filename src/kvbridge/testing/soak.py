@@ -23,6 +23,18 @@ room again, or :data:`RECOVERY` seconds passed):
   not a byte may land (the rooms' pages stay zero); after :data:`HOLD` seconds
   it is replaced in turn by a prefill with decode's layout, on the same address.
 
+Besides, ``room_faults`` of the rooms (1% by default) get a fault of their own, a third each:
+
+- ``room-abort-decode``: decode's host aborts the room right after ``init``
+  (its ``Abort`` mostly reaches prefill before prefill's host created the
+  ``Sender``, which must fail as it is created);
+- ``room-abort-decode-late``: decode's host aborts it 0-10 ms later, wherever
+  it is then (it may have ended already);
+- ``room-abort-prefill``: prefill's host aborts its ``Sender`` instead of
+  sending (:func:`kvbridge.testing.restart.host_aborts` picks the rooms).
+
+Those rooms are counted in their own kind's row, not in the process fault's.
+
 After ``seconds`` no fault starts, and the soak goes on until the last one
 is over (at most :data:`RECOVERY` seconds more), then lets every room end.
 
@@ -32,9 +44,12 @@ SUCCESS whose pages differ from the source pattern, computed with plain numpy
 indexing), *late writes* (pages of a FAILED room that changed after it was
 fenced, watched for ``settle`` seconds before the pages are used again), the
 time from the fault to FAILED of the rooms in flight (on decode, the other
-side), the time from a restarted/resumed prefill's readiness to the first
-SUCCESS after it, the failure reasons seen (first words, counted), and the
-soak process's threads, file descriptors and RSS at start and end.
+side), the time from a restarted/resumed prefill's readiness, and from the
+fault itself, to the first SUCCESS after it, the failure reasons seen (first
+words, counted); and for the run: rooms per second (overall, and before the
+first fault, which waits for a first SUCCESS), the soak process's threads,
+file descriptors and RSS at start, when the 10,000th room ended and at end,
+and the CPU time per room of the soak process and of its prefill processes.
 
 ``net-cut`` (not in the default order: it needs root and ``ip``) runs the
 whole soak in network namespaces (:mod:`kvbridge.testing.soaknet`: this
@@ -54,7 +69,6 @@ import json
 import os
 import random
 import re
-import statistics
 import sys
 import tempfile
 import threading
@@ -72,7 +86,10 @@ from kvbridge.core.control.auth import Sealer
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.sessions.session import DecodeManager, Poll, Receiver
 from kvbridge.testing.e2e import Pools, pattern
-from kvbridge.testing.restart import PAGES, RESTART, PrefillProcess, source_pages
+from kvbridge.testing.restart import PAGES, RESTART, PrefillProcess, host_aborts, source_pages
+from kvbridge.testing.soakreport import CHECKPOINT, KindStats, Report, process_cpu, resources, table
+
+__all__ = ["KINDS", "NET_KINDS", "ROOM_KINDS", "Report", "soak", "table"]
 
 if TYPE_CHECKING:
     from kvbridge.testing.soaknet import Net
@@ -82,6 +99,8 @@ KINDS = ("prefill-freeze", "bootstrap-restart", "hostile", "prefill-restart-chan
          "prefill-restart-same-address", "prefill-kill")
 #: Faults that need the soak in network namespaces (kvbridge.testing.soaknet): never in the default order.
 NET_KINDS = ("net-cut",)
+#: Faults of single rooms, given to ``room_faults`` of the rooms (see the module's docstring).
+ROOM_KINDS = ("room-abort-decode", "room-abort-decode-late", "room-abort-prefill")
 #: The faults that kill the prefill process and start another.
 RESTARTS = ("prefill-kill", "prefill-restart-same-address", "prefill-restart-changed-layout")
 #: Seconds the replacement with another layout serves (and is refused) before the right one replaces it.
@@ -94,68 +113,27 @@ SOAK = msgspec.structs.replace(RESTART, bootstrap_timeout=5.0, transfer_timeout=
                                heartbeat_timeout=2.0)
 
 
-class KindStats(msgspec.Struct, kw_only=True):
-    """One fault kind's results (``none``: before the first fault)."""
-
-    faults: int = 0
-    rooms: int = 0
-    succeeded: int = 0
-    failed: int = 0
-    wrong_successes: int = 0
-    late_writes: int = 0
-    #: For each late write: the room, its failure reason, and the pages (of its own) that changed.
-    late_rooms: list[str] = []
-    #: Seconds from the fault to FAILED on decode of each room in flight at it (max over rooms, per fault).
-    to_failed_s: list[float] = []
-    #: Seconds from the prefill (restarted or resumed) being ready, or the fault, to the next SUCCESS.
-    to_success_s: list[float] = []
-    #: FAILED rooms whose reason names a layout mismatch, and those of them with any byte landed.
-    refused_layout: int = 0
-    landed_in_refused: int = 0
-    #: FAILED rooms counted by their reason's first words.
-    reasons: dict[str, int] = {}
-    #: Outcomes (SUCCESS/FAILED) of the rooms that were in flight when a fault of this kind began.
-    inflight: dict[str, int] = {}
-
-
-class Report(msgspec.Struct, kw_only=True):
-    backend: str
-    seconds: float
-    rooms: int = 0
-    rooms_per_s: float = 0.0
-    unfinished: int = 0
-    kinds: dict[str, KindStats] = {}
-    resources_start: dict[str, int] = {}
-    resources_end: dict[str, int] = {}
-    error: str | None = None
-    #: Why the soak did not run (network namespaces unavailable for a net-cut).
-    skipped: str | None = None
-
-
-def resources() -> dict[str, int]:
-    """This process's threads, open file descriptors and resident memory (bytes)."""
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")), "rss": rss}
-
-
 class _Slot:
     """Destination pages for one room at a time; quarantined after a FAILED room until no late write can come."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.pages = np.arange(index * PAGES, (index + 1) * PAGES)
+        self.span = slice(index * PAGES, (index + 1) * PAGES)  # the same pages: a view of a region, not a copy
         self.recv: Receiver | None = None
         self.snapshot: list[np.ndarray] | None = None  # its pages when the FAILED room was fenced
         self.free_at = 0.0  # when the pages are compared with the snapshot and used again
         self.accounted = False
         self.failed_at = 0.0
+        self.fault: str | None = None  # its room's own fault (ROOM_KINDS)
+        self.abort_at = 0.0  # room-abort-decode-late: when decode's host aborts it
+        self.fault_at = 0.0  # when its room's fault came (decode's abort; prefill's: when the room opened)
 
 
 class Soak:
     def __init__(self, backend: str, workdir: Path, concurrency: int, every: float, freeze: float,
                  settle: float, seed: int, kinds: tuple[str, ...] = KINDS, net: Net | None = None,
-                 cut: float = 3.0) -> None:
+                 cut: float = 3.0, room_faults: float = 0.0) -> None:
         self.order = kinds
         self.net, self.cut_s = net, cut
         host = net.decode_ip if net is not None else "127.0.0.1"
@@ -167,7 +145,9 @@ class Soak:
         self.every, self.freeze_s, self.settle = every, freeze, settle
         self.rng = random.Random(seed)
         self.words = self.sc.page_nbytes // 4
-        self.kinds = {k: KindStats() for k in ("none", *KINDS, *(k for k in kinds if k not in KINDS))}
+        self.room_faults = room_faults
+        self.kinds = {k: KindStats() for k in ("none", *KINDS, *(k for k in kinds if k not in KINDS),
+                                               *(ROOM_KINDS if room_faults else ()))}
         self.current = "none"
         self.next_room = 1
         self.procs: list[PrefillProcess] = []
@@ -176,34 +156,54 @@ class Soak:
         #: (kind, fault time, rooms in flight at it, when the prefill is ready again or None, first SUCCESS seen)
         self.pending: list[dict[str, object]] = []
         self.thread_errors: list[str] = []
+        self.ended = 0
+        self.checkpoint: dict[str, int] = {}
+        self.t0 = time.monotonic()  # the run's start (run() sets it)
 
     # -- the prefill process --------------------------------------------------------------------------
     def start_prefill(self, control_port: int = 0, page_nbytes: int | None = None) -> PrefillProcess:
         proc = PrefillProcess(self.backend, self.server.address, self.workdir / f"prefill-{len(self.procs)}",
                               control_port=control_port, page_nbytes=page_nbytes,
                               host=self.net.prefill_ip if self.net else "127.0.0.1",
-                              prefix=self.net.prefix() if self.net else (), env=self.net.env() if self.net else None)
+                              prefix=self.net.prefix() if self.net else (), env=self.net.env() if self.net else None,
+                              abort_fraction=self.room_faults / 3)
         self.procs.append(proc)
         return proc
 
     # -- rooms ----------------------------------------------------------------------------------------
-    def _expected(self, room: int) -> list[np.ndarray]:
-        return [pattern(e, source_pages(room), self.words) for e in range(len(self.pools.kv))]
+    def _right(self, room: int, slot: _Slot) -> bool:
+        """Whether ``slot``'s pages hold exactly what ``room``'s source pages hold, in every region."""
+        src = source_pages(room)
+        return all(np.array_equal(a[slot.span], pattern(e, src, self.words)) for e, a in enumerate(self.pools.kv))
 
     def _open(self, slot: _Slot) -> None:
         room = self.next_room
         self.next_room += 1
         for a in self.pools.kv:
-            a[slot.pages] = 0
+            a[slot.span] = 0
+        slot.fault, slot.fault_at = None, time.monotonic()
+        draw = self.rng.random() * 3 / self.room_faults if self.room_faults else 3.0
+        if host_aborts(room, self.room_faults / 3):
+            slot.fault = "room-abort-prefill"
+        elif draw < 2:
+            slot.fault = ROOM_KINDS[int(draw)]
+            slot.abort_at = time.monotonic() + self.rng.uniform(0.0, 0.01)
+        if slot.fault is not None:
+            self.kinds[slot.fault].faults += 1
         slot.recv = Receiver(self.mgr, room, bootstrap=self.server.address)
         slot.recv.init(slot.pages, metadata_row=slot.index)
+        if slot.fault == "room-abort-decode":
+            slot.recv.abort("decode's host aborted the room (the soak's room fault)")
 
     def _account(self, slot: _Slot) -> None:
         """Count a room that just became final (once)."""
         recv = slot.recv
         assert recv is not None and recv.final
         slot.accounted = True
-        stats = self.kinds[self.current]
+        self.ended += 1
+        if self.ended == CHECKPOINT:
+            self.checkpoint = resources()
+        stats = self.kinds[slot.fault or self.current]
         stats.rooms += 1
         for ev in self.pending:
             if recv.room in ev["inflight"]:  # type: ignore[operator]
@@ -211,22 +211,24 @@ class Soak:
                 seen[recv.poll().name] = seen.get(recv.poll().name, 0) + 1
         if recv.poll() == Poll.SUCCESS:
             stats.succeeded += 1
-            got = [a[slot.pages] for a in self.pools.kv]
-            if any(not np.array_equal(g, e) for g, e in zip(got, self._expected(recv.room))):
+            if not self._right(recv.room, slot):
                 stats.wrong_successes += 1
             for ev in self.pending:
                 ready = ev["ready"]
                 if ev["success"] is None and ready is not None and recv.ended is not None \
                         and recv.ended >= ready and recv.created >= ev["at"]:  # type: ignore[operator]
                     ev["success"] = recv.ended - ready  # type: ignore[operator]
+                    ev["down"] = recv.ended - ev["at"]  # type: ignore[operator]
             return
         stats.failed += 1
+        if slot.fault is not None and recv.ended is not None:
+            stats.to_failed_s.append(round(recv.ended - slot.fault_at, 3))
         reason = recv.failure() or ""
         key = re.sub(r"\S+:\d+\b", "<addr>", " ".join(reason.split()[:12]))[:120]  # one line per cause, any port
         stats.reasons[key] = stats.reasons.get(key, 0) + 1
         if "layout" in reason.lower() or "mismatch" in reason.lower():
             stats.refused_layout += 1
-            stats.landed_in_refused += int(any(a[slot.pages].any() for a in self.pools.kv))
+            stats.landed_in_refused += int(any(a[slot.span].any() for a in self.pools.kv))
         for ev in self.pending:
             if recv.room in ev["inflight"] and recv.ended is not None:  # type: ignore[operator]
                 ev["failed"] = max(ev["failed"] or 0.0, recv.ended - ev["at"])  # type: ignore[operator,arg-type]
@@ -238,6 +240,9 @@ class Soak:
         """Count rooms that ended, watch FAILED rooms' pages for late writes, keep every slot busy."""
         for slot in self.slots:
             recv = slot.recv
+            if recv is not None and slot.fault == "room-abort-decode-late" and now >= slot.abort_at and not recv.final:
+                recv.abort("decode's host aborted the room late (the soak's room fault)")
+                slot.fault_at = now
             if recv is not None and recv.final:
                 if not slot.accounted:
                     self._account(slot)
@@ -246,16 +251,16 @@ class Soak:
                     self._release(slot)
                 elif slot.snapshot is None:
                     if recv.fenced:  # nothing lands from now on: what changes after this is a late write
-                        slot.snapshot = [a[slot.pages].copy() for a in self.pools.kv]
+                        slot.snapshot = [a[slot.span].copy() for a in self.pools.kv]
                         slot.free_at = now + self.settle
                     elif now - slot.failed_at > 30.0:
                         self.unfenced += 1
                         self._release(slot)
                 elif now >= slot.free_at:
-                    changed = sum(int((a[slot.pages] != s).any(axis=1).sum()) for a, s in zip(self.pools.kv, slot.snapshot))
+                    changed = sum(int((a[slot.span] != s).any(axis=1).sum()) for a, s in zip(self.pools.kv, slot.snapshot))
                     if changed:
-                        self.kinds[self.current].late_writes += 1
-                        self.kinds[self.current].late_rooms.append(f"room {recv.room}: {changed} pages; {recv.failure()}")
+                        self.kinds[slot.fault or self.current].late_writes += 1
+                        self.kinds[slot.fault or self.current].late_rooms.append(f"room {recv.room}: {changed} pages; {recv.failure()}")
                     self._release(slot)
             if slot.recv is None:
                 self._open(slot)
@@ -315,10 +320,12 @@ class Soak:
             ev["ready"] = time.monotonic()
 
     def _recovered(self, now: float) -> bool:
-        """Whether the last fault is over: its prefill served a room again (or 10 s passed), so the
-        next fault hits a serving prefill, not one still starting (a loaded box starts one slowly)."""
+        """Whether the last fault is over: its prefill served a room again (or RECOVERY s passed), so the
+        next fault hits a serving prefill, not one still starting (a loaded box starts one slowly). Before
+        the first fault: a room succeeded (a freeze during the first handshake fails nothing: decode waits
+        for a handshake up to bootstrap_timeout, longer than the freeze)."""
         if not self.pending:
-            return True
+            return self.kinds["none"].succeeded > 0 or now - self.t0 > RECOVERY
         last = self.pending[-1]
         return last["success"] is not None or now - float(last["at"]) > RECOVERY  # type: ignore[arg-type]
 
@@ -365,10 +372,13 @@ class Soak:
         lasts at least ``seconds``, and at most RECOVERY + ``every`` more per fault)."""
         report = Report(backend=self.backend, seconds=seconds)
         self.unfenced = 0
+        cpu0: tuple[os.times_result, float] | None = None
         try:
-            self.start_prefill().ready()
+            first = self.start_prefill()
+            first.ready()
             report.resources_start = resources()
-            t0 = time.monotonic()
+            t0 = self.t0 = time.monotonic()
+            cpu0 = os.times(), process_cpu(first.proc.pid)  # the first prefill's start-up is not a room's
             next_fault = t0 + self.every
             turn = 0
             planned = None if rounds is None else rounds * len(self.order)
@@ -384,7 +394,9 @@ class Soak:
                     self.inject(self.order[turn % len(self.order)], now)
                     turn += 1
                     next_fault = now + self.every
-                self.mgr.wait_any([s.recv for s in self.slots if s.recv is not None], 0.01)
+                # Only rooms in flight: a FAILED room kept for its late-write watch is final, and waiting on it
+                # returned at once (the loop spun through every fault's settle time).
+                self.mgr.wait_any([s.recv for s in self.slots if s.recv is not None and not s.recv.final], 0.01)
             # Drain: no new rooms; every room must end (bounded by the timeouts).
             end = time.monotonic() + 15.0
             while time.monotonic() < end and any(s.recv is not None and not s.recv.final for s in self.slots):
@@ -399,10 +411,14 @@ class Soak:
                     stats.to_failed_s.append(round(float(ev["failed"]), 3))  # type: ignore[arg-type]
                 if ev["success"] is not None:
                     stats.to_success_s.append(round(float(ev["success"]), 3))  # type: ignore[arg-type]
+                    stats.down_s.append(round(float(ev["down"]), 3))  # type: ignore[arg-type]
             report.kinds = self.kinds
             report.rooms = sum(k.rooms for k in self.kinds.values())
             report.seconds = round(time.monotonic() - t0, 1)
             report.rooms_per_s = report.rooms / report.seconds
+            first = float(self.pending[0]["at"]) if self.pending else time.monotonic()  # type: ignore[arg-type]
+            report.fault_free_rooms_per_s = round(self.kinds["none"].rooms / max(first - t0, 1e-3), 1)
+            report.resources_checkpoint = self.checkpoint
             report.resources_end = resources()
             if self.thread_errors:
                 report.error = "; ".join(self.thread_errors)
@@ -410,7 +426,13 @@ class Soak:
             report.error = f"{type(exc).__name__}: {exc}"
         finally:
             for p in self.procs:
-                p.kill()
+                p.kill()  # and waited for: its CPU is counted in os.times()'s children
+            if cpu0 is not None and report.rooms:
+                (t, started), now = cpu0, os.times()
+                report.cpu_us_per_room = {
+                    "decode": round((now.user + now.system - t.user - t.system) / report.rooms * 1e6),
+                    "prefill": round((now.children_user + now.children_system - t.children_user - t.children_system
+                                      - started) / report.rooms * 1e6)}
             self.mgr.close()
             self.server.close()
         return report
@@ -418,11 +440,12 @@ class Soak:
 
 def soak(backend: str, seconds: float, *, concurrency: int = 8, every: float = 3.0, freeze: float = 3.0,
          settle: float = 0.3, seed: int = 0, kinds: tuple[str, ...] = KINDS, rounds: int | None = None,
-         net: Net | None = None, cut: float = 3.0) -> Report:
+         net: Net | None = None, cut: float = 3.0, room_faults: float = 0.01) -> Report:
     """Run the soak on ``backend`` for ``seconds`` (plus a bounded drain); see the module docstring.
 
     ``kinds``: the faults to inject, in this order, in turn; ``rounds``: inject exactly this many of
-    each (the run then lasts as long as they take, at least ``seconds``). With a kind of
+    each (the run then lasts as long as they take, at least ``seconds``); ``room_faults``: the fraction
+    of rooms given a fault of their own (:data:`ROOM_KINDS`). With a kind of
     :data:`NET_KINDS` the soak runs in network namespaces (:mod:`kvbridge.testing.soaknet`; ``net``
     is set there, in the soak's own namespace); where they cannot be created the report's
     ``skipped`` says why."""
@@ -430,29 +453,11 @@ def soak(backend: str, seconds: float, *, concurrency: int = 8, every: float = 3
         from kvbridge.testing.soaknet import soak_in_namespaces
 
         return soak_in_namespaces(backend, seconds, concurrency=concurrency, every=every, freeze=freeze,
-                                  settle=settle, seed=seed, kinds=kinds, rounds=rounds, cut=cut)
+                                  settle=settle, seed=seed, kinds=kinds, rounds=rounds, cut=cut,
+                                  room_faults=room_faults)
     with tempfile.TemporaryDirectory(prefix="kvbridge-soak-") as tmp:
-        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds, net, cut).run(seconds, rounds)
-
-
-def table(reports: list[Report]) -> str:
-    def span(v: list[float]) -> str:
-        return "-" if not v else (f"{v[0]:.2f} s" if len(v) == 1 else f"{min(v):.2f}-{max(v):.2f} s "
-                                  f"(median {statistics.median(v):.2f})")
-    rows = ["| backend | fault | faults | rooms | SUCCESS / FAILED | wrong SUCCESS | late writes | fault -> FAILED "
-            "on decode | ready -> first SUCCESS | refused for layout (bytes landed) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in reports:
-        for kind, k in r.kinds.items():
-            rows.append(f"| {r.backend} | {kind} | {k.faults} | {k.rooms} | {k.succeeded} / {k.failed} | "
-                        f"{k.wrong_successes} | {k.late_writes} | {span(k.to_failed_s)} | {span(k.to_success_s)} | "
-                        f"{k.refused_layout} ({k.landed_in_refused}) |")
-        rows.append(f"| {r.backend} | all | | {r.rooms} in {r.seconds:.0f} s ({r.rooms_per_s:.0f}/s), {r.unfinished} unfinished | | | | "
-                    f"threads/fds/RSS MB: {r.resources_start.get('threads')}/{r.resources_start.get('fds')}/"
-                    f"{r.resources_start.get('rss', 0) >> 20} -> {r.resources_end.get('threads')}/"
-                    f"{r.resources_end.get('fds')}/{r.resources_end.get('rss', 0) >> 20} | | |"
-                    + (f" error: {r.error}" if r.error else "") + (f" skipped: {r.skipped}" if r.skipped else ""))
-    return "\n".join(rows)
+        return Soak(backend, Path(tmp), concurrency, every, freeze, settle, seed, kinds, net, cut,
+                    room_faults).run(seconds, rounds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,21 +471,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cut", type=float, default=3.0, help="net-cut: seconds the link is down")
     parser.add_argument("--rounds", type=int, help="inject exactly this many faults of each kind (the run lasts "
                         "as long as they take, at least --seconds)")
+    parser.add_argument("--room-faults", type=float, default=0.01, help="the fraction of rooms given a fault of "
+                        f"their own ({', '.join(ROOM_KINDS)}, a third each; default 0.01)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     kinds = tuple(args.fault or KINDS)
     reports = [soak(b, args.seconds, concurrency=args.concurrency, every=args.every, kinds=kinds,
-                    rounds=args.rounds, cut=args.cut)
+                    rounds=args.rounds, cut=args.cut, room_faults=args.room_faults)
                for b in args.backend or ["memory"]]
-    print(json.dumps([msgspec.to_builtins(r) for r in reports]) if args.json else table(reports))
-    for r in reports:
-        for kind, k in r.kinds.items():
-            for late in k.late_rooms:
-                print(f"late write ({r.backend}, {kind}): {late}")
-            if k.inflight:
-                print(f"in flight at the fault ({r.backend}, {kind}): {k.inflight}")
-            for reason, n in sorted(k.reasons.items(), key=lambda x: -x[1]):
-                print(f"FAILED ({r.backend}, {kind}) x{n}: {reason}")
+    print(json.dumps([msgspec.to_builtins(r) for r in reports]) if args.json else table(reports, details=True))
     bad = any(r.error or r.unfinished or any(k.wrong_successes or k.late_writes or k.landed_in_refused
                                              for k in r.kinds.values())
               for r in reports)

@@ -57,7 +57,7 @@ class Net:
 
 
 def soak_in_namespaces(backend: str, seconds: float, *, concurrency: int, every: float, freeze: float, settle: float,
-                       seed: int, kinds: tuple[str, ...], rounds: int | None, cut: float) -> Report:
+                       seed: int, kinds: tuple[str, ...], rounds: int | None, cut: float, room_faults: float) -> Report:
     """Run the soak (see :func:`kvbridge.testing.soak.soak`) with decode and prefill in two namespaces."""
     why = unavailable()
     if why is not None:
@@ -67,7 +67,7 @@ def soak_in_namespaces(backend: str, seconds: float, *, concurrency: int, every:
     try:
         args = ["--backend", backend, "--seconds", str(seconds), "--concurrency", str(concurrency), "--every",
                 str(every), "--freeze", str(freeze), "--settle", str(settle), "--seed", str(seed), "--cut", str(cut),
-                "--kinds", ",".join(kinds), "--prefill-ns", link.ns["prefill"], "--prefill-dev", link.dev["prefill"],
+                "--room-faults", str(room_faults), "--kinds", ",".join(kinds), "--prefill-ns", link.ns["prefill"], "--prefill-dev", link.dev["prefill"],
                 *([] if rounds is None else ["--rounds", str(rounds)])]
         per_fault = 30.0 + every  # kvbridge.testing.soak.RECOVERY + every
         bound = seconds + MARGIN + per_fault * (len(kinds) * rounds if rounds else 1)
@@ -100,12 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", required=True, help=f"comma-separated (of {', '.join(KINDS)}, net-cut)")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--cut", type=float, required=True)
+    parser.add_argument("--room-faults", type=float, required=True)
     parser.add_argument("--prefill-ns", required=True)
     parser.add_argument("--prefill-dev", required=True)
     args = parser.parse_args(argv)
     report = soak(args.backend, args.seconds, concurrency=args.concurrency, every=args.every, freeze=args.freeze,
                   settle=args.settle, seed=args.seed, kinds=tuple(args.kinds.split(",")), rounds=args.rounds,
-                  net=Net(args.prefill_ns, args.prefill_dev), cut=args.cut)
+                  net=Net(args.prefill_ns, args.prefill_dev), cut=args.cut, room_faults=args.room_faults)
     print(json.dumps(msgspec.to_builtins(report)), flush=True)
     return 0
 

@@ -52,7 +52,7 @@ class DecodeManager(TransferManager[Receiver], RankWatch):
         #: Rooms reported FAILED without every prefill rank's ``Fenced`` (``Receiver.fenced`` False), by id.
         self._unconfirmed: dict[int, Receiver] = {}
         #: Incarnations (hex) of prefill processes seen gone or replaced: a lookup still listing one is retried.
-        self._dead: OrderedDict[str, None] = OrderedDict()
+        self._dead: OrderedDict[str, str] = OrderedDict()
         self.loop.start()
 
     # -- for receivers -----------------------------------------------------------------------
@@ -195,6 +195,7 @@ class DecodeManager(TransferManager[Receiver], RankWatch):
         incarnation = rank.chan.sender_incarnation
         if isinstance(msg, P.HelloAck) and incarnation:
             rank.incarnation = incarnation
+            self._note_successor(rank)
         elif rank.incarnation and incarnation and incarnation != rank.incarnation and not rank.gone:
             # Another process answers at the rank's address: the one this server handshook with is gone.
             self._gone(server, rank, f"it restarted: a new process (incarnation {incarnation.hex()}) replaced "

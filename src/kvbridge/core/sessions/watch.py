@@ -41,7 +41,8 @@ class RankWatch:
     rooms: dict[int, Receiver]
     _servers: dict[str, PrefillServer]
     _unconfirmed: dict[int, Receiver]
-    _dead: OrderedDict[str, None]
+    #: Incarnations (hex) seen gone or replaced -> the control address they had ("" once a successor there was noted).
+    _dead: OrderedDict[str, str]
     _fail_server: Callable[[PrefillServer, str, str], None]
     _lookup: Callable[[PrefillServer], None]
 
@@ -90,7 +91,7 @@ class RankWatch:
         rank.gone = True
         with self.lock:
             for inc in {rank.incarnation.hex(), rank.info.incarnation} - {""}:
-                self._dead[inc] = None
+                self._dead[inc] = rank.info.control_addr if why is None else ""  # a successor there is noted
             while len(self._dead) > MAX_DEAD:
                 self._dead.popitem(last=False)
         why = why or "the process is gone (its control connection closed and reconnecting is refused)"
@@ -104,6 +105,19 @@ class RankWatch:
             for recv in [*self.rooms.values(), *self._unconfirmed.values()]:
                 if recv.server.address == server.address:
                     recv.on_fenced(rank.key)
+
+    def _note_successor(self, rank: PrefillRank) -> None:
+        """``rank`` answered the handshake from a new incarnation: if one seen gone by its closed connection had
+        its address (a prefill restarted on its port), say so. The old one's rooms failed when it was seen gone ("the process is gone"):
+        final then, their reason is not rewritten (the host may have read it and reused the pages)."""
+        addr, new = rank.info.control_addr, rank.incarnation.hex()
+        with self.lock:
+            old = [inc for inc, at in self._dead.items() if at == addr and inc != new]
+            for inc in old:
+                self._dead[inc] = ""
+        if old:
+            log.warning("decode: %s restarted: a new process (incarnation %s) replaced incarnation %s, seen gone "
+                        "before (its rooms failed then: the process is gone)", rank.label, new, ", ".join(old))
 
     def _relookup(self, server: PrefillServer) -> None:
         """Drop a handshaking server's ranks and ask its bootstrap endpoint again (I/O thread).
