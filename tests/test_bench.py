@@ -100,8 +100,9 @@ def test_checksum_bench_times_checked_rooms_off_and_on_and_every_hash(capsys):
 
     assert main(["bench", "checksum", "--device", "cpu", "--total-mib", "1", "2", "--hash-mib", "1", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert [r["algorithm"] for r in res["hash"]] == [C.default_algorithm(), *[a for a in C.ALGORITHMS
-                                                                              if a != C.default_algorithm()]]
+    # Every hash over one region, then wmix64 over the same pages cut into regions (16 here: one a page).
+    assert [(r["algorithm"], r["regions"]) for r in res["hash"]] == [
+        (C.default_algorithm(), 1), *[(a, 1) for a in C.ALGORITHMS if a != C.default_algorithm()], ("wmix64", 16)]
     assert all(r["match"] and r["prefill_GBps"] > 0 and r["decode_GBps"] > 0 for r in res["hash"])
     assert [r["bytes"] for r in res["rooms"]] == [1 << 20, 2 << 20]
     assert all(r["verified"] and r["off_ms"] > 0 and r["on_ms"] > 0 and r["algorithm"] == C.default_algorithm()

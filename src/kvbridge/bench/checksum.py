@@ -6,7 +6,8 @@ one), over scattered 64 KiB pages (a random permutation: nothing coalesces), in 
 - **hash**: over ``--hash-mib``, each hash this device's rooms can use, both halves: prefill's
   ``summarise`` (sort the descriptors by destination, hash the source bytes) and decode's
   ``digest_ranges`` (check the ranges, hash its own bytes); GB/s of each. Host memory: XXH3-64
-  (with ``kvbridge[checksum]``), CRC32 and ``wmix64`` in numpy; GPU memory: ``wmix64`` in torch;
+  (with ``kvbridge[checksum]``), CRC32 and ``wmix64`` in numpy; GPU memory: ``wmix64`` in torch; and
+  ``wmix64`` again over the same pages described as 128 regions (as a room's layers are);
 - **room**: for each ``--total-mib`` (64 MiB to 4 GiB by default), a room from prefill (here) to
   decode (a child process) with the checksum off and on, alternating, timed from prefill's ``send``
   to decode's ``SUCCESS`` (so both hash halves are inside), and the share of that time the
@@ -75,7 +76,7 @@ def hash_rates(device: str, total_mib: int, reps: int) -> list[dict[str, Any]]:
     algorithms = [C.choose(src_args.regions, dst_args.regions)]
     if device == "cpu":  # every hash host memory can use, the default first
         algorithms += [a for a in C.ALGORITHMS if a not in algorithms]
-    cases = [(a, 1) for a in algorithms] + [("wmix64", LAYER_REGIONS)]
+    cases = [(a, 1) for a in algorithms] + [("wmix64", min(LAYER_REGIONS, pages))]
     gb = pages * R.PAGE / 1e9
     rows = []
     for algo, parts in cases:
