@@ -22,6 +22,7 @@ holds, through the engine's own call).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -88,6 +89,8 @@ CONFIG = SessionConfig(transfer_timeout=120, waiting_timeout=300, heartbeat_time
 def run_decode(backend: str, config: SessionConfig, bootstrap: str, argv: dict[str, Any]) -> int:
     """The decode child of one geometry: every decode rank, every room, then the byte check."""
     page, pages, tp_d, case = argv["page"], argv["pages"], argv["tp_d"], argv["case"]
+    # Decode lends its staging slots whatever prefill's setting per room (the default, gather, lends none).
+    config = dataclasses.replace(config, staging="on")
     pools = [np.zeros((pages, ROWS, HEADS // tp_d, page // (ROWS * HEADS)), np.uint8) for _ in range(tp_d)]
     metas = [np.zeros((4, 64), np.uint8) for _ in range(tp_d)]
     mgrs = [DecodeManager(kvargs(r, tp_d, page, pages, pools[r], metas[r]), backend, config=config) for r in range(tp_d)]
