@@ -19,7 +19,8 @@ import pytest
 
 from kvbridge.core.description import plugins
 from kvbridge.core.control import protocol as P
-from kvbridge.core.transfer.backend import BackendConfig
+from kvbridge.core.transfer.backend import BackendConfig, TransferCancelled
+from kvbridge.core.transfer.transport import Transport
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.transfer.landing import SLOTS_PER_PEER, Landing, ScatterError
 from kvbridge.core.description.layout import Region
@@ -271,3 +272,38 @@ def test_many_windows_staged_on_both_sides_two_in_flight_land_byte_exact_within_
     assert peak[0] >= 2, "the next window was posted before the last landed"
     landing = dm.transport.describe()["landing"]
     assert landing["windows"] == stats["windows"] and landing["dropped"] == 0 and landing["lent"] == 2
+
+
+def test_a_room_stopped_with_windows_in_flight_gives_their_decode_slots_back_once_they_landed(monkeypatch) -> None:
+    # The room dies while two staged windows are in flight: the write stops at its next check, waits for
+    # both, and since they landed the decode slots they went to hold nothing the engine may still write:
+    # given back, not retired (retired slots are lost to this peer until it handshakes again).
+    monkeypatch.setattr(staging_mod, "SLICE_BYTES", 16 << 10)
+    defer_posts(monkeypatch, BackendCapabilities(memory_kinds=("dram",), cross_host=False, batches_in_flight=4))
+    rng = np.random.default_rng(5)
+    src, dst = rng.integers(0, 256, (64, 4096), dtype=np.uint8), np.zeros((64, 4096), np.uint8)
+    mine = Region(name="src", addr=src.ctypes.data, nbytes=src.nbytes, stride=4096, role="k", index_space="kv_page")
+    theirs = Region(name="dst", addr=dst.ctypes.data, nbytes=dst.nbytes, stride=4096, role="k", index_space="kv_page")
+    landing = Landing([theirs], slice_bytes=16 << 10)
+    decode = MemoryBackend(BackendConfig(name="d"))
+    decode.register([theirs, landing.region])
+    transport = Transport.of(MemoryBackend(BackendConfig(name="p")), "memory")
+    transport.staging_mode = "on"
+    transport.register([mine])
+    transport.add_peer("d", decode.metadata(), [theirs], staging_offer=landing.offer("p"))
+    order = rng.permutation(64)
+    plan = TransferPlan(src.ctypes.data + 4096 * np.arange(64, dtype=np.int64),
+                        dst.ctypes.data + 4096 * order.astype(np.int64), np.full(64, 4096, np.int64))
+    checks, announced = [0], []
+
+    def live() -> bool:  # dies at the check before the third window's batch
+        checks[0] += 1
+        return checks[0] <= 2
+
+    with pytest.raises(TransferCancelled):
+        transport.write("d", plan, time.monotonic() + 30, live, lambda slot, pieces: announced.append(slot))
+    slots = transport._peers["d"].slots
+    assert slots is not None and slots.usable() == 2, "no slot retired: every window in flight had landed"
+    assert slots.free() == 2 - len(announced), "the slots of the windows in flight are free; announced ones wait for decode"
+    transport.close()
+    decode.close()

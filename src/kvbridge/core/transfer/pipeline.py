@@ -85,16 +85,19 @@ class Pipeline:
         while self._waits:
             self.wait_oldest(deadline)
 
-    def abandon(self, deadline: float) -> None:
+    def abandon(self, deadline: float) -> bool:
         """After a failure: still wait for every batch in flight (the engine must have no work left
-        once the write returns), ignoring their own failures: the first one is being raised."""
+        once the write returns), ignoring their own failures: the first one is being raised. True when
+        every one of them landed (its wait returned)."""
+        landed = True
         while self._waits:
             wait, _, n, _ = self._waits.popleft()
             self._descriptors -= n
             try:
                 wait(deadline)
             except Exception:  # noqa: BLE001 - the write already failed; this one is reported by it
-                pass
+                landed = False
+        return landed
 
     def wait_oldest(self, deadline: float) -> None:
         """Wait for the oldest batch in flight, then call its ``then``; raises as its wait does."""

@@ -83,17 +83,28 @@ class LaneWrites:
             return
         pipe = Pipeline(lane.in_flight, lane.capabilities.max_descriptors_in_flight)
         posted = 0
-        check = lambda where: self._check(peer, deadline, live, where)  # noqa: E731
         #: Staged windows posted and not landed yet, oldest first: (window, the decode slot it went to).
         flying: deque[tuple[staging.Staged, int | None]] = deque()
+        #: The write stopped at a check (deadline, room) and every batch in flight then landed: the decode slots
+        #: of the windows in flight hold nothing the engine may still write, so they are given back, not retired.
+        stopped = clean = False
+
+        def check(where: str) -> None:
+            nonlocal stopped
+            try:
+                self._check(peer, deadline, live, where)
+            except TransferError:
+                stopped = True
+                raise
 
         def guarded(step: Callable[[], None]) -> None:
             """``step`` (a post or a wait); a failure resets the peer's connections and is raised naming
             what had landed, once every batch still in flight was waited for."""
+            nonlocal clean
             try:
                 step()
             except TransferError as exc:
-                pipe.abandon(deadline)
+                clean = pipe.abandon(deadline) and stopped
                 self._failed(lane, peer, state, exc)
                 if posted == 0:
                     raise
@@ -106,7 +117,7 @@ class LaneWrites:
                 pipe.make_room(deadline, len(batch))
                 check(f"after {posted}{of} batches ({pipe.landed} of {plan.total_bytes} B landed)")
                 state.overdue = deadline + RESET_GRACE
-                retry = lambda: check("before a retry")  # noqa: E731
+                retry = lambda: self._check(peer, deadline, live, "before a retry")  # noqa: E731  (not clean: an attempt failed)
                 if pipe.limit == 1 or state.resets:  # one at a time; after a reset, with _post's retries
                     self._post(lane, peer, batch, deadline, retry)
                     pipe.landed_now(batch.total_bytes)
@@ -218,12 +229,13 @@ class LaneWrites:
                         post(batch, memory)
             settle()
         except BaseException:
-            pipe.abandon(deadline)  # the engine reads no staged slice any more once every batch was waited for
+            if pipe.pending:  # the engine reads no staged slice any more once every batch was waited for
+                clean = pipe.abandon(deadline) and stopped
             while flying:
                 staged, slot = flying.popleft()
                 staged.release()
-                if slot is not None:  # a failed write keeps it: bytes may still land there
-                    slots.retire()  # type: ignore[union-attr]
+                if slot is not None:  # a failed write keeps it (bytes may still land there) unless all landed
+                    slots.give_back(slot) if clean else slots.retire()  # type: ignore[union-attr]
             raise
         if slots is not None:  # returns once decode scattered every window: in place, as a direct write is
             slots.settle(check)
