@@ -16,9 +16,12 @@ Chosen per window, from the descriptors themselves (so layer-wise slices and
 mixed plans qualify alike): the window's sources lie in this rank's
 registered host regions, its pieces average at most :data:`MAX_PIECE` bytes,
 and merging neighbours contiguous in the destination at least halves the
-descriptors. Otherwise, or when every slice is busy (one per concurrently
-written peer), the window is written as it is. Memory is bounded:
-:data:`SLICES` slices of :data:`SLICE_BYTES`, registered once with the rest.
+descriptors. Otherwise, or when every slice is busy (up to two per
+concurrently written peer: ``core/transfer/writing.py``, ``STAGED_IN_FLIGHT``),
+the window is written as it is. A region whose pieces are too odd to copy by
+units is left out of its window (``Staged.rest``), not the whole window.
+Memory is bounded: :data:`SLICES` slices of :data:`SLICE_BYTES`, registered
+once with the rest.
 
 Prefill TP > decode TP is the mirror case (source contiguous, destination
 strided), and scattered small pages are a third: gathering on prefill merges
