@@ -107,7 +107,8 @@ class Staging:
         if n < 2 or total > self.slice_bytes or total > n * MAX_PIECE or self.device is not None:
             return None
         dst, nbytes = window.dst_addr, window.nbytes
-        if 2 * (n - int(np.count_nonzero(dst[:-1] + nbytes[:-1] == dst[1:]))) > n:  # neighbours contiguous in the destination
+        # Merging neighbours contiguous in the destination must at least halve the descriptors.
+        if 2 * (n - int(np.count_nonzero(dst[:-1] + nbytes[:-1] == dst[1:]))) > n:
             return None
 
         def runs_of(addr: int, packed: TransferPlan) -> TransferPlan:

@@ -117,7 +117,8 @@ class LaneWrites:
                 pipe.make_room(deadline, len(batch))
                 check(f"after {posted}{of} batches ({pipe.landed} of {plan.total_bytes} B landed)")
                 state.overdue = deadline + RESET_GRACE
-                retry = lambda: self._check(peer, deadline, live, "before a retry")  # noqa: E731  (not clean: an attempt failed)
+                # Not check(): after a failed attempt, what it posted may still land (not a clean stop).
+                retry = lambda: self._check(peer, deadline, live, "before a retry")  # noqa: E731
                 if pipe.limit == 1 or state.resets:  # one at a time; after a reset, with _post's retries
                     self._post(lane, peer, batch, deadline, retry)
                     pipe.landed_now(batch.total_bytes)
