@@ -138,3 +138,24 @@ def test_the_descriptor_cap_waits_before_a_batch_would_pass_it() -> None:
     assert waited == [0], "the third batch (100) would have made 1100 descriptors in flight"
     pipe.drain(0.0)
     assert waited == [0, 1, 2] and pipe.landed == 1100 << 10
+
+
+def test_a_batchs_then_runs_once_it_landed_never_when_it_failed_or_was_abandoned() -> None:
+    # What a staged window hangs on its last batch (its slice released, its Staged sent): only after its bytes
+    # landed, oldest first.
+    ran: list[str] = []
+
+    def failing(_deadline: float) -> None:
+        raise TransferError("lost")
+
+    pipe = Pipeline(4)
+    pipe.add(lambda _d: None, 1, 1, lambda: ran.append("a"))
+    pipe.add(failing, 1, 1, lambda: ran.append("b"))
+    pipe.add(lambda _d: None, 1, 1, lambda: ran.append("c"))
+    assert ran == []
+    pipe.wait_oldest(0.0)
+    assert ran == ["a"]
+    with pytest.raises(TransferError, match="lost"):
+        pipe.wait_oldest(0.0)
+    pipe.abandon(0.0)
+    assert ran == ["a"] and pipe.pending == 0

@@ -19,19 +19,22 @@ import pytest
 
 from kvbridge.core.description import plugins
 from kvbridge.core.control import protocol as P
-from kvbridge.core.transfer.backend import BackendConfig
+from kvbridge.core.transfer.backend import BackendConfig, TransferCancelled
+from kvbridge.core.transfer.transport import Transport
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.transfer.landing import SLOTS_PER_PEER, Landing, ScatterError
 from kvbridge.core.description.layout import Region
+from kvbridge.core.description.records import BackendCapabilities
 from kvbridge.core.control.metrics import metrics
 from kvbridge.core.planning.plan import TransferPlan
 from kvbridge.core.transfer.relay import choose, runs
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
-from kvbridge.core.planning.stage_index import gather_into, scatter_from
+from kvbridge.core.planning.stage_index import gather_into, pack, scatter_from
+from kvbridge.core.transfer import staging as staging_mod
 from kvbridge.testing.e2e import Pools, Scenario, prefill_pools
 from kvbridge.testing.faulty import FlipsByte
 from kvbridge.testing.harness import START_WAIT, finished, wait_until
-from kvbridge.testing.memory import MemoryBackend
+from kvbridge.testing.memory import MemoryBackend, defer_posts
 
 PAGES = 24
 SRC = np.arange(PAGES) * 2
@@ -49,12 +52,31 @@ def _two_regions() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.n
     return a, b, addr, nbytes, np.array([0, 1, 0, 1, 0], np.int64)
 
 
-def test_a_gather_packs_pieces_of_several_sizes_and_regions_back_to_back() -> None:
+def test_a_gather_packs_pieces_of_several_sizes_and_regions_back_to_back_region_by_region() -> None:
+    # b's unit (512 B) is the larger: its pieces first, then a's (unit 128 B), each region's in their order.
     a, b, addr, nbytes, groups = _two_regions()
+    order, copies = pack(addr, nbytes, groups)
+    assert order.tolist() == [1, 3, 0, 2, 4]
     out = np.zeros(int(nbytes.sum()), np.uint8)
-    assert gather_into(out, addr, nbytes, groups)
-    want = np.concatenate([a[1024:1280], b[0:512], a[0:128], b[1536:2048], a[2048:2560]])
+    gather_into(out, copies)
+    want = np.concatenate([b[0:512], b[1536:2048], a[1024:1280], a[0:128], a[2048:2560]])
     np.testing.assert_array_equal(out, want)
+
+
+def test_a_region_of_odd_pieces_is_left_out_of_the_gather_and_the_others_still_packed() -> None:
+    # Region 1's pieces at 3-byte offsets (a unit of 1 byte, 100 units a piece) would make the index outgrow
+    # the descriptors: left out, to be written as planned; region 0's 8-byte rows are still gathered, and its
+    # offsets in the slice stay on its unit whatever region 1's sizes (issue #29: a chunk's state written with
+    # its pages must not keep the pages from being staged).
+    rows, odd = np.arange(64, dtype=np.uint8), np.arange(2000, dtype=np.uint32).astype(np.uint8)
+    addr = np.array([odd.ctypes.data, rows.ctypes.data, odd.ctypes.data + 3, rows.ctypes.data + 16,
+                     rows.ctypes.data + 32], np.int64)
+    nbytes = np.array([100, 8, 100, 8, 8], np.int64)
+    order, copies = pack(addr, nbytes, np.array([1, 0, 1, 0, 0], np.int64))
+    assert order.tolist() == [1, 3, 4]
+    out = np.zeros(24, np.uint8)
+    gather_into(out, copies)
+    np.testing.assert_array_equal(out, np.concatenate([rows[0:8], rows[16:24], rows[32:40]]))
 
 
 def test_a_scatter_puts_them_back_where_they_came_from() -> None:
@@ -75,9 +97,9 @@ def test_a_scatter_puts_them_back_where_they_came_from() -> None:
 def test_pieces_at_odd_offsets_are_not_gathered_by_units() -> None:
     # 3-byte offsets: a unit of 1 byte, 100 units a piece: the index would outgrow the descriptors.
     mem = np.zeros(2000, np.uint8)
-    out = np.zeros(300, np.uint8)
     addr = mem.ctypes.data + np.array([0, 3, 1000], np.int64)
-    assert not gather_into(out, addr, np.array([100, 100, 100], np.int64), np.zeros(3, np.int64))
+    order, copies = pack(addr, np.array([100, 100, 100], np.int64), np.zeros(3, np.int64))
+    assert len(order) == 0 and copies == []
 
 
 def _window(dst: list[int], size: int) -> TransferPlan:
@@ -231,3 +253,57 @@ def test_a_room_given_up_on_decode_has_nothing_scattered_into_its_pages(pair) ->
         time.sleep(0.01)
     assert landing.stats()["dropped"] == 1 and landing.stats()["windows"] == 0
     np.testing.assert_array_equal(page, before)
+
+
+@pytest.mark.parametrize("staging", ["on", "auto"])
+def test_many_windows_staged_on_both_sides_two_in_flight_land_byte_exact_within_two_slices(pair, staging,
+                                                                                            monkeypatch) -> None:
+    # 16 KiB slices: each chunk is a dozen windows of 4 pages. Two are in flight at once (the next gathered and
+    # posted while the last is written, decode scattering one while the next lands), never more than the two
+    # prefill slices and the two decode slots of this peer.
+    monkeypatch.setattr(staging_mod, "SLICE_BYTES", 16 << 10)
+    peak = defer_posts(monkeypatch, BackendCapabilities(memory_kinds=("dram",), cross_host=False, batches_in_flight=4))
+    sender, recv, src, dst, pm, dm = pair(staging)
+    assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
+    assert landed(src, dst)
+    stats = pm.transport.describe()["staging"]
+    assert stats["windows_by_choice"]["both"] >= 12 and stats["windows_by_choice"]["direct"] == 0
+    assert stats["peak_slices"] == 2, "two windows in flight, each in its own slice"
+    assert peak[0] >= 2, "the next window was posted before the last landed"
+    landing = dm.transport.describe()["landing"]
+    assert landing["windows"] == stats["windows"] and landing["dropped"] == 0 and landing["lent"] == 2
+
+
+def test_a_room_stopped_with_windows_in_flight_gives_their_decode_slots_back_once_they_landed(monkeypatch) -> None:
+    # The room dies while two staged windows are in flight: the write stops at its next check, waits for
+    # both, and since they landed the decode slots they went to hold nothing the engine may still write:
+    # given back, not retired (retired slots are lost to this peer until it handshakes again).
+    monkeypatch.setattr(staging_mod, "SLICE_BYTES", 16 << 10)
+    defer_posts(monkeypatch, BackendCapabilities(memory_kinds=("dram",), cross_host=False, batches_in_flight=4))
+    rng = np.random.default_rng(5)
+    src, dst = rng.integers(0, 256, (64, 4096), dtype=np.uint8), np.zeros((64, 4096), np.uint8)
+    mine = Region(name="src", addr=src.ctypes.data, nbytes=src.nbytes, stride=4096, role="k", index_space="kv_page")
+    theirs = Region(name="dst", addr=dst.ctypes.data, nbytes=dst.nbytes, stride=4096, role="k", index_space="kv_page")
+    landing = Landing([theirs], slice_bytes=16 << 10)
+    decode = MemoryBackend(BackendConfig(name="d"))
+    decode.register([theirs, landing.region])
+    transport = Transport.of(MemoryBackend(BackendConfig(name="p")), "memory")
+    transport.staging_mode = "on"
+    transport.register([mine])
+    transport.add_peer("d", decode.metadata(), [theirs], staging_offer=landing.offer("p"))
+    order = rng.permutation(64)
+    plan = TransferPlan(src.ctypes.data + 4096 * np.arange(64, dtype=np.int64),
+                        dst.ctypes.data + 4096 * order.astype(np.int64), np.full(64, 4096, np.int64))
+    checks, announced = [0], []
+
+    def live() -> bool:  # dies at the check before the third window's batch
+        checks[0] += 1
+        return checks[0] <= 2
+
+    with pytest.raises(TransferCancelled):
+        transport.write("d", plan, time.monotonic() + 30, live, lambda slot, pieces: announced.append(slot))
+    slots = transport._peers["d"].slots
+    assert slots is not None and slots.usable() == 2, "no slot retired: every window in flight had landed"
+    assert slots.free() == 2 - len(announced), "the slots of the windows in flight are free; announced ones wait for decode"
+    transport.close()
+    decode.close()

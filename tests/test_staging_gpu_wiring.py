@@ -26,13 +26,13 @@ from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.description.records import BackendCapabilities
 from kvbridge.core.planning.plan import TransferPlan
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
-from kvbridge.core.transfer import device
+from kvbridge.core.transfer import device, staging
 from kvbridge.core.transfer.backend import BackendConfig
 from kvbridge.core.transfer.relay import MAX_PIECE_DEVICE, choose_device
 from kvbridge.testing import host_device
 from kvbridge.testing.e2e import Pools, Scenario, prefill_pools
 from kvbridge.testing.harness import START_WAIT, finished, wait_until
-from kvbridge.testing.memory import MemoryBackend
+from kvbridge.testing.memory import MemoryBackend, defer_posts
 
 PAGES = 24
 SRC = np.arange(PAGES) * 2
@@ -204,3 +204,17 @@ def test_a_layerwise_chunk_after_a_staged_one_lands_byte_exact(pair) -> None:
     assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
     assert landed(src, dst)
     assert pm.transport.describe()["device_staging"]["windows"] > 0
+
+
+def test_many_gpu_windows_two_in_flight_land_byte_exact_within_two_slices(pair, monkeypatch) -> None:
+    # 16 KiB GPU slices: each chunk is a dozen windows, two in flight at once through a backend posting
+    # asynchronously (copies land only when core waits), as nixl does; never more than two slices and slots.
+    monkeypatch.setattr(staging, "DEVICE_SLICE_BYTES", 16 << 10)
+    peak = defer_posts(monkeypatch, msgspec.structs.replace(GPU_ENGINE, batches_in_flight=4))
+    sender, recv, src, dst, pm, dm = pair("on")
+    assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
+    assert landed(src, dst)
+    staged = pm.transport.describe()["device_staging"]
+    assert staged["windows_by_choice"]["both"] >= 12 and staged["windows_by_choice"]["direct"] == 0
+    assert staged["peak_slices"] == 2 and peak[0] >= 2
+    assert host_device.calls["gather"] == host_device.calls["scatter"] == staged["windows"]

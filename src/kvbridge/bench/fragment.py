@@ -22,6 +22,7 @@ holds, through the engine's own call).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -35,6 +36,8 @@ import numpy as np
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.description.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, KVArgs, Region, Shard
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+from kvbridge.core.transfer import writing
+from kvbridge.core.transfer.pipeline import in_flight
 
 #: Token rows per page and KV heads: a head slice at TP 2 is 1/32 of a page.
 ROWS, HEADS = 16, 8
@@ -74,10 +77,16 @@ def indices(case: str, pages: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def schedule(staging: list[str], reps: int) -> Iterator[tuple[str, int]]:
-    """(staging, rep) of every room of one geometry, in order; rep 0 is the warm-up."""
-    for mode in staging:
-        for rep in range(reps + 1):
+    """(staging, rep) of every room of one geometry, in order; rep 0 is the warm-up. The settings alternate room
+    by room, so a load that comes and goes on a shared host weighs on each alike."""
+    for rep in range(reps + 1):
+        for mode in staging:
             yield mode, rep
+
+
+def serial(mode: str) -> bool:
+    """Whether a staging setting is measured one at a time (``on/1``, ``auto/1``: ``--one-in-flight``)."""
+    return mode.endswith("/1")
 
 
 # A loaded machine may take a while to start the decode ranks of a geometry: generous bootstrap.
@@ -88,6 +97,8 @@ CONFIG = SessionConfig(transfer_timeout=120, waiting_timeout=300, heartbeat_time
 def run_decode(backend: str, config: SessionConfig, bootstrap: str, argv: dict[str, Any]) -> int:
     """The decode child of one geometry: every decode rank, every room, then the byte check."""
     page, pages, tp_d, case = argv["page"], argv["pages"], argv["tp_d"], argv["case"]
+    # Decode lends its staging slots whatever prefill's setting per room (the default, gather, lends none).
+    config = dataclasses.replace(config, staging="on")
     pools = [np.zeros((pages, ROWS, HEADS // tp_d, page // (ROWS * HEADS)), np.uint8) for _ in range(tp_d)]
     metas = [np.zeros((4, 64), np.uint8) for _ in range(tp_d)]
     mgrs = [DecodeManager(kvargs(r, tp_d, page, pages, pools[r], metas[r]), backend, config=config) for r in range(tp_d)]
@@ -137,6 +148,7 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     src, dst = indices(case, pages)
+    staged_in_flight = writing.STAGED_IN_FLIGHT
     times: dict[str, list[float]] = {m: [] for m in staging}
     windows: dict[str, dict[str, int]] = {}
     rows: list[dict[str, Any]] = []
@@ -144,7 +156,10 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
         for room, (mode, rep) in enumerate(schedule(staging, reps), start=1):
             before = [dict(m.transport.windows) for m in mgrs]
             for m in mgrs:
-                m.transport.staging_mode = mode  # decode lends slots whatever this says; prefill decides
+                m.transport.staging_mode = mode.removesuffix("/1")  # decode lends slots whatever this says
+                for lane in m.transport.lanes:  # /1: one batch and one staged window in flight (before #29's pipelining)
+                    lane.in_flight = 1 if serial(mode) else in_flight(lane.capabilities)
+            writing.STAGED_IN_FLIGHT = 1 if serial(mode) else staged_in_flight
             senders = [Sender(m, room, metadata_row=0) for m in mgrs]
             for s in senders:
                 s.wait(Poll.WAITING_FOR_INPUT, 600)
@@ -182,6 +197,7 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
                          "kvbridge_GBps": moved / statistics.median(times[mode]) / 1e9, "raw_engine_GBps": raw_gbps,
                          "verified": verified})
     finally:
+        writing.STAGED_IN_FLIGHT = staged_in_flight
         finish_child(child)
         for m in mgrs:
             m.close()

@@ -303,6 +303,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cuda only: the decode process's GPU (default: 0, the prefill's)")
     common.add_output_arguments(parser, "rates in gigabytes per second: *_GBps")
     parser.add_argument("--decode", metavar="BOOTSTRAP", help=argparse.SUPPRESS)
+    parser.add_argument("--one-in-flight", action="store_true",
+                        help="cpu with --page-kib: each --staging mode on or auto also as MODE/1, with one batch and "
+                             "one staged window in flight at a time (as before pipelining), alternating room by room")
     parser.add_argument("--fragment", metavar="JSON", help=argparse.SUPPRESS)  # the fragmentation decode child's case
 
 
@@ -317,6 +320,8 @@ def _device_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         if args.staging is not None and args.page_kib is None:
             ui.usage_error(parser, "argument --staging: applies to the fragmentation axis only; give --page-kib too")
         args.staging = args.staging or ["off", "on"]
+        if args.one_in_flight:  # each staged setting also measured as before pipelining, room by room beside
+            args.staging += [f"{m}/1" for m in args.staging if m != "off"]
         if args.total_mib is not None and len(args.total_mib) > 1:
             ui.usage_error(parser, f"argument --total-mib: takes one value with --device cpu, got {args.total_mib}")
         args.total_mib = args.total_mib[0] if args.total_mib else 256

@@ -68,6 +68,9 @@ class Spec(msgspec.Struct, kw_only=True):
     # layers in one call and the draft layers in another.
     layerwise: bool = False
     staging: str = "gather"  # SessionConfig.staging: gather (the default), auto, on, off
+    # Prefill sends each request in two chunks (the second with the state lists), or in one: what a busy
+    # peer worker writes when it finds both chunks queued (sessions/writes.py, write_chunks).
+    chunks: int = 2
 
 
 PAGE, RATIO = 8, 4
@@ -275,6 +278,8 @@ def run_prefill(spec: Spec) -> int:
                     for draft in (False, True):
                         if ids := [layer for layer, d in s.layers if d == draft]:
                             s.layer_ready(ids, draft=draft)
+                elif spec.chunks == 1:
+                    s.send(req.src_pages, state_indices=state, last=True)
                 else:
                     s.send(req.src_pages[:half])
                     s.send(req.src_pages[half:], state_indices=state, last=True)

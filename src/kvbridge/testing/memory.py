@@ -21,7 +21,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import msgspec
@@ -34,7 +34,7 @@ from kvbridge.core.description.layout import Region
 from kvbridge.core.planning.transferplan import TransferPlan
 from kvbridge.core.description.records import BackendCapabilities, BackendSpec
 
-__all__ = ["CAPABILITIES", "MemoryBackend", "kvbridge_register_backends"]
+__all__ = ["CAPABILITIES", "MemoryBackend", "defer_posts", "kvbridge_register_backends"]
 
 CAPABILITIES = BackendCapabilities(memory_kinds=("dram",), cross_host=False, inline_writes=True)
 IOV_MAX = 1024  # iovecs per system call (Linux UIO_MAXIOV)
@@ -156,3 +156,27 @@ class MemoryBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "peers": {k: v.pid for k, v in self._peers.items()}}
+
+
+def defer_posts(monkeypatch: Any, capabilities: BackendCapabilities) -> list[int]:
+    """Make :class:`MemoryBackend` declare ``capabilities`` (``batches_in_flight`` > 1) and post batches
+    (``Backend.post``) that copy only when core waits for them, until ``monkeypatch`` undoes it: a staged
+    window announced before its bytes landed, or a slice reused while the engine still reads it, shows in
+    the bytes. Returns a list whose one item is the most batches posted at once so far."""
+    peak: list[int] = [0]
+    pending: list[TransferPlan] = []
+
+    def post(self: MemoryBackend, peer: str, batch: TransferPlan, deadline: float) -> Callable[[float], None]:
+        target = self._target(peer)
+        src, dst, nbytes = batch.src_addr.copy(), batch.dst_addr.copy(), batch.nbytes.copy()
+        pending.append(batch)
+        peak[0] = max(peak[0], len(pending))
+
+        def wait(deadline: float) -> None:
+            pending.remove(batch)
+            self.copy(target, peer, src, dst, nbytes)
+        return wait
+
+    monkeypatch.setattr(MemoryBackend, "capabilities", capabilities)
+    monkeypatch.setattr(MemoryBackend, "post", post)
+    return peak

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MAX_UNITS_PER_PIECE", "UnitCopy", "gather_into", "scatter_from", "unit_copy"]
+__all__ = ["MAX_UNITS_PER_PIECE", "UnitCopy", "gather_into", "pack", "scatter_from", "unit_copy"]
 
 #: A window whose pieces hold more units than this on average is not staged: its index arrays would
 #: outgrow the descriptors they replace (odd sizes or offsets, so the unit is a few bytes).
@@ -86,16 +86,34 @@ def _copies(addr: IntArray, nbytes: IntArray, groups: IntArray, max_units_per_pi
     return out
 
 
-def gather_into(out: npt.NDArray[np.uint8], addr: IntArray, nbytes: IntArray, groups: IntArray) -> bool:
-    """Copy the pieces at ``addr`` back to back into ``out`` (host memory); ``groups``: each piece's
-    region. False (nothing copied) when some region's pieces are too odd to copy by units."""
-    copies = _copies(addr, nbytes, groups, MAX_UNITS_PER_PIECE)
-    if copies is None:
-        return False
+def pack(addr: IntArray, nbytes: IntArray, groups: IntArray,
+         max_units_per_piece: int = MAX_UNITS_PER_PIECE) -> tuple[IntArray, list[UnitCopy]]:
+    """Which pieces a gather packs, in the order it packs them, and its copies: the pieces grouped by region
+    (each region's in their order; the region with the largest unit first, so that a region of odd sizes
+    does not shift the others' offsets off their unit), a region whose pieces are too odd to copy by units
+    left out. What is left out is written as planned: one odd region (a state of odd sizes written with
+    the pages) must not keep the rest of its window from being staged."""
+    found = np.unique(groups)
+    picks = [np.flatnonzero(groups == g) for g in found.tolist()] if len(found) > 1 else [np.arange(len(addr))]
+    own = [int(np.gcd.reduce(np.concatenate((nbytes[i], addr[i] - addr[i].min())))) for i in picks]
+    kept: list[IntArray] = []
+    copies: list[UnitCopy] = []
+    offset = 0
+    for k in sorted(range(len(picks)), key=lambda k: -own[k]):  # stable: regions of one unit keep their order
+        i = picks[k]
+        copy = unit_copy(addr[i], offset + np.cumsum(nbytes[i]) - nbytes[i], nbytes[i], max_units_per_piece)
+        if copy is not None:
+            kept.append(i)
+            copies.append(copy)
+            offset += int(nbytes[i].sum())
+    return (np.concatenate(kept) if kept else np.zeros(0, np.int64)), copies
+
+
+def gather_into(out: npt.NDArray[np.uint8], copies: list[UnitCopy]) -> None:
+    """Copy the pieces of ``copies`` (:func:`pack`) into ``out`` (host memory), back to back as packed."""
     for c in copies:
         near = out[:c.end * c.unit].view(f"V{c.unit}")
         near[c.packed] = np.asarray(_Raw(c.base, c.span, c.unit))[c.far]
-    return True
 
 
 def scatter_from(src: npt.NDArray[np.uint8], addr: IntArray, nbytes: IntArray, groups: IntArray) -> None:

@@ -51,7 +51,7 @@ class Pipeline:
         self.limit = limit
         #: Most descriptors in flight at once (``BackendCapabilities.max_descriptors_in_flight``).
         self.max_descriptors = max_descriptors
-        self._waits: deque[tuple[Wait, int, int]] = deque()
+        self._waits: deque[tuple[Wait, int, int, Callable[[], None] | None]] = deque()
         self._descriptors = 0
         #: Bytes of the batches that have landed (their wait returned).
         self.landed = 0
@@ -63,9 +63,10 @@ class Pipeline:
         """Batches posted and not yet waited for."""
         return len(self._waits)
 
-    def add(self, wait: Wait, nbytes: int, descriptors: int) -> None:
-        """Record a posted batch of ``nbytes`` and ``descriptors``; ``wait`` is what ``Backend.post`` returned."""
-        self._waits.append((wait, nbytes, descriptors))
+    def add(self, wait: Wait, nbytes: int, descriptors: int, then: Callable[[], None] | None = None) -> None:
+        """Record a posted batch of ``nbytes`` and ``descriptors``; ``wait`` is what ``Backend.post`` returned;
+        ``then`` is called once it landed (not when it failed or was abandoned)."""
+        self._waits.append((wait, nbytes, descriptors, then))
         self._descriptors += descriptors
         self.peak = max(self.peak, len(self._waits))
 
@@ -77,29 +78,35 @@ class Pipeline:
         """Wait for the oldest batches until one more (of ``descriptors``) may be posted; raises as their wait does."""
         cap = self.max_descriptors
         while len(self._waits) >= self.limit or (cap is not None and self._waits and self._descriptors + descriptors > cap):
-            self._wait_oldest(deadline)
+            self.wait_oldest(deadline)
 
     def drain(self, deadline: float) -> None:
         """Wait for every batch in flight, oldest first; raises the first failure (then abandon())."""
         while self._waits:
-            self._wait_oldest(deadline)
+            self.wait_oldest(deadline)
 
-    def abandon(self, deadline: float) -> None:
+    def abandon(self, deadline: float) -> bool:
         """After a failure: still wait for every batch in flight (the engine must have no work left
-        once the write returns), ignoring their own failures: the first one is being raised."""
+        once the write returns), ignoring their own failures: the first one is being raised. True when
+        every one of them landed (its wait returned)."""
+        landed = True
         while self._waits:
-            wait, _, n = self._waits.popleft()
+            wait, _, n, _ = self._waits.popleft()
             self._descriptors -= n
             try:
                 wait(deadline)
             except Exception:  # noqa: BLE001 - the write already failed; this one is reported by it
-                pass
+                landed = False
+        return landed
 
-    def _wait_oldest(self, deadline: float) -> None:
-        wait, nbytes, n = self._waits[0]
+    def wait_oldest(self, deadline: float) -> None:
+        """Wait for the oldest batch in flight, then call its ``then``; raises as its wait does."""
+        wait, nbytes, n, then = self._waits[0]
         try:
             wait(deadline)
         finally:
             self._waits.popleft()  # waited for, landed or not: the engine holds nothing of it
             self._descriptors -= n
         self.landed += nbytes
+        if then is not None:
+            then()

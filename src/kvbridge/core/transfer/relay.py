@@ -163,3 +163,13 @@ class RemoteSlots:
         with self._cond:
             return len(self._free)
 
+    def usable(self) -> int:
+        """Slots this rank may still write into: every one lent, but those a failed write retired."""
+        with self._cond:
+            return len(self.offer.slots) - self._retired
+
+    def idle(self) -> bool:
+        """Whether decode scattered every window announced so far (:meth:`settle` would return at once)."""
+        with self._cond:
+            return len(self._free) + self._retired >= len(self.offer.slots)
+

@@ -16,9 +16,12 @@ Chosen per window, from the descriptors themselves (so layer-wise slices and
 mixed plans qualify alike): the window's sources lie in this rank's
 registered host regions, its pieces average at most :data:`MAX_PIECE` bytes,
 and merging neighbours contiguous in the destination at least halves the
-descriptors. Otherwise, or when every slice is busy (one per concurrently
-written peer), the window is written as it is. Memory is bounded:
-:data:`SLICES` slices of :data:`SLICE_BYTES`, registered once with the rest.
+descriptors. Otherwise, or when every slice is busy (up to two per
+concurrently written peer: ``core/transfer/writing.py``, ``STAGED_IN_FLIGHT``),
+the window is written as it is. A region whose pieces are too odd to copy by
+units is left out of its window (``Staged.rest``), not the whole window.
+Memory is bounded: :data:`SLICES` slices of :data:`SLICE_BYTES`, registered
+once with the rest.
 
 Prefill TP > decode TP is the mirror case (source contiguous, destination
 strided), and scattered small pages are a third: gathering on prefill merges
@@ -29,31 +32,37 @@ gathers the window into one descriptor aimed at a staging slot decode lent,
 GPU memory (``device=``): the same slices in a buffer on the GPU, gathered by the device seam
 (:mod:`kvbridge.core.transfer.device`: one kernel launch a window) and only ever staged on both
 sides (:meth:`Staging.stage_to`), into a GPU landing buffer decode lent; slices of
-:data:`DEVICE_SLICE_BYTES` (a window is at most one fence batch, ``FENCE_BATCH_BYTES``).
+:data:`DEVICE_SLICE_BYTES` (a window is two fence batches, ``FENCE_BATCH_BYTES``, each checked by the fence).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..description.layout import Region
 from ..planning.transferplan import TransferPlan
-from ..planning.stage_index import gather_into
+from ..planning.stage_index import gather_into, pack
 from .device import Buffer, OnDevice
 
-__all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "DEVICE_SLICE_BYTES", "MAX_PIECE"]
+__all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "DEVICE_SLICES", "DEVICE_SLICE_BYTES", "MAX_PIECE"]
 
-#: Slices of the staging buffer: windows staged at once (one per peer being written).
-SLICES = 4
+#: Slices of the host staging buffer: windows staged at once, up to ``STAGED_IN_FLIGHT`` (2) per peer being
+#: written (``core/transfer/writing.py``): four peers at once (prefill TP 1 -> decode TP 4) at full depth.
+SLICES = 8
+#: The same on a GPU: two peers at once at full depth (GPU memory is dearer; a window finding no free
+#: slice is written as planned).
+DEVICE_SLICES = 4
 #: Bytes of one slice: the most one staged window gathers (and posts, in one or more batches).
 SLICE_BYTES = 4 << 20
-#: The same on GPU memory: a window's fixed costs (a launch, a synchronise, ``Staged`` and ``Unstaged``)
-#: are tens of microseconds, paid once per slice; 16 MiB is one fence batch (``FENCE_BATCH_BYTES``).
-DEVICE_SLICE_BYTES = 16 << 20
+#: The same on GPU memory: a window's fixed costs (a launch, a synchronise, ``Staged``, the scatter and
+#: ``Unstaged``: hundreds of microseconds end to end) are paid once per slice, and at 200 GB/s 16 MiB moves in
+#: 80 us, so a window is two fence batches (``FENCE_BATCH_BYTES``, each checked by the fence): two windows in
+#: flight are the fence's 4 batches (``FENCE_BATCHES_IN_FLIGHT``).
+DEVICE_SLICE_BYTES = 32 << 20
 #: Mean bytes per descriptor above which a window is written as it is: there, posting a
 #: descriptor costs less than copying its bytes (measured: ``kvbridge bench tp``).
 MAX_PIECE = 16 << 10
@@ -88,61 +97,83 @@ class Staging:
         #: Counters for ``Transport.describe()`` and the benchmarks: windows staged, the
         #: descriptors they held and the descriptors posted for them.
         self.windows = self.pieces = self.posted = 0
+        #: Most slices held at once (windows gathered and not yet landed), over every peer.
+        self.peak = 0
 
-    def stage(self, window: TransferPlan, max_bytes: int) -> Staged | None:
-        """Gather ``window`` into a free slice if that cuts its descriptors, else ``None``.
-
-        ``max_bytes`` is the most one batch may carry; the window must fit one slice and it.
-        """
+    def stage(self, window: TransferPlan) -> Staged | None:
+        """Gather ``window`` (at most one slice) into a free slice if that cuts its descriptors, else ``None``."""
         n = len(window)
         total = window.total_bytes
-        if n < 2 or total > min(self.slice_bytes, max_bytes) or total > n * MAX_PIECE or self.device is not None:
+        if n < 2 or total > self.slice_bytes or total > n * MAX_PIECE or self.device is not None:
             return None
         dst, nbytes = window.dst_addr, window.nbytes
-        joins = dst[:-1] + nbytes[:-1] == dst[1:]  # neighbours contiguous in the destination
-        if 2 * (n - int(np.count_nonzero(joins))) > n:
+        # Merging neighbours contiguous in the destination must at least halve the descriptors.
+        if 2 * (n - int(np.count_nonzero(dst[:-1] + nbytes[:-1] == dst[1:]))) > n:
             return None
-        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-        offsets = np.cumsum(nbytes) - nbytes
-        return self._gather(window, lambda addr: TransferPlan(addr + offsets[starts], dst[starts].copy(),
-                                                               np.add.reduceat(nbytes, starts)))
 
-    def stage_to(self, window: TransferPlan, dst_addr: int, max_bytes: int) -> Staged | None:
+        def runs_of(addr: int, packed: TransferPlan) -> TransferPlan:
+            dst, nbytes = packed.dst_addr, packed.nbytes
+            starts = np.flatnonzero(np.concatenate(([True], dst[:-1] + nbytes[:-1] != dst[1:])))
+            offsets = np.cumsum(nbytes) - nbytes
+            return TransferPlan(addr + offsets[starts], dst[starts].copy(), np.add.reduceat(nbytes, starts))
+        return self._gather(window, runs_of)
+
+    def stage_to(self, window: TransferPlan, dst_addr: int) -> Staged | None:
         """Gather ``window`` into a free slice posted as one descriptor to ``dst_addr`` (a staging
-        slot of the peer's, scattered there: ``core/transfer/landing.py``), else ``None`` (no free slice, a
-        source outside this rank's host memory, or pieces too odd to gather by units)."""
+        slot of the peer's, scattered there: ``core/transfer/landing.py``; the transport cuts it into fence-sized
+        batches), else ``None`` (no free slice, a source outside this rank's host memory, or pieces too odd
+        to gather by units)."""
         total = window.total_bytes
-        if len(window) < 2 or total > min(self.slice_bytes, max_bytes):
+        if len(window) < 2 or total > self.slice_bytes:
             return None
-        return self._gather(window, lambda addr: TransferPlan(np.array([addr], np.int64), np.array([dst_addr], np.int64),
-                                                               np.array([total], np.int64)))
+        return self._gather(window, lambda addr, packed: TransferPlan(
+            np.array([addr], np.int64), np.array([dst_addr], np.int64), np.array([packed.total_bytes], np.int64)))
 
-    def _gather(self, window: TransferPlan, runs_of: Callable[[int], TransferPlan]) -> Staged | None:
-        """Gather ``window``'s pieces back to back into a free slice; ``runs_of(slice address)`` says what to post."""
+    def free(self) -> int:
+        """Slices free now (another peer's write may take one first)."""
+        with self._lock:
+            return len(self._free)
+
+    def _gather(self, window: TransferPlan, runs_of: Callable[[int, TransferPlan], TransferPlan]) -> Staged | None:
+        """Gather ``window``'s pieces back to back into a free slice; ``runs_of(slice address, pieces packed)``
+        says what to post. On host memory the pieces of a region too odd to gather by units are left out
+        (:func:`~kvbridge.core.planning.stage_index.pack`), for the caller to write as planned (``Staged.rest``)."""
         src, nbytes = window.src_addr, window.nbytes
         regions, inside = self._sources.locate(src, nbytes)
         if not inside.all():
             return None  # a source outside the memory this buffer stages (another kind or GPU, or a plan built elsewhere)
+        packed, rest, copies = window, None, None
+        if self.device is None:
+            order, copies = pack(src, nbytes, regions)
+            if len(order) < 2:
+                return None  # odd sizes or offsets: the index arrays would outgrow the descriptors
+            if len(order) < len(window):
+                left = np.ones(len(window), bool)
+                left[order] = False
+                rest = TransferPlan(src[left], window.dst_addr[left], nbytes[left])
+            if len(order) < len(window) or (order[1:] < order[:-1]).any():
+                packed = TransferPlan(src[order], window.dst_addr[order], nbytes[order])
         with self._lock:
             if not self._free:
                 return None
             slot = self._free.pop()
+            self.peak = max(self.peak, self.region.nbytes // self.slice_bytes - len(self._free))
         try:
             start = slot * self.slice_bytes
-            if self.device is not None:  # one launch, complete on return (core/transfer/device.py)
+            if copies is None:  # one launch, complete on return (core/transfer/device.py)
+                assert self.device is not None
                 self.device.copy.gather(src, nbytes, self.region.addr + start, self.device.index)
-            elif not gather_into(self._buf[start:start + window.total_bytes], src, nbytes, regions):
-                self._release(slot)
-                return None  # odd sizes or offsets: the index arrays would outgrow the descriptors
-            runs = runs_of(self.region.addr + start)
+            else:
+                gather_into(self._buf[start:start + packed.total_bytes], copies)
+            runs = runs_of(self.region.addr + start, packed)
         except BaseException:
             self._release(slot)
             raise
         with self._lock:
             self.windows += 1
-            self.pieces += len(window)
+            self.pieces += len(packed)
             self.posted += len(runs)
-        return Staged(self, slot, runs)
+        return Staged(self, slot, runs, packed, rest)
 
     def _release(self, slot: int) -> None:
         with self._lock:
@@ -151,17 +182,16 @@ class Staging:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"slices": self.region.nbytes // self.slice_bytes, "slice_bytes": self.slice_bytes, "mem": self.region.mem,
-                    "windows": self.windows, "pieces": self.pieces, "posted": self.posted}
+                    "windows": self.windows, "pieces": self.pieces, "posted": self.posted, "peak_slices": self.peak}
 
 
 class Staged:
-    """A gathered window: its runs to post, holding its slice until :meth:`release`."""
+    """A gathered window: its runs to post, holding its slice until :meth:`release`; ``window``: its pieces
+    in the order packed (where a scatter puts them back); ``rest``: its pieces left out, to write as planned."""
 
-    def __init__(self, staging: Staging, slot: int, runs: TransferPlan) -> None:
-        self._staging, self._slot, self.runs = staging, slot, runs
-
-    def batches(self, max_descriptors: int) -> Iterator[TransferPlan]:
-        return self.runs.batches(max_descriptors)
+    def __init__(self, staging: Staging, slot: int, runs: TransferPlan, window: TransferPlan,
+                 rest: TransferPlan | None = None) -> None:
+        self._staging, self._slot, self.runs, self.window, self.rest = staging, slot, runs, window, rest
 
     def release(self) -> None:
         """Give the slice back: only once the engine has no work left reading it."""

@@ -116,17 +116,17 @@ class Transport(LaneWrites):
             extra: list[Region] = []
             if gpu is not None and gpu[0] == i:  # GPU staging (core/transfer/device.py)
                 if sends:
-                    device_stage = staging.Staging(mine, slice_bytes=staging.DEVICE_SLICE_BYTES, device=gpu[1])
+                    device_stage = staging.Staging(mine, staging.DEVICE_SLICES, staging.DEVICE_SLICE_BYTES, device=gpu[1])
                     extra.append(device_stage.region)
                 else:  # decode's one offer lends GPU slots: its host regions' windows go as planned
                     self.landing = Landing(mine, slice_bytes=staging.DEVICE_SLICE_BYTES, device=gpu[1])
                     extra.append(self.landing.region)
             if not staged and "dram" in caps.memory_kinds and caps.host_staging:
                 if sends:
-                    stage = staging.Staging(mine)
+                    stage = staging.Staging(mine, staging.SLICES, staging.SLICE_BYTES)
                     extra.append(stage.region)
                 elif self.staging_mode in ("auto", "on") and gpu is None:  # gather: prefill's side only
-                    self.landing = Landing(mine)
+                    self.landing = Landing(mine, slice_bytes=staging.SLICE_BYTES)
                     extra.append(self.landing.region)
             staged = staged or "dram" in caps.memory_kinds
             lane.backend.register([*mine, *extra])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from .lanes import Lane, Route
 from .pipeline import Pipeline, Wait
 from ..planning.transferplan import Memory, TransferPlan
 
-__all__ = ["RESET_GRACE", "LaneWrites"]
+__all__ = ["RESET_GRACE", "STAGED_IN_FLIGHT", "LaneWrites"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,12 @@ log = logging.getLogger(__name__)
 #: reset (:meth:`Transport.reset_overdue`): an engine blocked past the deadline (Mooncake waits for
 #: its own timeout) must not close them itself, which would leave what they queued to land later.
 RESET_GRACE = 0.25
+
+#: Staged windows one write keeps in flight to a peer (gathered and posted, not landed yet): the next one is
+#: gathered and posted while the last is written, and decode scatters one while the next lands. Each holds a
+#: prefill slice and, staged on both sides, a decode slot: at most 2 of each per peer written to (decode lends
+#: 2, ``landing.SLOTS_PER_PEER``).
+STAGED_IN_FLIGHT = 2
 
 
 @dataclass
@@ -67,50 +74,88 @@ class LaneWrites:
     def _write_lane(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None,
                     memory: Memory | None, announce: Callable[[int, TransferPlan], None] | None = None) -> None:
         """``plan`` through ``lane``, batch by batch, each batch told where its descriptors are (``memory``);
-        up to ``lane.in_flight`` batches posted at once (``core/transfer/pipeline.py``), the fence checked before each."""
+        up to ``lane.in_flight`` batches posted at once (``core/transfer/pipeline.py``), the fence checked before each.
+        Up to :data:`STAGED_IN_FLIGHT` staged windows in flight: the next window is gathered and posted while
+        the last is still written, and decode scatters one while the next lands."""
         state = self._state(peer)
-        if (len(plan) == 1 and state.slots is None and lane.in_flight == 1 and not state.resets
-                and plan.total_bytes <= lane.batch_bytes):
+        if len(plan) == 1 and state.slots is None and not state.resets and plan.total_bytes <= lane.batch_bytes:
             self._write_one(lane, peer, plan, deadline, live, memory, state)
             return
         pipe = Pipeline(lane.in_flight, lane.capabilities.max_descriptors_in_flight)
         posted = 0
+        #: Staged windows posted and not landed yet, oldest first: (window, the decode slot it went to).
+        flying: deque[tuple[staging.Staged, int | None]] = deque()
+        #: The write stopped at a check (deadline, room) and every batch in flight then landed: the decode slots
+        #: of the windows in flight hold nothing the engine may still write, so they are given back, not retired.
+        stopped = clean = False
+
+        def check(where: str) -> None:
+            nonlocal stopped
+            try:
+                self._check(peer, deadline, live, where)
+            except TransferError:
+                stopped = True
+                raise
 
         def guarded(step: Callable[[], None]) -> None:
             """``step`` (a post or a wait); a failure resets the peer's connections and is raised naming
             what had landed, once every batch still in flight was waited for."""
+            nonlocal clean
             try:
                 step()
             except TransferError as exc:
-                pipe.abandon(deadline)
+                clean = pipe.abandon(deadline) and stopped
                 self._failed(lane, peer, state, exc)
                 if posted == 0:
                     raise
                 raise type(exc)(f"{exc} (after {posted} batch(es) posted; {pipe.landed} B had landed)") from exc
 
-        def post(batch: TransferPlan, of: str = "") -> None:
+        def post(batch: TransferPlan, where: Memory | None, of: str = "", then: Callable[[], None] | None = None) -> None:
             nonlocal posted
 
             def step() -> None:
                 pipe.make_room(deadline, len(batch))
-                self._check(peer, deadline, live, f"after {posted}{of} batches ({pipe.landed} of {plan.total_bytes} B landed)")
+                check(f"after {posted}{of} batches ({pipe.landed} of {plan.total_bytes} B landed)")
                 state.overdue = deadline + RESET_GRACE
+                # Not check(): after a failed attempt, what it posted may still land (not a clean stop).
                 retry = lambda: self._check(peer, deadline, live, "before a retry")  # noqa: E731
                 if pipe.limit == 1 or state.resets:  # one at a time; after a reset, with _post's retries
                     self._post(lane, peer, batch, deadline, retry)
                     pipe.landed_now(batch.total_bytes)
+                    if then is not None:
+                        then()
                 else:
-                    pipe.add(self._post_async(lane, peer, batch, deadline), batch.total_bytes, len(batch))
+                    pipe.add(self._post_async(lane, peer, batch, deadline), batch.total_bytes, len(batch), then)
                 if not pipe.pending:
                     state.overdue = math.inf
 
-            batch.memory = memory
+            batch.memory = where
             guarded(step)
             posted += 1
 
         def settle() -> None:
             guarded(lambda: pipe.drain(deadline))
             state.overdue = math.inf
+
+        def landed() -> None:
+            """The oldest staged window landed: its slice is free, and decode is told to scatter its slot."""
+            staged, slot = flying.popleft()
+            staged.release()
+            if slot is not None:
+                assert slots is not None and announce is not None
+                try:
+                    announce(slot, relay.runs(staged.window))
+                except BaseException:
+                    slots.give_back(slot)
+                    raise
+
+        def into_place() -> None:
+            """Before bytes are posted into place: every window staged to this peer before them is scattered
+            (a layer-wise write rewriting a page an earlier chunk's staged window ended in must not land under
+            that window's later scatter), this write's own included."""
+            if earlier is not None and (any(slot is not None for _, slot in flying) or not earlier.idle()):
+                settle()
+                earlier.settle(check)
 
         host = memory is not None and memory.src_kind == memory.dst_kind == "dram"
         landing = None if state.slots is None else state.slots.offer.region
@@ -127,72 +172,81 @@ class LaneWrites:
         else:
             stager = lane.staging
         # Windows staged to this peer by any earlier write land at their scatter: whatever this write puts in
-        # place waits for them, announced or not (a layer-wise write rewriting a page an earlier chunk's
-        # staged window ended in must not land under that window's later scatter).
+        # place waits for them, announced or not (into_place).
         earlier = (state.slots if landing is not None and memory is not None and memory.dst_kind == landing.mem
                    and (host or memory.dst_device == landing.device) else None)
+        staged_memory = memory
+        if memory is not None and stager is not None:  # staged batches come from the staging buffer
+            staged_memory = memory._replace(src_kind=stager.region.mem, src_device=stager.region.device)
         # Host staging gathers host memory only: sources known to be elsewhere (GPU pages through NIXL, no GPU
         # slots) are written as planned, without a window cut or a choice made per window.
         stages = gpu or (lane.staging is not None and (memory is None or memory.src_kind == "dram"))
-        for window in self._windows(lane, plan, state, slots is not None, gpu) if stages else (plan,):
-            mode = "auto" if self.staging_mode == "gather" else self.staging_mode  # gather: auto without slots
-            how = ("direct" if not stages else relay.choose_device(window, mode) if gpu
-                   else relay.choose(window, mode, state.same_host, slots is not None))
-            staged = slot = None
-            if how == "both":
-                assert slots is not None and stager is not None
-                slot = slots.take(lambda where: self._check(peer, deadline, live, where))
-                staged = stager.stage_to(window, slots.address(slot), lane.batch_bytes)
+        try:
+            for window in self._windows(lane, plan, state, slots is not None, gpu) if stages else (plan,):
+                mode = "auto" if self.staging_mode == "gather" else self.staging_mode  # gather: auto without slots
+                how = ("direct" if not stages else relay.choose_device(window, mode) if gpu
+                       else relay.choose(window, mode, state.same_host, slots is not None))
+                staged = slot = None
+                if how != "direct":
+                    assert stager is not None
+                    # At most STAGED_IN_FLIGHT windows (slices) in flight; one more waits for the oldest to land.
+                    while flying and (len(flying) >= STAGED_IN_FLIGHT or stager.free() == 0):
+                        guarded(lambda: pipe.wait_oldest(deadline))
+                if how == "both":
+                    assert slots is not None and stager is not None
+                    # A slot is free again once decode scattered it: the windows in flight keep one free to wait for.
+                    while flying and sum(s is not None for _, s in flying) >= slots.usable():
+                        guarded(lambda: pipe.wait_oldest(deadline))
+                    if slots.usable() > 0:
+                        slot = slots.take(check)
+                        staged = stager.stage_to(window, slots.address(slot))
+                        if staged is None:
+                            slots.give_back(slot)
+                            slot = None
+                elif how == "gather":
+                    staged = lane.staging.stage(window)  # type: ignore[union-attr]
+                how = how if staged is not None else "direct"
+                self.windows[how] += 1
+                self.on_window(how)
                 if staged is None:
-                    slots.give_back(slot)
-                    slot = None
-            elif how == "gather":
-                staged = lane.staging.stage(window, lane.batch_bytes)  # type: ignore[union-attr]
-            how = how if staged is not None else "direct"
-            self.windows[how] += 1
-            self.on_window(how)
-            if slot is None and earlier is not None:  # written into place: after every window staged before it
-                earlier.settle(lambda where: self._check(peer, deadline, live, where))  # not under its later scatter
-            if staged is None:
-                batches = lane.batches(window)
-                of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
-                for batch in batches:
-                    post(batch, of)
-                continue
-            local = memory
-            if memory is not None:  # staged batches come from the staging buffer (into a slot, where staged to one)
-                assert stager is not None
-                memory = memory._replace(src_kind=stager.region.mem, src_device=stager.region.device)
-                if slot is not None and landing is not None:
-                    memory = memory._replace(dst_kind=landing.mem, dst_device=landing.device)
-            try:
-                for batch in staged.batches(lane.batch_descriptors):
-                    post(batch)
-                settle()  # the slice is reused once the engine reads it no more
-            except BaseException:
-                if slot is not None:
-                    slots.retire()  # type: ignore[union-attr]  # the engine may still land bytes in it
-                raise
-            finally:
-                memory = local
-                staged.release()  # landed, or failed and waited for: the engine reads the slice no more
-            if slot is not None:  # landed in the peer's slot (a failed write keeps it: bytes may still land there)
-                assert slots is not None and announce is not None
-                try:
-                    announce(slot, relay.runs(window))
-                except BaseException:
-                    slots.give_back(slot)
-                    raise
-        settle()
+                    into_place()
+                    batches = lane.batches(window)
+                    of = f" of {len(batches)}" if window is plan else ""  # the whole plan: its count is known
+                    for batch in batches:
+                        post(batch, memory, of)
+                    continue
+                where = staged_memory
+                if slot is not None and landing is not None and where is not None:
+                    where = where._replace(dst_kind=landing.mem, dst_device=landing.device)
+                else:
+                    into_place()
+                flying.append((staged, slot))
+                batches = lane.batches(staged.runs)  # a window of two fence batches (GPU) is posted as two
+                for i, batch in enumerate(batches):  # the slice is reused once the engine reads it no more
+                    post(batch, where, then=landed if i == len(batches) - 1 else None)
+                if staged.rest is not None:  # pieces of a region too odd to gather: as planned
+                    into_place()
+                    for batch in lane.batches(staged.rest):
+                        post(batch, memory)
+            settle()
+        except BaseException:
+            if pipe.pending:  # the engine reads no staged slice any more once every batch was waited for
+                clean = pipe.abandon(deadline) and stopped
+            while flying:
+                staged, slot = flying.popleft()
+                staged.release()
+                if slot is not None:  # a failed write keeps it (bytes may still land there) unless all landed
+                    slots.give_back(slot) if clean else slots.retire()  # type: ignore[union-attr]
+            raise
         if slots is not None:  # returns once decode scattered every window: in place, as a direct write is
-            slots.settle(lambda where: self._check(peer, deadline, live, where))
+            slots.settle(check)
         lane.peak_in_flight = max(lane.peak_in_flight, pipe.peak)
 
     def _write_one(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None,
                    memory: Memory | None, state: _Peer) -> None:
         """:meth:`_write_lane` of a plan of one descriptor within the batch limits, to a peer lending no staging
-        slots, one batch in flight and no reset to retry after: one ``write``, the same checks, without
-        the pipeline, windows and closures (a small request's fixed cost, issue #27)."""
+        slots and no reset to retry after: one ``write`` (one batch: nothing to pipeline), the same checks,
+        without the pipeline, windows and closures (a small request's fixed cost, issue #27)."""
         self.windows["direct"] += 1
         self.on_window("direct")
         plan.memory = memory
@@ -273,7 +327,7 @@ class LaneWrites:
             yield plan  # pieces too large on average to be worth copying: written as planned
             return
         most = relay.REMOTE_WINDOW_DESCRIPTORS if remote else staging.WINDOW_DESCRIPTORS
-        size = min(stager.slice_bytes, lane.batch_bytes)
+        size = stager.slice_bytes  # larger than a fence batch (GPU): its runs go in several batches, each checked
         if remote and state.slots is not None:
             size = min(size, state.slots.offer.slice_bytes)
         yield from plan.batches(most, size)

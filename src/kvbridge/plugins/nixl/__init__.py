@@ -27,8 +27,10 @@ OPTIONS = (
 # mixing kinds posts one request per kind pair). No descriptor limit was hit up
 # to 262144 descriptors in one request (docs/engines.md, NIXL). A request's CMA copy runs
 # inside the post, so core cuts writes into 64 MiB requests and checks the deadline
-# between them (measured in .backend).
-CAPABILITIES = BackendCapabilities(memory_kinds=("dram", "vram"), max_bytes_per_batch=64 << 20, batches_in_flight=1,
+# between them (measured in .backend). Requests are posted up to 4 at once (``post``): the
+# next one is prepared and posted while the last one's completion is still polled, and staged
+# windows overlap (docs/performance.md).
+CAPABILITIES = BackendCapabilities(memory_kinds=("dram", "vram"), max_bytes_per_batch=64 << 20, batches_in_flight=4,
                                    inline_writes=True)
 
 
