@@ -169,6 +169,10 @@ def _reap(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+# What CPython prints when a Ctrl-C interrupts its own start-up, before kvbridge.entry's first line.
+CPYTHON_START_UP_INTERRUPTED = ("Fatal Python error: init_import_site", "Could not import runpy module")
+
+
 @pytest.mark.parametrize("after_s", [0.1, 0.2, 0.4, 0.8, 1.5, 3.0])
 def test_ctrl_c_at_any_moment_of_the_start_up_exits_130_and_leaves_no_process(after_s):
     """While imports run, torch loads, servers start or the reference computes: 130, never an abort (134)."""
@@ -187,6 +191,10 @@ def test_ctrl_c_at_any_moment_of_the_start_up_exits_130_and_leaves_no_process(af
             # Python's own start-up (it imports runpy before any code of ours runs; ~30 ms idle, more
             # under load): its traceback, killed by SIGINT, which the shell shows as 130 too.
             assert "kvbridge" not in err, err[-4000:]
+        elif proc.returncode == 1 and any(m in err for m in CPYTHON_START_UP_INTERRUPTED):
+            # Also Python's own start-up, a step earlier or later (site's .pth lines, runpy's imports): CPython
+            # reports it and exits 1 before any code of ours runs (seen at 0.1-0.8 s on a loaded machine).
+            assert "kvbridge/" not in err and "kvbridge.entry" not in err, err[-4000:]
         else:
             # From kvbridge.entry's first line on: 130, one line, no traceback, never an abort (134).
             assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-4000:])
