@@ -86,8 +86,10 @@ class _LoadGroupIds:
             names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                             for m in item.iter_markers("xdist_group")})
             if names and "@" not in item.nodeid and hasattr(item, "_id"):
-                from _pytest.nodeid import NodeId
-
+                try:  # pytest's private node id type (9.2): where it is gone, the groups are xdist's own again
+                    from _pytest.nodeid import NodeId
+                except ImportError:
+                    return
                 item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
