@@ -34,7 +34,11 @@ def test_repeated_hostile_floods_leave_the_targets_memory_on_a_plateau():
 
     result = measure(floods=5, messages=3000, large=4, settle=1.0)
     after = result["after"]
-    assert all((u["threads"], u["fds"]) == (after[0]["threads"], after[0]["fds"]) for u in after), after
+    assert all(u["threads"] == after[0]["threads"] for u in after), after
+    # A connection still closing when the descriptors are counted is two of them (CI saw 34, 34, 34, 32, 34);
+    # a descriptor kept per flood would spread them by 4 over five floods.
+    fds = [u["fds"] for u in after]
+    assert max(fds) - min(fds) <= 2, after
     rss = [u["rss"] for u in after]
     # Transients (a frame still queued in zmq when RSS is read) come back: compare the lowest of the last two.
     assert min(rss[-2:]) - min(rss[:2]) < 48 * MB, result["rss_mb_over_baseline"]

@@ -50,6 +50,7 @@ PREFILL_IP, DECODE_IP = "10.77.0.1", "10.77.0.2"
 FLAP = 1.5  # seconds the link is down in a net-flap cell
 GATE_WAIT = 120.0  # a driver waiting for the parent's next gate
 IP_WAIT = 10.0  # one `ip` command
+UP_WAIT = 10.0  # the veth pair's carrier, after both ends are set up
 
 
 def _ip(*args: str) -> None:
@@ -92,9 +93,25 @@ class Link:
             for role, ip in (("prefill", PREFILL_IP), ("decode", DECODE_IP)):
                 _ip("-n", self.ns[role], "addr", "add", f"{ip}/30", "dev", self.dev[role])
                 _ip("-n", self.ns[role], "link", "set", self.dev[role], "up")
+            self.wait_running()
         except BaseException:
             self.close()
             raise
+
+    def wait_running(self, timeout: float = UP_WAIT) -> None:
+        """Wait until both ends carry (operstate UP). The kernel reports a veth's carrier up to a second after
+        ``link set up``; UCX started before that finds no active device there (CI saw NIXL fail to create its
+        agent: NIXL_ERR_BACKEND)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = {role: subprocess.run(["ip", "-n", self.ns[role], "-o", "link", "show", "dev", self.dev[role]],
+                                           capture_output=True, text=True, timeout=IP_WAIT).stdout
+                      for role in self.ns}
+            if all(" state UP " in out for out in states.values()):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the veth pair did not come up within {timeout:.0f} s: {states}")
+            time.sleep(0.02)
 
     def prefix(self, role: str) -> list[str]:
         return ["ip", "netns", "exec", self.ns[role]]
