@@ -29,7 +29,9 @@ __all__ = [
 #: ``BackendCapabilities.whole_plans``, ``TransferPlan.memory`` on every batch core posts, and the helpers
 #: ``checkpoint``, ``wait_until``, ``expired``, ``host_id``; TCP resets moved behind ``abort_peer``
 #: (``kvbridge.plugins.tcpfence``).
-PLUGIN_API_VERSION = "1.2"
+#: 1.3: pipelined batches and inline writes. Added, all optional: ``BackendCapabilities.batches_in_flight``
+#: with ``Backend.post``, and ``BackendCapabilities.inline_writes``.
+PLUGIN_API_VERSION = "1.3"
 
 #: Type names an :class:`OptionSpec` may use instead of a parse function.
 OPTION_TYPES = ("str", "int", "float", "bool")
