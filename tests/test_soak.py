@@ -15,7 +15,10 @@ the link between prefill and decode (skipped, saying why, where namespaces canno
 
 from __future__ import annotations
 
+import random
+import socket
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -31,12 +34,31 @@ from kvbridge.testing.restart import RESTART
 from kvbridge.testing.soak import KINDS, NET_KINDS, soak, table
 
 
+def _port_below_the_ephemeral_range() -> int:
+    """A free loopback port no outgoing connection can be given meanwhile (the kernel picks those from
+    ip_local_port_range): CI saw another test's connection take the first manager's ephemeral port
+    between its close and the replacement's bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    pytest.fail(f"no free loopback port between 10000 and {low} in 100 tries")
+
+
 def test_a_prefill_given_a_control_port_binds_it_and_its_replacement_comes_back_there_as_a_new_incarnation() -> None:
     sc = msgspec.structs.replace(RESTART, backend="memory")
     pools = prefill_pools(sc)
     server = BootstrapServer("127.0.0.1")
-    first = PrefillManager(pools.kvargs, "memory", bootstrap=server.address, config=sc.session_config())
-    port = int(first.control_address.rpartition(":")[2])
+    port = _port_below_the_ephemeral_range()
+    first = PrefillManager(pools.kvargs, "memory", bootstrap=server.address,
+                           config=replace(sc.session_config(), control_port=port))
+    assert first.control_address == f"127.0.0.1:{port}"
     first.close()
     try:
         again = PrefillManager(pools.kvargs, "memory", bootstrap=server.address,
