@@ -70,7 +70,7 @@ def numpy_side(vram: bool) -> wmix.BlockSum:
 
 
 def torch_side(vram: bool) -> wmix.BlockSum:
-    return checksum_torch.block_sum("cpu")
+    return checksum_torch.block_sum()
 
 
 PAGE = 256

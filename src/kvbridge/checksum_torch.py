@@ -164,10 +164,8 @@ def device_sum_on_host(kernel: bool) -> DeviceSum:
     return lambda device, block, blocks: _sum_blocks(block, blocks, _host_bytes, torch.device("cpu") if kernel else None)
 
 
-def block_sum(on: str) -> BlockSum:
-    """For tests: the torch ops as a ``BlockSum`` over host addresses (``on``: ``"cpu"``)."""
-    if on != "cpu":
-        raise ValueError(f"block_sum: on must be 'cpu', got {on!r}")
+def block_sum() -> BlockSum:
+    """For tests: the torch ops as a ``BlockSum`` over host addresses."""
     return lambda addr, nbytes, device, block, rows, first_key: _rows(_host_bytes(addr, nbytes), block, rows, first_key)
 
 
