@@ -79,7 +79,7 @@ class SessionConfig:
     #: engine lane are staged on both sides with ``auto``/``on`` only (``kvbridge.core.transfer.device``).
     staging: str = "gather"
     #: GPU staging (``staging`` auto or on, GPU pages through an engine lane): the most one staged window holds,
-    #: the size of prefill's GPU staging slices and of decode's GPU landing slots (a multiple of 1 MiB). Either
+    #: the size of prefill's GPU staging slices and of decode's GPU landing slots (a multiple of 4 KiB). Either
     #: side's buffer stays bounded: prefill keeps ``kvbridge.core.transfer.staging.device_slices`` slices (4 of
     #: the default 32 MiB; 2 from 64 MiB up), decode ``kvbridge.core.transfer.landing.device_slots`` slots
     #: (8 of the default, lent 2 per prefill rank; fewer from 64 MiB up, 2 from 128 MiB up: one prefill rank
@@ -137,8 +137,8 @@ class SessionConfig:
                 or not 0 <= self.control_port <= 65535:
             raise ValueError(f"control_port must be an int in 0..65535 (0: ephemeral), got {self.control_port!r}")
         if (isinstance(self.gpu_staging_slice_bytes, bool) or not isinstance(self.gpu_staging_slice_bytes, int)
-                or self.gpu_staging_slice_bytes <= 0 or self.gpu_staging_slice_bytes % (1 << 20)):
-            raise ValueError(f"gpu_staging_slice_bytes must be a positive multiple of 1 MiB (1048576), "
+                or self.gpu_staging_slice_bytes <= 0 or self.gpu_staging_slice_bytes % 4096):
+            raise ValueError(f"gpu_staging_slice_bytes must be a positive multiple of 4096 (whole 4 KiB pages), "
                              f"got {self.gpu_staging_slice_bytes!r}")
         if self.staging not in ("gather", "auto", "on", "off"):
             raise ValueError(f"staging must be one of gather, auto, on, off, got {self.staging!r}")
