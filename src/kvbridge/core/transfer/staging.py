@@ -203,6 +203,13 @@ class Staged:
                  rest: TransferPlan | None = None) -> None:
         self._staging, self._slot, self.runs, self.window, self.rest = staging, slot, runs, window, rest
 
+    def aim(self, dst_addr: int) -> Staged:
+        """A window gathered by :meth:`Staging.stage_to` before its destination was known: its one run now goes to
+        ``dst_addr`` (the peer's staging slot taken since)."""
+        assert len(self.runs) == 1, "only a window gathered into one descriptor is aimed"
+        self.runs = TransferPlan(self.runs.src_addr, np.array([dst_addr], np.int64), self.runs.nbytes)
+        return self
+
     def release(self) -> None:
         """Give the slice back: only once the engine has no work left reading it."""
         if self._slot >= 0:
