@@ -26,7 +26,7 @@ def test_trace_gives_every_step_of_each_staged_window_in_both_processes_and_keep
     scattered = next(r for r in rows if r["case"] == "scattered" and r["staging"] == "on")
     summary = scattered["trace"]
     # Every timed room's staged windows were traced whole (5 rooms of 1 MiB, one 4 MiB slice each).
-    assert summary["windows"] == scattered["windows"]["both"] == 5
+    assert summary["windows"] == summary["staged"] == scattered["windows"]["both"] == 5
     steps = [s["step"] for s in summary["steps"]]
     assert steps == CHAIN, steps
     assert [s["side"] for s in summary["steps"]].count("decode") == 5

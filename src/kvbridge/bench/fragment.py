@@ -219,7 +219,8 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
                          "verified": verified})
             if trace_file:
                 found = windows.cycles({"prefill": trace.events(), "decode": decode_events}, spans[mode])
-                rows[-1]["trace"] = windows.summarise(found, sum(times[mode]), moved * len(times[mode]))
+                rows[-1]["trace"] = windows.summarise(found, sum(times[mode]), moved * len(times[mode]),
+                                                      counted.get(mode, {}).get("both", 0))
     finally:
         writing.STAGED_IN_FLIGHT = staged_in_flight
         finish_child(child)

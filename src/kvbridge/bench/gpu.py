@@ -274,7 +274,8 @@ def run(args: argparse.Namespace, trace_file: str | None = None) -> list[dict[st
                     if path.startswith("plain_"):
                         found = windows.cycles(sides, spans.get((c, path), []))
                         row[f"{path}_trace"] = windows.summarise(found, seconds[(c, path)],
-                                                                 row["request_bytes"] * args.reps)
+                                                                 row["request_bytes"] * args.reps,
+                                                                 row[f"{path}_windows"] * args.reps)
     finally:
         finish_child(child)
         for m in managers.values():

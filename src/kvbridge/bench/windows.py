@@ -9,7 +9,7 @@ worker takes it until prefill's I/O thread frees it. One cycle of a slot:
 
 - prefill's transfer worker: ``slot wait >`` (it asks for a decode slot; waits while both are
   being scattered), ``slot taken``, ``gather >``/``<`` (into its slice; on a GPU one kernel, then
-  the stream synchronised), per batch ``post >``/``<`` and, when the worker next waits for it,
+  the stream synchronised; before ``slot taken`` when every slot was being scattered), per batch ``post >``/``<`` and, when the worker next waits for it,
   ``landing wait >`` then ``landed``; ``Staged handed to I/O >``/``<`` (``writes.announce``);
 - prefill's I/O thread: ``Staged sent``;
 - decode's I/O thread: ``received Staged``, ``on Staged >`` (then decode's lock), ``scatter >``/``<``
@@ -63,7 +63,7 @@ def install() -> None:
         return slot
 
     relay.RemoteSlots.take = traced_take  # type: ignore[method-assign]
-    trace._wrap(staging.Staging, "stage_to", "gather", key=_slot)
+    trace._wrap(staging.Staging, "stage_to", "gather")  # may come before its slot is taken: see cycles()
     post_async = writing.LaneWrites._post_async
 
     def traced_post(self: writing.LaneWrites, lane: Any, peer: str, batch: Any, deadline: float) -> Any:
@@ -118,7 +118,8 @@ Merged = tuple[int, str, str, str, "int | None"]
 
 
 def cycles(sides: dict[str, Sequence[Sequence[Any]]], spans: Sequence[tuple[int, int]]) -> list[list[Merged]]:
-    """Every complete cycle of a slot (``slot wait >`` .. ``slot freed >``) inside one of ``spans`` (ns), in order.
+    """Every complete cycle of a slot (``slot wait >``, or an early ``gather >``, .. ``slot freed >``) inside one of
+    ``spans`` (ns), in order.
 
     ``sides`` maps a side (``"prefill"``, ``"decode"``) to its events (:data:`kvbridge.bench.trace.Event`).
     Each side's events of a slot are cut into that side's cycles (prefill's start at ``slot taken``,
@@ -129,17 +130,26 @@ def cycles(sides: dict[str, Sequence[Sequence[Any]]], spans: Sequence[tuple[int,
 
     merged = sorted((e[0], side, trace._thread(e[1]), e[2], e[3] if len(e) > 3 else None)
                     for side, evs in sides.items() for e in evs if inside(e[0]))
-    asked: dict[tuple[str, str], Merged] = {}  # the last "slot wait >" per thread: its slot is known on return
+    # A worker's events before it took the slot of their window ("slot wait >", and a gather made while every slot
+    # was being scattered: before it even asked), and the slot it took last (its gather, unkeyed, comes after).
+    pending: dict[tuple[str, str], list[Merged]] = {}
+    current: dict[tuple[str, str], list[Merged]] = {}
     per: dict[tuple[str, int], list[list[Merged]]] = collections.defaultdict(list)
     for e in merged:
         _, side, thread, step, slot = e
+        where = (side, thread)
         if step == "slot wait >":
-            asked[(side, thread)] = e
+            pending.setdefault(where, []).append(e)
+        elif step in ("gather >", "gather <"):
+            cycle = current.get(where)
+            early = (where in pending or cycle is None
+                     or (step == "gather >" and any(x[3] == "gather >" for x in cycle)))
+            (pending.setdefault(where, []) if early else cycle).append(e)  # type: ignore[union-attr]
         elif slot is None:
             continue
         elif step == "slot taken":
-            wait = asked.pop((side, thread), None)
-            per[(side, slot)].append(([wait[:4] + (slot,)] if wait is not None else []) + [e])  # type: ignore[list-item]
+            per[(side, slot)].append([p[:4] + (slot,) for p in pending.pop(where, [])] + [e])  # type: ignore[misc]
+            current[where] = per[(side, slot)][-1]
         elif step == "received Staged" or not per[(side, slot)]:
             per[(side, slot)].append([e])
         else:
@@ -150,7 +160,8 @@ def cycles(sides: dict[str, Sequence[Sequence[Any]]], spans: Sequence[tuple[int,
             continue
         theirs = per.get(("decode", slot), [])
         for i, c in enumerate(mine):
-            if c[-1][3] == "slot freed >" and c[0][3] in ("slot wait >", "slot taken") and i < len(theirs):
+            steps = {e[3] for e in c}
+            if "slot freed >" in steps and "slot taken" in steps and i < len(theirs):
                 done.append(sorted(c + theirs[i]))
     return sorted(done, key=lambda c: c[0][0])
 
@@ -176,10 +187,11 @@ ACTIVITIES = [
 CONCURRENT = ("Staged handed to I/O <", "on Staged <")
 
 
-def summarise(found: list[list[Merged]], seconds: float, nbytes: int) -> dict[str, Any]:
+def summarise(found: list[list[Merged]], seconds: float, nbytes: int, staged: int | None = None) -> dict[str, Any]:
     """The steps of ``found``'s cycles in order (median time from the cycle's start, median and p90 gap from
     the step before, us), the time per window each thread spent per activity (:data:`ACTIVITIES`), and
-    windows/s and GB/s over the traced rooms (``seconds`` in all, ``nbytes`` moved)."""
+    windows/s and GB/s over the traced rooms (``seconds`` in all, ``nbytes`` moved, ``staged`` windows
+    staged in them, as the transport counted: default, the cycles found)."""
     offsets: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
     named: list[dict[tuple[str, str, str], float]] = []
     for c in found:
@@ -216,8 +228,8 @@ def summarise(found: list[list[Merged]], seconds: float, nbytes: int) -> dict[st
                     total += (t - opened.pop(slot)) / 1000
         spent.append({"side": side, "thread": thread, "activity": what,
                       "us_per_window": total / max(1, len(found))})
-    windows = len(found)
-    return {"windows": windows, "windows_per_s": windows / seconds if seconds else None,
+    windows = len(found) if staged is None else staged
+    return {"windows": len(found), "staged": windows, "windows_per_s": windows / seconds if seconds else None,
             "GBps": nbytes / seconds / 1e9 if seconds else None,
             "window_us": seconds * 1e6 / windows if windows else None, "steps": steps, "spent": spent}
 
@@ -226,10 +238,10 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[Any]:
     """Two :func:`kvbridge.ui.table` s: the steps of a window's cycle, and each thread's time per window."""
     from kvbridge import ui
 
-    rate = (f"{summary['windows']} windows, {summary['windows_per_s']:.0f} windows/s, "
+    rate = (f"{summary['windows']} of {summary['staged']} windows traced whole, {summary['windows_per_s']:.0f} windows/s, "
             f"{summary['GBps']:.2f} GB/s, one window every {summary['window_us']:.0f} us" if summary["windows"]
             else "no staged window traced")
-    columns = ["us from slot wait", "+us median", "+us p90", "side", "thread", "step"]
+    columns = ["us from first step", "+us median", "+us p90", "side", "thread", "step"]
     steps = ui.table(columns, [(f"{s['at_us']:.0f}", f"{s['gap_us']:.0f}", f"{s['gap_p90_us']:.0f}", s["side"],
                                 s["thread"], s["step"]) for s in summary["steps"]],
                      title=f"{title}: a staged window's cycle, step by step ({rate}; medians over windows; "
