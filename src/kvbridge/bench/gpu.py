@@ -348,10 +348,9 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
 
     status = common.finish(args, prog, rows, table, plot, all(r["verified"] for r in rows))
     if getattr(args, "trace", False):
-        from kvbridge.bench.transfer import print_traces
-
-        print_traces(args, [(f"{r['page_bytes'] >> 10}K {r['request_bytes'] >> 20}Mi {r['pattern']}, {k[:-6]}", r[k])
-                      for r in rows for k in r if k.endswith("_trace") and r[k]["windows"]])
+        windows.print_summaries(args.json, [
+            (f"{r['page_bytes'] >> 10}K {r['request_bytes'] >> 20}Mi {r['pattern']}, {k[:-6]}", r[k])
+            for r in rows for k in r if k.endswith("_trace") and r[k]["windows"]])
     return status
 
 

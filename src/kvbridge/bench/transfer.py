@@ -419,19 +419,11 @@ def _run_fragments(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
     status = common.finish(args, prog, rows, table, draw, all(r["verified"] for r in rows))
     if args.trace:
-        print_traces(args, [(f"{r['page_KiB']} KiB {r['case']}, staging {r['staging']}", r["trace"]) for r in rows
-                      if r.get("trace", {}).get("windows")])
+        from kvbridge.bench import windows
+
+        windows.print_summaries(args.json, [(f"{r['page_KiB']} KiB {r['case']}, staging {r['staging']}", r["trace"])
+                                            for r in rows if r.get("trace", {}).get("windows")])
     return status
-
-
-def print_traces(args: argparse.Namespace, traced: list[tuple[str, dict[str, Any]]]) -> None:
-    """``--trace``: each row's window tables (:func:`kvbridge.bench.windows.format_summary`), after the results
-    (on stderr with ``--json``: stdout holds the JSON, which has them as each row's ``trace``)."""
-    from kvbridge.bench import windows
-
-    for title, summary in traced:
-        for t in windows.format_summary(title, summary):
-            ui.print_table(t, file=sys.stderr if args.json else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,9 @@ worker takes it until prefill's I/O thread frees it. One cycle of a slot:
 
 - prefill's transfer worker: ``slot wait >`` (it asks for a decode slot; waits while both are
   being scattered), ``slot taken``, ``gather >``/``<`` (into its slice; on a GPU one kernel, then
-  the stream synchronised; before ``slot taken`` when every slot was being scattered), per batch ``post >``/``<`` and, when the worker next waits for it,
-  ``landing wait >`` then ``landed``; ``Staged handed to I/O >``/``<`` (``writes.announce``);
+  the stream synchronised; before ``slot wait >`` when every slot was being scattered), per batch
+  ``post >``/``<`` and, when the worker next waits for it, ``landing wait >`` then ``landed``;
+  ``Staged handed to I/O >``/``<`` (``writes.announce``);
 - prefill's I/O thread: ``Staged sent``;
 - decode's I/O thread: ``received Staged``, ``on Staged >`` (then decode's lock), ``scatter >``/``<``
   (on a GPU, synchronised), ``Unstaged sent``, ``on Staged <``;
@@ -34,7 +35,7 @@ from typing import Any
 
 from kvbridge.bench import trace
 
-__all__ = ["install", "cycles", "summarise", "format_summary"]
+__all__ = ["install", "cycles", "summarise", "format_summary", "print_summaries"]
 
 _local = threading.local()
 
@@ -253,3 +254,15 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[Any]:
                      title=f"{title}: each thread's time per window (a window every {period:.0f} us)",
                      right=columns[3:])
     return [steps, spent]
+
+
+def print_summaries(as_json: bool, traced: list[tuple[str, dict[str, Any]]]) -> None:
+    """``--trace``: each titled summary's tables, after the results (on stderr with ``--json``: stdout holds the
+    JSON, which has them as each row's ``trace``)."""
+    import sys
+
+    from kvbridge import ui
+
+    for title, summary in traced:
+        for t in format_summary(title, summary):
+            ui.print_table(t, file=sys.stderr if as_json else None)
