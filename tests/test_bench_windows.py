@@ -30,8 +30,9 @@ def test_trace_gives_every_step_of_each_staged_window_in_both_processes_and_keep
     steps = [s["step"] for s in summary["steps"]]
     assert steps == CHAIN, steps
     assert [s["side"] for s in summary["steps"]].count("decode") == 5
-    at = [s["at_us"] for s in summary["steps"]]
-    assert at == sorted(at) and at[0] == 0
+    at = {s["step"]: s["at_us"] for s in summary["steps"]}
+    assert list(at.values()) == sorted(at.values()) and at["slot taken"] == 0 and at["slot wait >"] <= 0
+    assert all(s["windows"] == 5 for s in summary["steps"])
     assert all(s["gap_p90_us"] >= s["gap_us"] >= 0 for s in summary["steps"])
     spent = {s["activity"]: s["us_per_window"] for s in summary["spent"]}
     assert spent["gathering (incl. sync)"] > 0 and spent["scattering (incl. sync)"] > 0

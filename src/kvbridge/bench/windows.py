@@ -114,6 +114,9 @@ def install() -> None:
     channel.Channel.receive = traced_receive  # type: ignore[method-assign]
 
 
+#: A gather made before its window's slot wait (every slot was being scattered): ``gather while waiting >``/``<``.
+EARLY = "gather while waiting"
+
 #: One event of a merged timeline: (time in ns, side, thread, step, slot or None).
 Merged = tuple[int, str, str, str, "int | None"]
 
@@ -144,8 +147,11 @@ def cycles(sides: dict[str, Sequence[Sequence[Any]]], spans: Sequence[tuple[int,
         elif step in ("gather >", "gather <"):
             cycle = current.get(where)
             early = (where in pending or cycle is None
-                     or (step == "gather >" and any(x[3] == "gather >" for x in cycle)))
-            (pending.setdefault(where, []) if early else cycle).append(e)  # type: ignore[union-attr]
+                     or (step == "gather >" and any(x[3] in ("gather >", EARLY + " >") for x in cycle)))
+            if early:
+                pending.setdefault(where, []).append(e[:3] + (EARLY + step[len("gather"):],) + e[4:])
+            else:
+                cycle.append(e)  # type: ignore[union-attr]
         elif slot is None:
             continue
         elif step == "slot taken":
@@ -175,6 +181,7 @@ def _p90(values: Sequence[float]) -> float:
 ACTIVITIES = [
     ("prefill", "transfer worker", "waiting for a decode slot", "slot wait >", "slot taken"),
     ("prefill", "transfer worker", "gathering (incl. sync)", "gather >", "gather <"),
+    ("prefill", "transfer worker", "gathering while waiting for a slot", EARLY + " >", EARLY + " <"),
     ("prefill", "transfer worker", "posting batches", "post >", "post <"),
     ("prefill", "transfer worker", "waiting for a batch to land", "landing wait >", "landed"),
     ("prefill", "transfer worker", "posting, one batch in flight: until it landed", "post and land >", "post and land <"),
@@ -189,14 +196,15 @@ CONCURRENT = ("Staged handed to I/O <", "on Staged <")
 
 
 def summarise(found: list[list[Merged]], seconds: float, nbytes: int, staged: int | None = None) -> dict[str, Any]:
-    """The steps of ``found``'s cycles in order (median time from the cycle's start, median and p90 gap from
-    the step before, us), the time per window each thread spent per activity (:data:`ACTIVITIES`), and
+    """The steps of ``found``'s cycles in order (median time from ``slot taken``, negative before it; median and
+    p90 gap from the step above in the same window; in how many windows; us; steps in fewer than a tenth left out), the time per window each thread spent per activity (:data:`ACTIVITIES`), and
     windows/s and GB/s over the traced rooms (``seconds`` in all, ``nbytes`` moved, ``staged`` windows
     staged in them, as the transport counted: default, the cycles found)."""
     offsets: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
     named: list[dict[tuple[str, str, str], float]] = []
     for c in found:
-        t0, seen, mine = c[0][0], collections.Counter[tuple[str, str, str]](), {}
+        t0 = next(e[0] for e in c if e[3] == "slot taken")  # before it: the slot wait, a gather while waiting
+        seen, mine = collections.Counter[tuple[str, str, str]](), {}
         for t, side, thread, step, _ in c:
             seen[(side, thread, step)] += 1
             n = seen[(side, thread, step)]
@@ -205,17 +213,17 @@ def summarise(found: list[list[Merged]], seconds: float, nbytes: int, staged: in
             offsets[key].append(mine[key])
         named.append(mine)
     order = sorted((statistics.median(v), k) for k, v in offsets.items()
-                   if len(v) >= len(found) / 2 and k[2] not in CONCURRENT)
+                   if len(v) >= len(found) / 10 and k[2] not in CONCURRENT)
     keys = [k for _, k in order]
     gaps: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
     for mine in named:
-        previous = 0.0
+        previous = None
         for k in keys:
             if k in mine:
-                gaps[k].append(mine[k] - previous)
+                gaps[k].append(0.0 if previous is None else mine[k] - previous)  # the first: no step above
                 previous = mine[k]
     steps = [{"side": k[0], "thread": k[1], "step": k[2], "at_us": at, "gap_us": statistics.median(gaps[k]),
-              "gap_p90_us": _p90(gaps[k])} for at, k in order]
+              "gap_p90_us": _p90(gaps[k]), "windows": len(offsets[k])} for at, k in order]
     spent = []
     for side, thread, what, enter, leave in ACTIVITIES:
         total, opened = 0.0, {}
@@ -242,9 +250,9 @@ def format_summary(title: str, summary: dict[str, Any]) -> list[Any]:
     rate = (f"{summary['windows']} of {summary['staged']} windows traced whole, {summary['windows_per_s']:.0f} windows/s, "
             f"{summary['GBps']:.2f} GB/s, one window every {summary['window_us']:.0f} us" if summary["windows"]
             else "no staged window traced")
-    columns = ["us from first step", "+us median", "+us p90", "side", "thread", "step"]
-    steps = ui.table(columns, [(f"{s['at_us']:.0f}", f"{s['gap_us']:.0f}", f"{s['gap_p90_us']:.0f}", s["side"],
-                                s["thread"], s["step"]) for s in summary["steps"]],
+    columns = ["us from slot taken", "+us median", "+us p90", "windows", "side", "thread", "step"]
+    steps = ui.table(columns, [(f"{s['at_us']:.0f}", f"{s['gap_us']:.0f}", f"{s['gap_p90_us']:.0f}", s["windows"],
+                                s["side"], s["thread"], s["step"]) for s in summary["steps"]],
                      title=f"{title}: a staged window's cycle, step by step ({rate}; medians over windows; "
                            "'>' entered, '<' returned)", right=columns[:3])
     period = summary["window_us"] or 0.0
