@@ -5,8 +5,8 @@
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
 # Writes gpu-tests.log, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, staging-tests.log,
 # staging.{txt,json}, layerwise.txt, demo.txt, request.{txt,json} and trace.txt (STEPS=request), cold.txt (STEPS=cold),
-# checksum-tests.log and checksum.{txt,json} (STEPS=checksum), gpustage-tests.log and gpustage.{txt,json} (STEPS=gpustage)
-# to $OUT (default ./gpu-out).
+# checksum-tests.log and checksum.{txt,json} (STEPS=checksum), gpustage-tests.log and gpustage.{txt,json} (STEPS=gpustage),
+# gpuwin-tests.log, gpuwin-64.{txt,json} and gpuwin-4.{txt,json} (STEPS=gpuwin) to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
 # (default "tests conformance kernel bench staging demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
 # STEPS="layerwise demo" to fit a shorter session.
@@ -109,10 +109,23 @@ tail -6 "$OUT/staging.txt"; }
 # fast path, 64 MiB and 1 GiB, 4 and 64 KiB pages. Each part is cut off (timeout) so the step ends within 4 minutes;
 # the bench prints each case's line to gpustage.txt as it finishes (64 MiB first).
 want gpustage && { timeout "${GPUSTAGE_TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_gpu_staging_wired.py tests/test_gpu_staging.py 2>&1 | tee "$OUT/gpustage-tests.log" || rc=1
+  tests/test_gpu_staging_wired.py tests/test_gpu_staging.py -k "not sweep" 2>&1 | tee "$OUT/gpustage-tests.log" || rc=1
 COLUMNS=${COLUMNS:-220} timeout "${GPUSTAGE_BENCH_S:-140}" python3 -m kvbridge.cli bench transfer --device cuda \
   --page-kib 4 64 --total-mib 64 1024 --staging on --reps 5 --json > "$OUT/gpustage.json" 2> "$OUT/gpustage.txt" || rc=1
 tail -24 "$OUT/gpustage.txt"; }
+# Where a staged GPU window's time goes (#29), and the slice size swept (STEPS=gpuwin): 1 GiB scattered (and its contiguous
+# reference) of 64 KiB then 4 KiB pages, fast path off, staging on at 32, 128 and 256 MiB slices (decode's landing
+# bounded: landing.device_slots), every staged window traced in both processes; first the sweep's byte-exact test (32 and
+# 128 MiB slices, 256 MiB requests, traced). gpuwin-P.json holds the rows (each staged
+# path's trace as PATH_trace), gpuwin-P.txt the table then each path's window tables. Each call cut off by timeout.
+want gpuwin && { timeout "${GPUWIN_TESTS_S:-75}" python3 -m pytest -q -p no:cacheprovider -rs \
+  tests/test_gpu_staging_wired.py -k sweep 2>&1 | tee "$OUT/gpuwin-tests.log" || rc=1
+for p in 64 4; do
+  COLUMNS=${COLUMNS:-220} timeout "${GPUWIN_S:-130}" python3 -m kvbridge.cli bench transfer --device cuda --page-kib "$p" \
+    --total-mib 1024 --staging on --slice-mib ${GPUWIN_SLICES:-32 128 256} --reps 3 --trace --json \
+    > "$OUT/gpuwin-$p.json" 2> "$OUT/gpuwin-$p.txt" || rc=1
+  tail -60 "$OUT/gpuwin-$p.txt"
+done; }
 want demo && { python3 -m kvbridge.cli demo --device cuda --requests 16 2>&1 | tee "$OUT/demo.txt" | tail -25 || rc=1; }
 # Layer-wise sending on the GPU: the synthetic model (a GPU kernel per layer, ready= CUDA events), the demo's
 # tiny model, and the demo both ways (is the --layerwise default right on a GPU?).

@@ -165,6 +165,9 @@ def test_bench_transfer_has_one_parser_whatever_the_device():
 @pytest.mark.parametrize("args, message", [
     (["--decode-gpu", "1"], "argument --decode-gpu: applies to --device cuda only (this run is --device cpu)"),
     (["--staging", "on"], "argument --staging: applies to the fragmentation axis only; give --page-kib too"),
+    (["--trace"], "argument --trace: applies to the fragmentation axis only; give --page-kib too"),
+    (["--slice-mib", "64"], "argument --slice-mib: applies to --device cuda only (this run is --device cpu)"),
+    (["--device", "cuda", "--slice-mib", "64"], "argument --slice-mib: applies to staged paths; give --staging on or auto too"),
     (["--device", "cuda", "--regions", "2"], "argument --regions: applies to --device cpu only (this run is --device cuda)"),
     (["--total-mib", "1", "2"], "argument --total-mib: takes one value with --device cpu, got [1, 2]"),
 ])

@@ -7,7 +7,8 @@ into a slot decode lent on its GPU and scattered there before the room's ``Done`
 of ``kvbridge bench transfer --device cuda`` checks every destination byte against the source
 pattern with torch indexing, after each path's rooms (destination zeroed before them). The CPU
 side of the same wiring runs everywhere in ``tests/test_staging_gpu_wiring.py``. Skips, naming
-why, without CUDA, Triton or NIXL (``scripts/gpu_check.sh``, step ``gpustage``, runs it).
+why, without CUDA, Triton or NIXL (``scripts/gpu_check.sh``, step ``gpustage``, runs it; step ``gpuwin`` runs
+the ``sweep`` test: ``--slice-mib`` and ``--trace``).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_scattered_4k_and_64k_gpu_pages_through_nixl_staged_on_both_sides_land_b
         monkeypatch.setenv(key, os.environ.get(key, value))
 
     args = argparse.Namespace(page_kib=[4, 64], total_mib=[64], reps=2, decode_gpu=0, transfer_backend="nixl",
-                              staging=["on"])
+                              staging=["on"], slice_mib=None)
     rows = gpu.run(args)
     assert len(rows) == 4  # 4 KiB and 64 KiB pages, scattered and contiguous
     for r in rows:
@@ -80,3 +81,28 @@ def test_scattered_4k_and_64k_gpu_pages_through_nixl_staged_on_both_sides_land_b
         assert r["verified_by_path"] == {"fast": True, "plain": True, "plain_on": True}, case
         if r["pattern"] == "scattered":  # 64 MiB in windows of a GPU staging slice, one descriptor each
             assert r["plain_on_windows"] == (64 << 20) // DEVICE_SLICE_BYTES, case
+
+
+@needs_gpu
+def test_sweep_every_slice_size_lands_byte_exact_in_windows_of_that_size_and_is_traced(monkeypatch, tmp_path):
+    from kvbridge.bench import gpu
+
+    for key, value in {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}.items():  # as the bench sets them
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    args = argparse.Namespace(page_kib=[64], total_mib=[256], reps=1, decode_gpu=0, transfer_backend="nixl",
+                              staging=["on"], slice_mib=[32, 128])
+    rows = gpu.run(args, str(tmp_path / "decode.json"))
+    assert len(rows) == 2  # scattered and contiguous
+    for r in rows:
+        case = r["pattern"]
+        assert r["verified_by_path"] == {"fast": True, "plain": True, "plain_on_32M": True, "plain_on_128M": True}, case
+        for mib in (32, 128):
+            path = f"plain_on_{mib}M"
+            traced = r[f"{path}_trace"]
+            if case == "contiguous":  # one descriptor: nothing to stage
+                assert r[f"{path}_windows"] == traced["windows"] == 0, path
+                continue
+            assert r[f"{path}_windows"] == 256 // mib, path  # one window a slice of that size
+            assert traced["staged"] == 256 // mib and traced["windows"] == traced["staged"], path
+            steps = {s["step"] for s in traced["steps"]}
+            assert {"slot taken", "gather <", "Staged sent", "received Staged", "scatter <", "slot freed >"} <= steps

@@ -67,8 +67,9 @@ def _on_gpu(pools: Pools) -> Pools:
     return pools
 
 
-def config(staging: str) -> SessionConfig:
-    return SessionConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0, transfer_timeout=10.0, staging=staging)
+def config(staging: str, **more: object) -> SessionConfig:
+    return SessionConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0, transfer_timeout=10.0, staging=staging,
+                         **more)  # type: ignore[arg-type]
 
 
 Made = tuple[Sender, Receiver, Pools, Pools, PrefillManager, DecodeManager]
@@ -82,15 +83,16 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Made]]:
     host_device.calls.clear()
     made: list[object] = []
 
-    def make(staging: str, send: bool = True, decode_staging: str | None = None) -> Made:
+    def make(staging: str, send: bool = True, decode_staging: str | None = None, **more: object) -> Made:
         sc = Scenario(backend="memory", prefill_pages=64, decode_pages=128, page_nbytes=4096)
         src, dst = _on_gpu(prefill_pools(sc)), _on_gpu(Pools(sc, sc.decode_pages, meta_rows=2))
         server = BootstrapServer("127.0.0.1")
         made.append(server)
         pm = PrefillManager(src.kvargs, MemoryBackend(BackendConfig(name="p")), bootstrap=server.address,
-                            config=config(staging))
+                            config=config(staging, **more))
         made.append(pm)
-        dm = DecodeManager(dst.kvargs, MemoryBackend(BackendConfig(name="d")), config=config(decode_staging or staging))
+        dm = DecodeManager(dst.kvargs, MemoryBackend(BackendConfig(name="d")),
+                           config=config(decode_staging or staging, **more))
         made.append(dm)
         sender = Sender(pm, 7, metadata_row=0)
         recv = Receiver(dm, 7, bootstrap=server.address)
@@ -128,6 +130,25 @@ def test_scattered_gpu_pages_are_gathered_and_scattered_by_the_device_seam_byte_
     # Bounded: 2 slots of the one GPU slice size lent to the one prefill rank.
     assert landing["lent"] == 2 and landing["slice_bytes"] == staged["slice_bytes"]
     assert "staging" not in dm.transport.describe() or dm.transport.describe()["landing"]["mem"] == "vram"
+
+
+@pytest.mark.parametrize("mib, slices, slots", [(32, 4, 8), (64, 2, 4), (128, 2, 2), (256, 2, 2)])
+def test_the_gpu_slice_size_is_a_setting_and_both_sides_staging_memory_stays_bounded(pair, mib, slices, slots) -> None:
+    sender, recv, src, dst, pm, dm = pair("on", gpu_staging_slice_bytes=mib << 20)
+    assert recv.poll() == Poll.SUCCESS and landed(src, dst)
+    staged, landing = pm.transport.describe()["device_staging"], dm.transport.describe()["landing"]
+    assert staged["windows"] > 0 and landing["windows"] == staged["windows"]
+    assert (staged["slices"], staged["slice_bytes"]) == (slices, mib << 20)
+    assert (landing["slots"], landing["slice_bytes"]) == (slots, mib << 20)
+    # Decode's GPU landing holds at most 256 MiB (8 slots of the default 32 MiB), or one prefill rank's 2 slots.
+    assert landing["slots"] * landing["slice_bytes"] == max(staging.DEVICE_SLICE_BYTES * 8, 2 * (mib << 20))
+    assert staged["slices"] * staged["slice_bytes"] == max(staging.DEVICE_STAGING_BYTES, 2 * (mib << 20))
+
+
+@pytest.mark.parametrize("bad", [0, -4096, 4097, 1.5, True])
+def test_a_gpu_slice_size_that_is_not_whole_4_kib_pages_is_refused_naming_the_setting(bad) -> None:
+    with pytest.raises(ValueError, match="gpu_staging_slice_bytes must be a positive multiple of 4096"):
+        SessionConfig(gpu_staging_slice_bytes=bad)
 
 
 def test_by_default_gpu_pages_are_written_as_planned_and_no_gpu_memory_is_taken(pair) -> None:
@@ -209,9 +230,8 @@ def test_a_layerwise_chunk_after_a_staged_one_lands_byte_exact(pair) -> None:
 def test_many_gpu_windows_two_in_flight_land_byte_exact_within_two_slices(pair, monkeypatch) -> None:
     # 16 KiB GPU slices: each chunk is a dozen windows, two in flight at once through a backend posting
     # asynchronously (copies land only when core waits), as nixl does; never more than two slices and slots.
-    monkeypatch.setattr(staging, "DEVICE_SLICE_BYTES", 16 << 10)
     peak = defer_posts(monkeypatch, msgspec.structs.replace(GPU_ENGINE, batches_in_flight=4))
-    sender, recv, src, dst, pm, dm = pair("on")
+    sender, recv, src, dst, pm, dm = pair("on", gpu_staging_slice_bytes=16 << 10)
     assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
     assert landed(src, dst)
     staged = pm.transport.describe()["device_staging"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.bench import trace, windows
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.description.layout import KV_PAGE_SPACE, METADATA_SPACE, IndexSpace, KVArgs, Region, Shard
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
@@ -97,6 +99,8 @@ CONFIG = SessionConfig(transfer_timeout=120, waiting_timeout=300, heartbeat_time
 def run_decode(backend: str, config: SessionConfig, bootstrap: str, argv: dict[str, Any]) -> int:
     """The decode child of one geometry: every decode rank, every room, then the byte check."""
     page, pages, tp_d, case = argv["page"], argv["pages"], argv["tp_d"], argv["case"]
+    if argv.get("trace"):  # --trace: this process's steps of every staged window (kvbridge.bench.windows)
+        windows.install()
     # Decode lends its staging slots whatever prefill's setting per room (the default, gather, lends none).
     config = dataclasses.replace(config, staging="on")
     pools = [np.zeros((pages, ROWS, HEADS // tp_d, page // (ROWS * HEADS)), np.uint8) for _ in range(tp_d)]
@@ -118,6 +122,9 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, argv: dict[s
             if not np.array_equal(pool[dst], rank_pool(g, r, tp_d)[src]):
                 print(f"decode rank {r}: {case}: bytes differ from the source", file=sys.stderr)
                 ok = False
+        if argv.get("trace"):
+            with open(argv["trace"], "w") as f:
+                json.dump(trace.events(), f)
         print(json.dumps({"verified": ok}), flush=True)
         sys.stdin.readline()  # stay registered while prefill runs the raw-engine loop
     finally:
@@ -127,8 +134,10 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, argv: dict[s
 
 
 def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: int, tp_p: int, tp_d: int, case: str,
-                 staging: list[str], reps: int) -> list[dict[str, Any]]:
-    """One row per staging setting for one (page size, TP pair, case)."""
+                 staging: list[str], reps: int, trace_file: str | None = None) -> list[dict[str, Any]]:
+    """One row per staging setting for one (page size, TP pair, case). ``trace_file`` (TP 1 -> 1 only): trace
+    every staged window's steps in both processes (the child writes its events there); each row gets the
+    summary of its timed rooms' windows as ``trace`` (:mod:`kvbridge.bench.windows`)."""
     from kvbridge.bench.common import finish_child
     from kvbridge.bench.transfer import _raw_for
 
@@ -140,7 +149,12 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
     server = BootstrapServer("127.0.0.1")
     mgrs = [PrefillManager(kvargs(r, tp_p, page, pages, pools[r], metas[r]), backend, bootstrap=server.address,
                            config=config) for r in range(tp_p)]
-    spec = {"page": page, "pages": pages, "tp_p": tp_p, "tp_d": tp_d, "case": case, "staging": staging, "reps": reps}
+    trace_file = trace_file if tp_p == tp_d == 1 else None  # a slot names a window for one peer only
+    if trace_file:
+        windows.install()
+        trace.reset()
+    spec = {"page": page, "pages": pages, "tp_p": tp_p, "tp_d": tp_d, "case": case, "staging": staging, "reps": reps,
+            "trace": trace_file}
     options = [f"--transfer-option={k}={v}" for k, v in config.backend_options.items()]
     child = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.bench.transfer", "--decode", server.address, "--fragment", json.dumps(spec),
@@ -150,7 +164,8 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
     src, dst = indices(case, pages)
     staged_in_flight = writing.STAGED_IN_FLIGHT
     times: dict[str, list[float]] = {m: [] for m in staging}
-    windows: dict[str, dict[str, int]] = {}
+    counted: dict[str, dict[str, int]] = {}
+    spans: dict[str, list[tuple[int, int]]] = {m: [] for m in staging}  # each timed room's (start, end) in ns
     rows: list[dict[str, Any]] = []
     try:
         for room, (mode, rep) in enumerate(schedule(staging, reps), start=1):
@@ -163,18 +178,20 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
             senders = [Sender(m, room, metadata_row=0) for m in mgrs]
             for s in senders:
                 s.wait(Poll.WAITING_FOR_INPUT, 600)
-            t0 = time.perf_counter()
+            t0 = time.perf_counter_ns()
             for s in senders:
                 s.send(src, last=True)
             for s in senders:
                 s.wait(Poll.SUCCESS, 600)
-            elapsed = time.perf_counter() - t0
+            t1 = time.perf_counter_ns()
+            elapsed = (t1 - t0) / 1e9
             bad = [s.failure() for s in senders if s.poll() != Poll.SUCCESS]
             if bad:
                 raise RuntimeError(f"{case}, staging {mode}: {bad[0]}")
             if rep:
                 times[mode].append(elapsed)
-                got = windows.setdefault(mode, {"direct": 0, "gather": 0, "both": 0})
+                spans[mode].append((t0, t1))
+                got = counted.setdefault(mode, {"direct": 0, "gather": 0, "both": 0})
                 for m, b in zip(mgrs, before):
                     for k, v in m.transport.windows.items():
                         got[k] += v - b[k]
@@ -191,11 +208,19 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
             raw_gbps = plans[0].total_bytes / statistics.median(samples) / 1e9
         verified = json.loads(child.stdout.readline())["verified"]  # type: ignore[union-attr]
         moved = sum(p.total_bytes for p in plans)  # every head of every page, whatever the TP pair
+        decode_events = []
+        if trace_file:
+            with open(trace_file) as f:
+                decode_events = json.load(f)
         for mode in staging:
             rows.append({"backend": backend, "page_KiB": page_kib, "case": case, "tp": f"{tp_p}->{tp_d}", "staging": mode,
-                         "bytes": moved, "descriptors": sum(len(p) for p in plans), "windows": windows.get(mode, {}),
+                         "bytes": moved, "descriptors": sum(len(p) for p in plans), "windows": counted.get(mode, {}),
                          "kvbridge_GBps": moved / statistics.median(times[mode]) / 1e9, "raw_engine_GBps": raw_gbps,
                          "verified": verified})
+            if trace_file:
+                found = windows.cycles({"prefill": trace.events(), "decode": decode_events}, spans[mode])
+                rows[-1]["trace"] = windows.summarise(found, sum(times[mode]), moved * len(times[mode]),
+                                                      counted.get(mode, {}).get("both", 0))
     finally:
         writing.STAGED_IN_FLIGHT = staged_in_flight
         finish_child(child)
@@ -206,12 +231,14 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
 
 
 def run(backend: str, config: SessionConfig, page_kib: list[int], total_mib: int, staging: list[str], reps: int,
-        tracker: Any = None) -> list[dict[str, Any]]:
-    """Every geometry at every page size; each row gets the contiguous case's rate beside it (same staging)."""
+        tracker: Any = None, trace_dir: str | None = None) -> list[dict[str, Any]]:
+    """Every geometry at every page size; each row gets the contiguous case's rate beside it (same staging).
+    ``trace_dir``: the TP 1 -> 1 rows also get their staged windows' trace (:func:`run_geometry`)."""
     rows: list[dict[str, Any]] = []
     for kib in page_kib:
-        for tp_p, tp_d, case in GEOMETRIES:
-            rows += run_geometry(backend, config, kib, total_mib, tp_p, tp_d, case, staging, reps)
+        for g, (tp_p, tp_d, case) in enumerate(GEOMETRIES):
+            traced = os.path.join(trace_dir, f"decode-{kib}-{g}.json") if trace_dir else None
+            rows += run_geometry(backend, config, kib, total_mib, tp_p, tp_d, case, staging, reps, traced)
             if tracker is not None:
                 tracker.advance()
     for r in rows:

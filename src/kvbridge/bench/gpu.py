@@ -14,6 +14,9 @@ four ways measured in the same run:
   ``SessionConfig.staging`` MODE, decode lending slots on its GPU: windows of
   pages gathered into a GPU staging slice by one kernel launch, written as one
   descriptor, scattered on decode (:mod:`kvbridge.core.transfer.device`);
+- **plain, staging MODE, S MiB slices** (``--slice-mib S ...``): the same with
+  ``SessionConfig.gpu_staging_slice_bytes`` S MiB on both sides (decode lends
+  slots of that size from a decode manager of its own), one path per mode and size;
 - **raw NIXL**: the same descriptor lists through NIXL's own calls, request
   prepared outside the timed loop (:mod:`kvbridge.bench.raw_nixl`);
 - **D2D**: ``torch`` copying the same number of bytes inside this process,
@@ -23,7 +26,9 @@ four ways measured in the same run:
 
 kvbridge's columns are transfer time (the writes of the request, from core's
 metrics: planning and the control plane excluded; the request's end-to-end
-latency is reported beside). Decode checks every destination byte of every
+latency is reported beside). ``--trace``: every staged window's steps in both
+processes (:mod:`kvbridge.bench.windows`), summarised per case and staged path
+over its timed rooms. Decode checks every destination byte of every
 case against the source pattern with torch indexing, after each path's rooms
 (the destination zeroed before them).
 """
@@ -36,13 +41,14 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
 from kvbridge import ui
-from kvbridge.bench import common
+from kvbridge.bench import common, trace, windows
 from kvbridge.core.control import metrics
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.description.layout import IndexSpace, KVArgs, Region
@@ -84,20 +90,43 @@ def pages_of(page: int, total: int, how: str, seed: int) -> tuple[np.ndarray, np
     return src, dst
 
 
+def staged_paths(staging: list[str], slice_mib: list[int] | None) -> list[tuple[str, int | None]]:
+    """The staged plain paths, in order: (mode, slice MiB or None for the default size)."""
+    return [(mode, mib) for mode in staging for mib in (slice_mib or [None])]
+
+
+def path_name(mode: str, mib: int | None) -> str:
+    return f"plain_{mode}" if mib is None else f"plain_{mode}_{mib}M"
+
+
+def staged_config(mode: str | None, mib: int | None, **more: Any) -> SessionConfig:
+    """:data:`CONFIG` with staging ``mode`` (None: as it is) and GPU slices of ``mib`` MiB (None: the default)."""
+    fields = {**CONFIG.__dict__, **more, **({"staging": mode} if mode else {})}
+    if mib is not None:
+        fields["gpu_staging_slice_bytes"] = mib << 20
+    return SessionConfig(**fields)
+
+
 def run_decode(args: argparse.Namespace) -> int:
     import torch
 
     kvargs, tensors = pools(args.page_kib, args.total_mib, args.decode_gpu, fill=False)
-    # Staged paths need decode's GPU slots; the fast and plain prefills (staging gather) do not use them.
-    config = SessionConfig(**{**CONFIG.__dict__, "staging": "on"}) if args.staging else CONFIG
-    mgr = DecodeManager(kvargs, args.transfer_backend, config=config)
+    if args.trace_file:
+        windows.install()
+    # Staged paths need decode's GPU slots; the fast and plain prefills (staging gather) do not use them. A slot
+    # size of its own (--slice-mib) needs a decode manager of its own: its landing buffer lends slots of that size.
+    config = staged_config("on" if args.staging else None, None)
+    managers = {None: DecodeManager(kvargs, args.transfer_backend, config=config)}
+    for mib in args.slice_mib or []:
+        managers[mib] = DecodeManager(kvargs, args.transfer_backend, config=staged_config("on", mib))
+    mgr_of = [managers[None], managers[None], *(managers[mib] for _, mib in staged_paths(args.staging, args.slice_mib))]
     try:
         room = 0
         for c, (page, total, how) in enumerate(cases(args.page_kib, args.total_mib)):
             src, dst = pages_of(page, total, how, c)
             space = f"p{page >> 10}"
             paths = []
-            for address in args.decode.split(","):  # the fast, the plain and each staged prefill, in turn
+            for address, mgr in zip(args.decode.split(","), mgr_of):  # the fast, the plain, each staged prefill
                 tensors[page].zero_()  # what this path's rooms write is checked by itself
                 torch.cuda.synchronize()
                 ok = True
@@ -113,9 +142,14 @@ def run_decode(args: argparse.Namespace) -> int:
                         + torch.as_tensor(src, device=got.device)[:, None] * 2**20 + i * 2**40)
                 paths.append(ok and bool(torch.equal(got, want)))
             print(json.dumps({"case": c, "verified": all(paths), "paths": paths}), flush=True)
+        if args.trace_file:
+            with open(args.trace_file, "w") as f:
+                json.dump(trace.events(), f)
+            print(json.dumps({"trace": args.trace_file}), flush=True)
         sys.stdin.readline()
     finally:
-        mgr.close()
+        for m in managers.values():
+            m.close()
     return 0
 
 
@@ -135,7 +169,8 @@ def _d2d_seconds(a: Any, b: Any) -> float:
     return time.perf_counter() - t0
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace, trace_file: str | None = None) -> list[dict[str, Any]]:
+    """The rows; ``trace_file``: trace the staged windows (the decode child writes its events there)."""
     import torch
 
     from kvbridge.bench.raw_nixl import raw
@@ -148,18 +183,25 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "plain": PrefillManager(kvargs, args.transfer_backend, bootstrap=servers[1].address,
                                 config=SessionConfig(**{**CONFIG.__dict__, "gpu_fast_path": False})),
     }
-    for mode in args.staging:  # the plain path with GPU staging (core/transfer/device.py)
+    for mode, mib in staged_paths(args.staging, args.slice_mib):  # the plain path with GPU staging (core/transfer/device.py)
         servers.append(BootstrapServer("127.0.0.1"))
-        managers[f"plain_{mode}"] = PrefillManager(
+        managers[path_name(mode, mib)] = PrefillManager(
             kvargs, args.transfer_backend, bootstrap=servers[-1].address,
-            config=SessionConfig(**{**CONFIG.__dict__, "gpu_fast_path": False, "staging": mode}))
+            config=staged_config(mode, mib, gpu_fast_path=False))
+    if trace_file:
+        windows.install()
+        trace.reset()
     child = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.bench.gpu", "--decode", ",".join(s.address for s in servers),
          "--transfer-backend", args.transfer_backend, "--reps", str(args.reps), "--decode-gpu", str(args.decode_gpu),
          "--page-kib", *map(str, args.page_kib), "--total-mib", *map(str, args.total_mib),
-         *(["--staging", *args.staging] if args.staging else [])],
+         *(["--staging", *args.staging] if args.staging else []),
+         *(["--slice-mib", *map(str, args.slice_mib)] if args.slice_mib else []),
+         *(["--trace-file", trace_file] if trace_file else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rows = []
+    spans: dict[tuple[int, str], list[tuple[int, int]]] = {}  # (row, staged path) -> its timed rooms' (start, end), ns
+    seconds: dict[tuple[int, str], float] = {}  # (row, staged path) -> its timed rooms' transfer seconds
     room = 0
     try:
         for c, (page, total, how) in enumerate(cases(args.page_kib, args.total_mib)):
@@ -176,21 +218,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     sender = Sender(mgr, room)
                     sender.wait(Poll.WAITING_FOR_INPUT, 600)
                     metrics.reset()
-                    t0 = time.perf_counter()
+                    t0 = time.perf_counter_ns()
                     sender.send([], state_indices={space: src}, last=True)
                     sender.wait(Poll.SUCCESS, 600)
-                    latency = time.perf_counter() - t0
+                    t1 = time.perf_counter_ns()
+                    latency = (t1 - t0) / 1e9
                     if sender.poll() != Poll.SUCCESS:
                         raise RuntimeError(f"{path} page {page} {how}: {sender.failure()}")
                     if rep:  # rep 0 warms up (connections, kernel compilation)
                         times.append(_transfer_seconds(mgr.backend_name))
                         latencies.append(latency)
+                        spans.setdefault((c, path), []).append((t0, t1))
                     if path == "fast":  # D2D right after each fast write: both see the GPU in the same state
                         d2d.append(_d2d_seconds(a, b))
                 row[f"{path}_GBps"] = total / statistics.median(times) / 1e9
                 row[f"{path}_latency_ms"] = statistics.median(latencies) * 1e3
                 if path.startswith("plain_"):  # windows staged on both sides, per request
                     row[f"{path}_windows"] = (mgr.transport.windows["both"] - both) // (args.reps + 1)
+                    seconds[(c, path)] = sum(times)  # for its trace's rates
             # Raw NIXL: the plain manager's plan, through NIXL's calls (one request, re-posted).
             plain = managers["plain"]
             (peer,) = plain.peers()
@@ -220,6 +265,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(f"{page >> 10}K {total >> 20}Mi {how}: fast {row['fast_GBps']:.1f} GB/s, plain "
                   f"{row['plain_GBps']:.1f}{staged}, D2D {row['d2d_GBps']:.1f}, bytes ok: {row['verified_by_path']}",
                   file=sys.stderr, flush=True)
+        if trace_file:  # the child wrote its events once every case was checked
+            json.loads(child.stdout.readline())  # type: ignore[union-attr]
+            with open(trace_file) as f:
+                sides = {"prefill": trace.events(), "decode": json.load(f)}
+            for c, row in enumerate(rows):
+                for path in managers:
+                    if path.startswith("plain_"):
+                        found = windows.cycles(sides, spans.get((c, path), []))
+                        row[f"{path}_trace"] = windows.summarise(found, seconds[(c, path)],
+                                                                 row["request_bytes"] * args.reps,
+                                                                 row[f"{path}_windows"] * args.reps)
     finally:
         finish_child(child)
         for m in managers.values():
@@ -237,6 +293,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case, after one warm-up (median)")
     parser.add_argument("--decode-gpu", type=int, default=0, help="GPU of the decode process")
     parser.add_argument("--staging", nargs="*", default=[], help="staged plain paths (decode lends GPU slots)")
+    parser.add_argument("--slice-mib", type=int, nargs="*", default=None, help="GPU staging slice sizes (MiB)")
+    parser.add_argument("--trace-file", help="write this process's window trace here (kvbridge.bench.windows)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--decode", help=argparse.SUPPRESS)
 
@@ -280,14 +338,20 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         return run_decode(args)
     prog = "kvbridge bench transfer"
     common.check_plot(args, prog)
-    rows = run(args)
+    with tempfile.TemporaryDirectory(prefix="kvbridge-windows-") as tmp:
+        rows = run(args, os.path.join(tmp, "decode.json") if getattr(args, "trace", False) else None)
 
     def table() -> Any:
         t = format_table(rows)
         t.title = f"VRAM -> VRAM between two processes, median of {args.reps} (GB/s = 1e9 bytes/s)"
         return t
 
-    return common.finish(args, prog, rows, table, plot, all(r["verified"] for r in rows))
+    status = common.finish(args, prog, rows, table, plot, all(r["verified"] for r in rows))
+    if getattr(args, "trace", False):
+        windows.print_summaries(args.json, [
+            (f"{r['page_bytes'] >> 10}K {r['request_bytes'] >> 20}Mi {r['pattern']}, {k[:-6]}", r[k])
+            for r in rows for k in r if k.endswith("_trace") and r[k]["windows"]])
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,33 +20,39 @@ import functools
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-#: ``(time in ns, thread name, step)``: what one process recorded.
-Event = tuple[int, str, str]
+#: ``(time in ns, thread name, step)``, or with a key naming what the step belongs to (a staging slot:
+#: :mod:`kvbridge.bench.windows`): what one process recorded.
+Event = tuple[int, str, str] | tuple[int, str, str, int]
 
 _events: list[Event] = []
 _wrapped: set[object] = set()
 
 
-def _record(step: str) -> None:
-    _events.append((time.perf_counter_ns(), threading.current_thread().name, step))
+def _record(step: str, key: int | None = None) -> None:
+    now, thread = time.perf_counter_ns(), threading.current_thread().name
+    _events.append((now, thread, step) if key is None else (now, thread, step, key))
 
 
-def _wrap(owner: Any, name: str, label: str, leave: bool = True) -> None:
+def _wrap(owner: Any, name: str, label: str, leave: bool = True,
+          key: Callable[[tuple[Any, ...], Any], int | None] | None = None) -> None:
     """Record ``label >`` when ``owner.name`` (a plain function or method, possibly inherited) is entered,
-    and ``label <`` when it returns (``leave``)."""
+    and ``label <`` when it returns (``leave``); ``key(args, result)`` (``result`` None on entry): the
+    key recorded with each (None: none)."""
     original = getattr(owner, name)
 
     @functools.wraps(original)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        _record(label + " >")
+        _record(label + " >", None if key is None else key(args, None))
+        result = None
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            return result
         finally:
             if leave:
-                _record(label + " <")
+                _record(label + " <", None if key is None else key(args, result))
 
     setattr(owner, name, traced)
 
@@ -119,7 +125,7 @@ def timeline(sides: dict[str, Sequence[Event]], skip: int = 20) -> tuple[list[di
     are warm-up. A step is the n-th occurrence of (side, thread, step) within
     a request; steps seen in fewer than half of the requests are left out.
     """
-    merged = sorted((t, side, _thread(th), step) for side, evs in sides.items() for t, th, step in evs)
+    merged = sorted((t, side, _thread(th), step) for side, evs in sides.items() for t, th, step, *_ in evs)
     starts = [i for i, e in enumerate(merged) if e[1] == "decode" and e[3] == "Receiver.init >"]
     offsets: dict[tuple[str, str, str, int], list[float]] = collections.defaultdict(list)
     requests = 0

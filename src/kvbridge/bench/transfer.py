@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -306,19 +307,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--one-in-flight", action="store_true",
                         help="cpu with --page-kib: each --staging mode on or auto also as MODE/1, with one batch and "
                              "one staged window in flight at a time (as before pipelining), alternating room by room")
+    parser.add_argument("--trace", action="store_true",
+                        help="cpu with --page-kib (TP 1->1 cases) or cuda (staged paths): also trace every staged "
+                             "window's steps in both processes and print, per row, where a window's time goes "
+                             "(kvbridge.bench.windows)")
+    parser.add_argument("--slice-mib", type=ui.int_at_least(1), nargs="+", default=None, metavar="MIB",
+                        help="cuda only: GPU staging slice (and decode slot) sizes, one staged path per --staging mode "
+                             "and size (SessionConfig.gpu_staging_slice_bytes; default: its default, 32)")
     parser.add_argument("--fragment", metavar="JSON", help=argparse.SUPPRESS)  # the fragmentation decode child's case
 
 
 def _device_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Fill the device's defaults; an option of the other device is a usage error."""
-    other = ("--decode-gpu",) if args.device == "cpu" else ("--regions",)
+    other = ("--decode-gpu", "--slice-mib") if args.device == "cpu" else ("--regions",)
     given = [flag for flag in other if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
         ui.usage_error(parser, f"argument {given[0]}: applies to --device {'cuda' if args.device == 'cpu' else 'cpu'} "
                                f"only (this run is --device {args.device})")
     if args.device == "cpu":
-        if args.staging is not None and args.page_kib is None:
-            ui.usage_error(parser, "argument --staging: applies to the fragmentation axis only; give --page-kib too")
+        for flag in ("staging", "trace"):
+            if getattr(args, flag) and args.page_kib is None:
+                ui.usage_error(parser, f"argument --{flag}: applies to the fragmentation axis only; give --page-kib too")
         args.staging = args.staging or ["off", "on"]
         if args.one_in_flight:  # each staged setting also measured as before pipelining, room by room beside
             args.staging += [f"{m}/1" for m in args.staging if m != "off"]
@@ -331,6 +340,9 @@ def _device_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         args.page_kib = args.page_kib or list(CUDA_PAGE_KIB)
         args.decode_gpu = args.decode_gpu or 0
         args.staging = [m for m in dict.fromkeys(args.staging or []) if m != "off"]  # off: the plain column
+        if (args.slice_mib or args.trace) and not args.staging:
+            ui.usage_error(parser, f"argument {'--slice-mib' if args.slice_mib else '--trace'}: applies to staged paths; "
+                                   "give --staging on or auto too")
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:
@@ -388,8 +400,10 @@ def _run_fragments(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     prog = "kvbridge bench transfer"
     common.check_plot(args, prog)
     n = len(args.page_kib) * len(fragment.GEOMETRIES)
-    with ui.progress(n, "cases", description=f"bench transfer fragmentation ({cfg.backend})") as tracker:
-        rows = fragment.run(cfg.backend, config, args.page_kib, args.total_mib, args.staging, args.reps, tracker)
+    with tempfile.TemporaryDirectory(prefix="kvbridge-windows-") as tmp, \
+            ui.progress(n, "cases", description=f"bench transfer fragmentation ({cfg.backend})") as tracker:
+        rows = fragment.run(cfg.backend, config, args.page_kib, args.total_mib, args.staging, args.reps, tracker,
+                            tmp if args.trace else None)
 
     def table() -> Any:
         t = fragment.format_table(rows)
@@ -403,7 +417,13 @@ def _run_fragments(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                     {"kvbridge": [r["kvbridge_GBps"] for r in results],
                      "contiguous": [r["contiguous_GBps"] for r in results]}, "GB/s")
 
-    return common.finish(args, prog, rows, table, draw, all(r["verified"] for r in rows))
+    status = common.finish(args, prog, rows, table, draw, all(r["verified"] for r in rows))
+    if args.trace:
+        from kvbridge.bench import windows
+
+        windows.print_summaries(args.json, [(f"{r['page_KiB']} KiB {r['case']}, staging {r['staging']}", r["trace"])
+                                            for r in rows if r.get("trace", {}).get("windows")])
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from .checksum import device_problem
 from ..description.layout import KVArgs
 from ..control.metrics import metrics
 from .room import Poll, Room
+from ..transfer.staging import DEVICE_SLICE_BYTES
 from ..transfer.transport import BackendChoice, open_transport
 
 __all__ = ["SessionConfig", "TransferManager"]
@@ -77,6 +78,13 @@ class SessionConfig:
     #: written as planned). Both-sides staging is opt-in: see docs/performance.md. GPU pages through an
     #: engine lane are staged on both sides with ``auto``/``on`` only (``kvbridge.core.transfer.device``).
     staging: str = "gather"
+    #: GPU staging (``staging`` auto or on, GPU pages through an engine lane): the most one staged window holds,
+    #: the size of prefill's GPU staging slices and of decode's GPU landing slots (a multiple of 4 KiB). Either
+    #: side's buffer stays bounded: prefill keeps ``kvbridge.core.transfer.staging.device_slices`` slices (4 of
+    #: the default 32 MiB; 2 from 64 MiB up), decode ``kvbridge.core.transfer.landing.device_slots`` slots
+    #: (8 of the default, lent 2 per prefill rank; fewer from 64 MiB up, 2 from 128 MiB up: one prefill rank
+    #: staged, the others write as planned). ``kvbridge bench transfer --device cuda --slice-mib`` measures sizes.
+    gpu_staging_slice_bytes: int = DEVICE_SLICE_BYTES
     #: Prefill: a metadata row of at most this many bytes (all metadata regions together)
     #: in host memory on both sides travels inside ``Done`` instead of as an engine write
     #: (kvbridge.core.sessions.row); 0: always an engine write.
@@ -128,6 +136,10 @@ class SessionConfig:
         if isinstance(self.control_port, bool) or not isinstance(self.control_port, int) \
                 or not 0 <= self.control_port <= 65535:
             raise ValueError(f"control_port must be an int in 0..65535 (0: ephemeral), got {self.control_port!r}")
+        if (isinstance(self.gpu_staging_slice_bytes, bool) or not isinstance(self.gpu_staging_slice_bytes, int)
+                or self.gpu_staging_slice_bytes <= 0 or self.gpu_staging_slice_bytes % 4096):
+            raise ValueError(f"gpu_staging_slice_bytes must be a positive multiple of 4096 (whole 4 KiB pages), "
+                             f"got {self.gpu_staging_slice_bytes!r}")
         if self.staging not in ("gather", "auto", "on", "off"):
             raise ValueError(f"staging must be one of gather, auto, on, off, got {self.staging!r}")
         if self.fence_timeout is not None and self.fence_timeout <= 0:
@@ -172,6 +184,7 @@ class TransferManager(Generic[R]):
         self.backend_name = self.transport.name
         try:
             self.transport.staging_mode = self.config.staging
+            self.transport.device_slice_bytes = self.config.gpu_staging_slice_bytes
             self.transport.on_window = lambda how: metrics().window(self.backend_name, how)
             self.transport.register(kvargs.regions, sends=self.role == "prefill")
         except BaseException:

@@ -37,9 +37,9 @@ import numpy as np
 from ..description.layout import Region, StagingOffer
 from ..planning.stage_index import scatter_from
 from .device import Buffer, OnDevice
-from .staging import SLICE_BYTES
+from .staging import DEVICE_SLICE_BYTES, SLICE_BYTES
 
-__all__ = ["Landing", "ScatterError", "SLOTS", "SLOTS_PER_PEER"]
+__all__ = ["Landing", "ScatterError", "SLOTS", "SLOTS_PER_PEER", "DEVICE_LANDING_BYTES", "device_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,16 @@ log = logging.getLogger(__name__)
 SLOTS = 8
 #: Slots lent to one prefill rank: one lands while the other is scattered.
 SLOTS_PER_PEER = 2
+#: GPU memory one decode rank's landing buffer may hold: :data:`SLOTS` slots of the default GPU slice
+#: (``staging.DEVICE_SLICE_BYTES``). Larger slots (``SessionConfig.gpu_staging_slice_bytes``) are fewer
+#: (:func:`device_slots`): fewer prefill ranks are lent slots, the others write their GPU pages as planned.
+DEVICE_LANDING_BYTES = SLOTS * DEVICE_SLICE_BYTES
+
+
+def device_slots(slice_bytes: int) -> int:
+    """Slots of a GPU landing buffer of ``slice_bytes`` slots: as many as fit :data:`DEVICE_LANDING_BYTES`, at most
+    :data:`SLOTS`, at least :data:`SLOTS_PER_PEER` (one prefill rank's: then 2 x ``slice_bytes``)."""
+    return max(SLOTS_PER_PEER, min(SLOTS, DEVICE_LANDING_BYTES // slice_bytes))
 
 
 

@@ -48,7 +48,8 @@ from ..planning.transferplan import TransferPlan
 from ..planning.stage_index import gather_into, pack
 from .device import Buffer, OnDevice
 
-__all__ = ["Staging", "Staged", "wanted", "SLICES", "SLICE_BYTES", "DEVICE_SLICES", "DEVICE_SLICE_BYTES", "MAX_PIECE"]
+__all__ = ["Staging", "Staged", "wanted", "device_slices", "SLICES", "SLICE_BYTES", "DEVICE_SLICES", "DEVICE_SLICE_BYTES",
+           "DEVICE_STAGING_BYTES", "MAX_PIECE"]
 
 #: Slices of the host staging buffer: windows staged at once, up to ``STAGED_IN_FLIGHT`` (2) per peer being
 #: written (``core/transfer/writing.py``): four peers at once (prefill TP 1 -> decode TP 4) at full depth.
@@ -63,11 +64,20 @@ SLICE_BYTES = 4 << 20
 #: 80 us, so a window is two fence batches (``FENCE_BATCH_BYTES``, each checked by the fence): two windows in
 #: flight are the fence's 4 batches (``FENCE_BATCHES_IN_FLIGHT``).
 DEVICE_SLICE_BYTES = 32 << 20
+#: GPU memory one prefill rank's staging buffer may hold: :data:`DEVICE_SLICES` slices of the default size. A larger
+#: slice (``SessionConfig.gpu_staging_slice_bytes``) gets fewer slices (:func:`device_slices`), at least 2.
+DEVICE_STAGING_BYTES = DEVICE_SLICES * DEVICE_SLICE_BYTES
 #: Mean bytes per descriptor above which a window is written as it is: there, posting a
 #: descriptor costs less than copying its bytes (measured: ``kvbridge bench tp``).
 MAX_PIECE = 16 << 10
 #: Most descriptors in one window (bounds the index arrays of a window of tiny pieces).
 WINDOW_DESCRIPTORS = 1 << 16
+
+
+def device_slices(slice_bytes: int) -> int:
+    """Slices of a GPU staging buffer of ``slice_bytes`` slices: as many as fit :data:`DEVICE_STAGING_BYTES`, at most
+    :data:`DEVICE_SLICES`, at least 2 (one peer's ``STAGED_IN_FLIGHT`` windows: then 2 x ``slice_bytes``)."""
+    return max(2, min(DEVICE_SLICES, DEVICE_STAGING_BYTES // slice_bytes))
 
 
 def wanted(regions: Sequence[Region]) -> bool:
@@ -192,6 +202,13 @@ class Staged:
     def __init__(self, staging: Staging, slot: int, runs: TransferPlan, window: TransferPlan,
                  rest: TransferPlan | None = None) -> None:
         self._staging, self._slot, self.runs, self.window, self.rest = staging, slot, runs, window, rest
+
+    def aim(self, dst_addr: int) -> Staged:
+        """A window gathered by :meth:`Staging.stage_to` before its destination was known: its one run now goes to
+        ``dst_addr`` (the peer's staging slot taken since)."""
+        assert len(self.runs) == 1, "only a window gathered into one descriptor is aimed"
+        self.runs = TransferPlan(self.runs.src_addr, np.array([dst_addr], np.int64), self.runs.nbytes)
+        return self
 
     def release(self) -> None:
         """Give the slice back: only once the engine has no work left reading it."""

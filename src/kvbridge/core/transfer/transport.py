@@ -27,7 +27,7 @@ import numpy as np
 
 from . import device, relay, staging
 from .device import OnDevice
-from .landing import Landing
+from .landing import Landing, device_slots
 from .lanes import FENCE_BATCH_BYTES, FENCE_BATCH_DESCRIPTORS, Lane, Route, backend_name, lane_names, make_route, route_peer
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferError, host_id
 from ..description.layout import Region, StagingOffer
@@ -65,6 +65,9 @@ class Transport(LaneWrites):
         self._peers: dict[str, _Peer] = {}
         #: ``SessionConfig.staging``: gather, auto, on or off (``core/transfer/relay.py``); set before :meth:`register`.
         self.staging_mode = "gather"
+        #: ``SessionConfig.gpu_staging_slice_bytes``: a GPU staging slice (prefill) and landing slot (decode);
+        #: set before :meth:`register`.
+        self.device_slice_bytes = staging.DEVICE_SLICE_BYTES
         #: Decode's staging slots, scattered into place (``core/transfer/landing.py``); None on prefill.
         self.landing: Landing | None = None
         #: Windows written per staging choice (``relay.choose``), for ``describe()`` and the benchmarks.
@@ -116,10 +119,12 @@ class Transport(LaneWrites):
             extra: list[Region] = []
             if gpu is not None and gpu[0] == i:  # GPU staging (core/transfer/device.py)
                 if sends:
-                    device_stage = staging.Staging(mine, staging.DEVICE_SLICES, staging.DEVICE_SLICE_BYTES, device=gpu[1])
+                    size = self.device_slice_bytes
+                    device_stage = staging.Staging(mine, staging.device_slices(size), size, device=gpu[1])
                     extra.append(device_stage.region)
                 else:  # decode's one offer lends GPU slots: its host regions' windows go as planned
-                    self.landing = Landing(mine, slice_bytes=staging.DEVICE_SLICE_BYTES, device=gpu[1])
+                    size = self.device_slice_bytes
+                    self.landing = Landing(mine, device_slots(size), size, device=gpu[1])
                     extra.append(self.landing.region)
             if not staged and "dram" in caps.memory_kinds and caps.host_staging:
                 if sends:
