@@ -121,8 +121,8 @@ tail -24 "$OUT/gpustage.txt"; }
 want gpuwin && { timeout "${GPUWIN_TESTS_S:-75}" python3 -m pytest -q -p no:cacheprovider -rs \
   tests/test_gpu_staging_wired.py -k sweep 2>&1 | tee "$OUT/gpuwin-tests.log" || rc=1
 for p in 64 4; do
-  COLUMNS=${COLUMNS:-220} timeout "${GPUWIN_S:-130}" python3 -m kvbridge.cli bench transfer --device cuda --page-kib "$p" \
-    --total-mib 1024 --staging on --slice-mib ${GPUWIN_SLICES:-32 128 256} --reps 3 --trace --json \
+  COLUMNS=${COLUMNS:-220} timeout "${GPUWIN_S:-150}" python3 -m kvbridge.cli bench transfer --device cuda --page-kib "$p" \
+    --total-mib 1024 --staging on --slice-mib ${GPUWIN_SLICES:-32 128 256} --reps 5 --trace --json \
     > "$OUT/gpuwin-$p.json" 2> "$OUT/gpuwin-$p.txt" || rc=1
   tail -60 "$OUT/gpuwin-$p.txt"
 done; }
