@@ -44,6 +44,7 @@ Handler = Callable[[zmq.Socket, list[bytes]], None]
 # Plain ints: zmq's are enum flags, and every ``&`` with one builds an enum member (on each wake-up).
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
 #: Returns the channel to send on, looked up on the I/O thread (None: drop the message).
 SocketGetter = Callable[[], "Channel | None"]
 
@@ -180,12 +181,13 @@ class IOLoop:
     def _read(self, sock: zmq.Socket, handler: Handler) -> None:
         # Bounded: at most 256 messages per socket per wake-up so one chatty peer
         # cannot starve the others or the tick.
-        for _ in range(256):
-            # Asking first is cheaper than the zmq.Again exception that would end every wake-up.
-            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+        for i in range(256):
+            # Asking first is cheaper than the zmq.Again exception that would end every wake-up; the
+            # first time poll() has just said a message is there.
+            if i and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
             try:

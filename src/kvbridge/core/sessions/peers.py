@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from ..control import protocol as P
 from ..description.layout import METADATA_SPACE, KVArgs, Region
-from ..planning.indices import Indices
+from ..planning.indices import Indices, check_index
 from ..planning.layers import LayerIndex
 from ..planning.pairing import Route
 from .room import Poll, Room
@@ -140,7 +140,7 @@ class DecodeRequest:
             if sr is not None:
                 indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True)
         if METADATA_SPACE in peer.route.spaces:
-            Indices.check("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
+            check_index("destination metadata row", msg.metadata_row, peer.route.spaces[METADATA_SPACE].dst_count)
         if msg.checksum or config.checksum:
             # Each side hashes its own bytes: decode its GPU memory (failing the room, saying why, if it
             # cannot), prefill its own, checked here so the request is refused at once.
