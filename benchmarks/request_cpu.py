@@ -18,7 +18,9 @@ run R times per backend and two numbers are printed per request:
   (a request is the same work every time; idle I/O-thread ticks add a few).
 - **CPU us**: ``time.process_time()`` (every thread of the process, zmq's and
   the engine's included) over the N requests, without the profiler; median
-  (min-max) of the R repeats. Unlike wall time it is not inflated by waiting
+  (min-max) of the R repeats; with the part spent in the kernel and the
+  context switches (voluntary and not: each hand-off between threads is at
+  least one) per request (``getrusage``, medians). Unlike wall time it is not inflated by waiting
   for a loaded machine's cores, though a loaded core still runs code slower.
 
 ``--top K`` prints, per backend, the K functions with the most CPU of their
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -179,14 +182,20 @@ def measure(backend: str, n: int, repeat: int, top: int) -> dict[str, Any]:
     cpu: list[float] = []
     try:
         problems += pair.run(20)
+        sys_us, switches = [], []
         for _ in range(repeat):
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             c0 = time.process_time()
             problems += pair.run(n)
             cpu.append((time.process_time() - c0) / n * 1e6)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            sys_us.append((r1.ru_stime - r0.ru_stime) / n * 1e6)
+            switches.append((r1.ru_nvcsw - r0.ru_nvcsw + r1.ru_nivcsw - r0.ru_nivcsw) / n)
     finally:
         pair.close()
     return {"backend": backend, "requests": n, "python_calls": py / n, "all_calls": allc / n,
-            "cpu_us": statistics.median(cpu), "cpu_us_min": min(cpu), "cpu_us_max": max(cpu), "problems": problems}
+            "cpu_us": statistics.median(cpu), "cpu_us_min": min(cpu), "cpu_us_max": max(cpu),
+            "sys_us": statistics.median(sys_us), "switches": statistics.median(switches), "problems": problems}
 
 
 def main() -> int:
@@ -197,11 +206,13 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=0)
     args = parser.parse_args()
     ok = True
-    print(f"{'backend':8} {'Python calls/req':>16} {'with C calls':>12} {'CPU us/req median (min-max)':>28}")
+    print(f"{'backend':8} {'Python calls/req':>16} {'with C calls':>12} {'CPU us/req median (min-max)':>28} "
+          f"{'of it in the kernel':>19} {'context switches/req':>20}")
     for backend in args.backends.split(","):
         r = measure(backend, args.requests, args.repeat, args.top)
         print(f"{backend:8} {r['python_calls']:16.0f} {r['all_calls']:12.0f} "
-              f"{r['cpu_us']:>14.0f} ({r['cpu_us_min']:.0f}-{r['cpu_us_max']:.0f})", flush=True)
+              f"{r['cpu_us']:>14.0f} ({r['cpu_us_min']:.0f}-{r['cpu_us_max']:.0f}) {r['sys_us']:>19.0f} "
+              f"{r['switches']:>20.1f}", flush=True)
         for p in r["problems"][:5]:
             print(f"  {backend}: problem: {p}")
         ok = ok and not r["problems"]

@@ -65,12 +65,13 @@ class IOLoop:
         self._tick_interval = tick_interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ident: int | None = None  # the I/O thread's, once it runs (compared per call: no Thread property)
 
     def start(self) -> None:
         self._thread.start()
 
     def on_io_thread(self) -> bool:
-        return threading.current_thread() is self._thread
+        return threading.get_ident() == self._ident
 
     # -- used on the I/O thread only -------------------------------------------------
     def add_socket(self, sock: zmq.Socket, handler: Handler) -> None:
@@ -122,6 +123,7 @@ class IOLoop:
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
+        self._ident = threading.get_ident()
         next_tick = time.monotonic() + self._tick_interval
         try:
             while not self._stop.is_set():
@@ -168,11 +170,9 @@ class IOLoop:
                 self._read(sock, handler)
 
     def _drain_outbox(self) -> None:
-        while True:
-            try:
-                (fn,) = self._outbox.get_nowait()
-            except queue.Empty:
-                return
+        outbox = self._outbox
+        while not outbox.empty():  # this thread alone takes from it: not empty, get_nowait() succeeds
+            (fn,) = outbox.get_nowait()
             try:
                 fn()
             except Exception:

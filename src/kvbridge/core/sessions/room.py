@@ -68,6 +68,8 @@ class Room:
         #: sees it later, by up to one iteration; latencies are measured from this).
         self.ended: float | None = None
         self._state = Poll.BOOTSTRAPPING
+        #: SUCCESS or FAILED (an attribute, not a property: read a dozen times per request, #27).
+        self.final = False
         self._reason: str | None = None
         #: Notified on every change of state: the manager's ``changed`` (set when the room is added to it).
         self.changed: Changes | None = None
@@ -98,10 +100,6 @@ class Room:
         """Why the room failed, or None."""
         return self._reason
 
-    @property
-    def final(self) -> bool:
-        return self._state in (Poll.FAILED, Poll.SUCCESS)
-
     def advance(self, state: Poll, reason: str | None = None, wake: bool = True) -> bool:
         """Move forward (never back); False if nothing changed. The caller holds the manager's lock.
 
@@ -111,11 +109,13 @@ class Room:
             return False
         if state == Poll.FAILED:
             self._state, self._reason, self.ended = Poll.FAILED, reason or "failed", time.monotonic()
+            self.final = True
             log.warning("room %d failed: %s", self.room, self._reason)
         elif state > self._state:
             self._state = state
             if state == Poll.SUCCESS:
                 self.ended = time.monotonic()
+                self.final = True
         else:
             return False
         if wake and self.changed is not None:
