@@ -59,6 +59,7 @@ class Profiles:
 
     def __init__(self) -> None:
         self.all: list[cProfile.Profile] = []
+        self.names: list[str] = []  # each profile's thread
         self._local = threading.local()
         self._lock = threading.Lock()
 
@@ -67,6 +68,7 @@ class Profiles:
         self._local.p = p
         with self._lock:
             self.all.append(p)
+            self.names.append(threading.current_thread().name)
         p.enable()
 
     def hook(self, frame: Any, event: str, arg: Any) -> None:
@@ -82,6 +84,16 @@ class Profiles:
         threading.setprofile(None)  # type: ignore[arg-type]
         for p in self.all:
             p.disable()
+
+    def per_thread(self) -> dict[str, int]:
+        """Python calls so far per thread name (threads of one name summed)."""
+        out: dict[str, int] = {}
+        with self._lock:
+            profs = list(zip(self.names, self.all))
+        for name, p in profs:
+            out[name] = out.get(name, 0) + sum(e.callcount for e in p.getstats()  # type: ignore[attr-defined]
+                                               if not isinstance(e.code, str))
+        return out
 
     def counts(self) -> dict[Any, tuple[int, float, float]]:
         """``(calls, own CPU s, CPU s with callees)`` so far per function (C functions included), every thread."""
@@ -162,9 +174,9 @@ def measure(backend: str, n: int, repeat: int, top: int) -> dict[str, Any]:
     pair = Pair(backend)
     try:
         problems = pair.run(20)  # warm-up: handshake, first plans, caches
-        before = prof.counts()
+        before, threads0 = prof.counts(), prof.per_thread()
         problems += pair.run(n)
-        after = prof.counts()
+        after, threads1 = prof.counts(), prof.per_thread()
     finally:
         prof.stop()
         pair.close()
@@ -173,6 +185,8 @@ def measure(backend: str, n: int, repeat: int, top: int) -> dict[str, Any]:
     py = sum(v[0] for k, v in delta.items() if not isinstance(k, str))
     allc = sum(v[0] for v in delta.values())
     if top:
+        print(f"{backend}: Python calls per request by thread: " + ", ".join(
+            f"{k} {(v - threads0.get(k, 0)) / n:.0f}" for k, v in sorted(threads1.items()) if v > threads0.get(k, 0)))
         print(f"{backend}: the {top} functions with the most own CPU per request (profiled)")
         print(f"  {'calls':>7} {'own us':>7} {'cum us':>7}")
         for k, (c, own, cum) in sorted(delta.items(), key=lambda kv: -kv[1][1])[:top]:

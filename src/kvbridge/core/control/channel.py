@@ -182,12 +182,11 @@ class IOLoop:
         # Bounded: at most 256 messages per socket per wake-up so one chatty peer
         # cannot starve the others or the tick.
         for i in range(256):
-            # Asking first is cheaper than the zmq.Again exception that would end every wake-up; the
-            # first time poll() has just said a message is there.
+            # Asking is cheaper than the zmq.Again that would end every wake-up; poll() said the first is there.
             if i and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             try:
-                frames = sock.recv_multipart(_NOBLOCK)
+                frames = _recv_frames(sock)
             except zmq.Again:
                 return
             try:
@@ -386,6 +385,16 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def _recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """``recv_multipart(NOBLOCK)``, told of a next frame by the frame, not by asking (``RCVMORE``): #27."""
+    frames = []
+    while True:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame.bytes)
+        if not frame.more:
+            return frames
 
 
 def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
