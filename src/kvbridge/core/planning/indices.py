@@ -60,11 +60,11 @@ def check_indices(name: str, idx: npt.ArrayLike, count: int | None = None, *, un
     return arr
 
 
-def check_index(name: str, value: object, count: int) -> None:
+def check_index(name: str, value: int, count: int) -> None:
     """One index (a metadata row) checked as ``check_indices(name, [value], count)``: a Python int in
     range costs no array (twice per request, #27); anything else goes the array's way, errors included."""
     if type(value) is not int or not 0 <= value < count:
-        check_indices(name, [value], count)  # type: ignore[list-item]
+        check_indices(name, [value], count)
 
 
 def _ascending(arr: IntArray) -> bool:
