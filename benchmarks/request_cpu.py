@@ -1,14 +1,15 @@
 """CPU and Python calls per small request, both managers' threads counted (issue #27).
 
-    python benchmarks/request_cpu.py [--backends nixl,memory] [--requests N] [--repeat R] [--profile FILE] [--top K]
+    python benchmarks/request_cpu.py [--backends nixl,memory] [--requests N] [--repeat R] [--top K]
 
 Prefill and decode managers run in this one process, on 127.0.0.1, each host
 on its own thread, as ``kvbridge bench request`` runs them in two processes:
 decode's host creates a ``Receiver`` and calls ``init`` (one 4 KiB page and a
 64-byte metadata row), prefill's host (its ``Sender`` created ahead) sends the
 page when the room is WAITING_FOR_INPUT, decode's host waits for SUCCESS;
-every request's bytes are checked. After a warm-up, N sequential requests are
-run R times per backend and two numbers are printed per request:
+every request's bytes are checked (the host threads are the benchmark's: their
+calls are counted too, a few dozen per request). After a warm-up, N sequential
+requests are run R times per backend and two numbers are printed per request:
 
 - **Python calls**: every Python function call on every thread of the process
   (the hosts, both I/O threads, the workers), counted by ``cProfile`` started
@@ -20,11 +21,13 @@ run R times per backend and two numbers are printed per request:
   the engine's included) over the N requests, without the profiler; median
   (min-max) of the R repeats; with the part spent in the kernel and the
   context switches (voluntary and not: each hand-off between threads is at
-  least one) per request (``getrusage``, medians). Unlike wall time it is not inflated by waiting
-  for a loaded machine's cores, though a loaded core still runs code slower.
+  least one) per request (``getrusage``, medians). Unlike wall time it is not
+  inflated by waiting for a loaded machine's cores, though a loaded core still
+  runs code slower, and NIXL's progress thread (waking every
+  ``progress_delay_us``) is counted at the rate requests run.
 
-``--top K`` prints, per backend, the K functions with the most CPU of their
-own per request in the counted run (the profiler's clock is each thread's CPU
+``--top K`` prints, per backend, the Python calls per request by thread and
+the K functions with the most CPU of their own per request in the counted run (the profiler's clock is each thread's CPU
 time, ``time.thread_time``; the profiler inflates Python functions' share),
 with their calls per request and their CPU including callees
 (default 0: none).
