@@ -161,6 +161,7 @@ class IOLoop:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_w = -1
+            self._ident = None  # a thread started later may get the same id
 
     def _read_events(self, events: list[tuple[Any, int]]) -> None:
         for sock, event in events:
