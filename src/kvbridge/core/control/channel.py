@@ -44,6 +44,7 @@ Handler = Callable[[zmq.Socket, list[bytes]], None]
 # Plain ints: zmq's are enum flags, and every ``&`` with one builds an enum member (on each wake-up).
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
 #: Returns the channel to send on, looked up on the I/O thread (None: drop the message).
 SocketGetter = Callable[[], "Channel | None"]
 
@@ -64,12 +65,13 @@ class IOLoop:
         self._tick_interval = tick_interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ident: int | None = None  # the I/O thread's, once it runs (compared per call: no Thread property)
 
     def start(self) -> None:
         self._thread.start()
 
     def on_io_thread(self) -> bool:
-        return threading.current_thread() is self._thread
+        return threading.get_ident() == self._ident
 
     # -- used on the I/O thread only -------------------------------------------------
     def add_socket(self, sock: zmq.Socket, handler: Handler) -> None:
@@ -121,6 +123,7 @@ class IOLoop:
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
+        self._ident = threading.get_ident()
         next_tick = time.monotonic() + self._tick_interval
         try:
             while not self._stop.is_set():
@@ -158,6 +161,7 @@ class IOLoop:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_w = -1
+            self._ident = None  # a thread started later may get the same id
 
     def _read_events(self, events: list[tuple[Any, int]]) -> None:
         for sock, event in events:
@@ -167,11 +171,9 @@ class IOLoop:
                 self._read(sock, handler)
 
     def _drain_outbox(self) -> None:
-        while True:
-            try:
-                (fn,) = self._outbox.get_nowait()
-            except queue.Empty:
-                return
+        outbox = self._outbox
+        while not outbox.empty():  # this thread alone takes from it: not empty, get_nowait() succeeds
+            (fn,) = outbox.get_nowait()
             try:
                 fn()
             except Exception:
@@ -180,12 +182,12 @@ class IOLoop:
     def _read(self, sock: zmq.Socket, handler: Handler) -> None:
         # Bounded: at most 256 messages per socket per wake-up so one chatty peer
         # cannot starve the others or the tick.
-        for _ in range(256):
-            # Asking first is cheaper than the zmq.Again exception that would end every wake-up.
-            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+        for i in range(256):
+            # Asking is cheaper than the zmq.Again that would end every wake-up; poll() said the first is there.
+            if i and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = _recv_frames(sock)
             except zmq.Again:
                 return
             try:
@@ -384,6 +386,16 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def _recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """``recv_multipart(NOBLOCK)``, told of a next frame by the frame, not by asking (``RCVMORE``): #27."""
+    frames = []
+    while True:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame.bytes)
+        if not frame.more:
+            return frames
 
 
 def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:

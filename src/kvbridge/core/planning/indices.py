@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Indices", "IntArray", "PlanError", "check_indices"]
+__all__ = ["Indices", "IntArray", "PlanError", "check_index", "check_indices"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -22,7 +22,8 @@ def _as_index_array(name: str, values: npt.ArrayLike) -> IntArray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise PlanError(f"{name} must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    # The dtype's kind, not np.issubdtype (a dozen Python calls, several times per request: #27).
+    if arr.size and arr.dtype.kind not in "iu":
         raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
 
@@ -57,6 +58,13 @@ def check_indices(name: str, idx: npt.ArrayLike, count: int | None = None, *, un
             "every destination item may be written once per transfer"
         )
     return arr
+
+
+def check_index(name: str, value: int, count: int) -> None:
+    """One index (a metadata row) checked as ``check_indices(name, [value], count)``: a Python int in
+    range costs no array (twice per request, #27); anything else goes the array's way, errors included."""
+    if type(value) is not int or not 0 <= value < count:
+        check_indices(name, [value], count)
 
 
 def _ascending(arr: IntArray) -> bool:

@@ -85,7 +85,7 @@ def _runs(src: IntArray, dst: IntArray, scale: int = 1) -> tuple[IntArray, IntAr
     bytes: the planner's columns, multiplied in place rather than into three more fresh arrays)."""
     n = src.size
     if n <= 1:  # no index or one (a metadata row, a 1-page request): one run or none, no numpy calls
-        return src * scale, dst * scale, np.full(n, scale, np.int64)
+        return src * scale, dst * scale, np.array([scale] * n, np.int64)
     if n <= _SMALL:  # a few pages (small requests): one Python pass costs less than a dozen numpy calls
         s, d = src.tolist(), dst.tolist()
         at = [0, *(i for i in range(1, n) if s[i] - s[i - 1] != 1 or d[i] - d[i - 1] != 1), n]

@@ -15,7 +15,7 @@ from ..control.channel import IOLoop, SocketGetter
 from .checksum import device_problem
 from ..description.layout import KVArgs
 from ..control.metrics import metrics
-from .room import Poll, Room
+from .room import Changes, Poll, Room
 from ..transfer.staging import DEVICE_SLICE_BYTES
 from ..transfer.transport import BackendChoice, open_transport
 
@@ -162,6 +162,8 @@ class TransferManager(Generic[R]):
 
     def __init__(self, kvargs: KVArgs, backend: BackendChoice, config: SessionConfig | None) -> None:
         self.kvargs = kvargs
+        #: Each index space's size, by name (looked up per request).
+        self.space_counts = {s.name: s.count for s in kvargs.index_spaces}
         self.config = config or SessionConfig()
         #: Seals and opens every control message (docs/security.md).
         self.auth = auth_for(self.config.secret_file)
@@ -195,7 +197,7 @@ class TransferManager(Generic[R]):
         #: Notified whenever one of this manager's rooms changes state (``Room.wait``, ``wait_any``).
         #: Its own lock, not ``lock``: a woken host then runs at once instead of waiting for the
         #: notifying thread to leave ``lock`` (states only move forward and are read without it).
-        self.changed = threading.Condition(threading.Lock())
+        self.changed = Changes()
         self.rooms: dict[int, R] = {}
         self.closed = False
         self.loop = IOLoop(
@@ -216,8 +218,7 @@ class TransferManager(Generic[R]):
 
     def wake_hosts(self) -> None:
         """Wake every host waiting in ``Room.wait`` or :meth:`wait_any` (after a change made with ``wake=False``)."""
-        with self.changed:
-            self.changed.notify_all()
+        self.changed.wake()
 
     def wait_any(self, rooms: Iterable[Room], timeout: float, seen: Mapping[Room, Poll] | None = None) -> None:
         """Block until one of ``rooms`` is final or in another state than ``seen`` says, or ``timeout`` seconds pass.

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from ..control import protocol as P
 from ..description.layout import METADATA_SPACE, KVArgs, Region
-from ..planning.indices import Indices
+from ..planning.indices import Indices, check_index
 from ..planning.layers import LayerIndex
 from ..planning.pairing import Route
 from .room import Poll, Room
@@ -70,15 +70,13 @@ class DecodePeer:
         self.last_seen = time.monotonic()
         self.lease_until = self.last_seen + lease
         self.worker = PeerWorker(peer_id)
-        #: What one write to it costs whatever its size (seconds), and what each byte adds (seconds);
-        #: None until measured (see :meth:`note_write`). Layer-wise sending coalesces layers while
-        #: their bytes cost less than a write.
-        self.write_cost: float | None = None
-        self.byte_time: float | None = None
         self._classes: dict[int, collections.deque[tuple[float, int]]] = {}  # see note_write
+        self._write_cost: float | None = None
+        self._byte_time: float | None = None
+        self._dirty = False  # writes were noted since the two were measured
 
     def note_write(self, nbytes: int, seconds: float) -> None:
-        """A write of ``nbytes`` took ``seconds``: update :attr:`write_cost` and :attr:`byte_time`.
+        """A write of ``nbytes`` took ``seconds``: :attr:`write_cost` and :attr:`byte_time` count it.
 
         Writes are kept by size class (a power of two), the last ``COST_WINDOW``
         of each; a class's measure is its fastest write, since contention (a
@@ -88,19 +86,55 @@ class DecodePeer:
         largest class's measures gives the fixed cost and each byte's time.
         With one class only: writes of at most ``SMALL_WRITE`` cost what the
         fastest took; larger ones cannot tell the cost from the bytes (None).
+        Measured when read (layer-wise sending), not per write (every request: #27).
         """
-        window = self._classes.setdefault(max(1, nbytes).bit_length(), collections.deque(maxlen=COST_WINDOW))
+        key = max(1, nbytes).bit_length()
+        window = self._classes.get(key)
+        if window is None:
+            window = self._classes[key] = collections.deque(maxlen=COST_WINDOW)
         window.append((seconds, nbytes))
-        counted = [k for k, w in self._classes.items() if len(w) >= COST_SAMPLES]
+        self._dirty = True
+
+    @property
+    def write_cost(self) -> float | None:
+        """What one write to it costs whatever its size (seconds); None until measured (:meth:`note_write`).
+        Layer-wise sending coalesces layers while their bytes cost less than a write."""
+        self._measure()
+        return self._write_cost
+
+    @write_cost.setter
+    def write_cost(self, value: float | None) -> None:
+        self._measure()
+        self._write_cost = value
+
+    @property
+    def byte_time(self) -> float | None:
+        """What each byte of a write to it adds (seconds); None until measured (:meth:`note_write`)."""
+        self._measure()
+        return self._byte_time
+
+    @byte_time.setter
+    def byte_time(self, value: float | None) -> None:
+        self._measure()
+        self._byte_time = value
+
+    def _measure(self) -> None:
+        """Measure the writes noted since the last time (a class too small to count keeps what was measured)."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        # Copies: a worker may append meanwhile (a deque refuses to be iterated while it changes).
+        classes = {k: tuple(w) for k, w in list(self._classes.items())}
+        counted = [k for k, w in classes.items() if len(w) >= COST_SAMPLES]
         if not counted:
             return
-        t_lo, n_lo = min(self._classes[min(counted)])
-        t_hi, n_hi = min(self._classes[max(counted)])
+        t_lo, n_lo = min(classes[min(counted)])
+        t_hi, n_hi = min(classes[max(counted)])
         if n_hi > n_lo:
-            self.byte_time = max(0.0, (t_hi - t_lo) / (n_hi - n_lo))
-            self.write_cost = max(0.0, t_lo - n_lo * self.byte_time)
+            self._byte_time = max(0.0, (t_hi - t_lo) / (n_hi - n_lo))
+            self._write_cost = max(0.0, t_lo - n_lo * self._byte_time)
         elif n_lo <= SMALL_WRITE:
-            self.write_cost, self.byte_time = t_lo, 0.0
+            self._write_cost, self._byte_time = t_lo, 0.0
 
     def renew(self, clock: float, lease: float) -> None:
         """Decode echoed ``clock`` (this rank's, from a heartbeat reply): it was alive after it."""
@@ -140,7 +174,7 @@ class DecodeRequest:
             if sr is not None:
                 indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True)
         if METADATA_SPACE in peer.route.spaces:
-            Indices.check("destination metadata row", [msg.metadata_row], peer.route.spaces[METADATA_SPACE].dst_count)
+            check_index("destination metadata row", msg.metadata_row, peer.route.spaces[METADATA_SPACE].dst_count)
         if msg.checksum or config.checksum:
             # Each side hashes its own bytes: decode its GPU memory (failing the room, saying why, if it
             # cannot), prefill its own, checked here so the request is refused at once.

@@ -59,7 +59,6 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         #: ``Fenced`` held back while an engine may still write a failed write's bytes: (due, room, peer id).
         self._deferred_fenced: list[tuple[float, int, str]] = []
         self._ticked = time.monotonic()  # the last tick: a long gap since is this process's stall
-        self._space_counts = {s.name: s.count for s in kvargs.index_spaces}
         self.layer_index = LayerIndex(kvargs)  # layer-wise sending: which layer each source address belongs to
         #: Layer-wise senders' pace: seconds between a chunk's announcements (see note_layer_gap; None until one).
         self.layer_gap: float | None = None
@@ -141,7 +140,7 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
 
     def source_indices(self, space: str, values: npt.ArrayLike) -> Indices:
         """The host's source list for ``space``, checked against this rank's own index space."""
-        return Indices.check(f"source {space} index", values, self._space_counts.get(space))
+        return Indices.check(f"source {space} index", values, self.space_counts.get(space))
 
     def notify(self, peer: DecodePeer, *msgs: P.Message, wake: bool = False) -> None:
         """Send ``msgs`` to decode ``peer``, in order, with one hand-off to the I/O thread (any thread).

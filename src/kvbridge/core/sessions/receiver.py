@@ -12,7 +12,7 @@ import numpy.typing as npt
 from ..control import protocol as P
 from ..description.layout import KV_PAGE_SPACE, METADATA_SPACE
 from ..control.metrics import metrics
-from ..planning.indices import Indices, PlanError
+from ..planning.indices import Indices, PlanError, check_index
 from .room import Poll, Room
 from .servers import DecodeSide, PrefillServer
 
@@ -77,18 +77,19 @@ class Receiver(Room):
             if self._request is not None:
                 raise RuntimeError(f"room {self.room}: init() called twice")
             try:
+                counts = m.space_counts
                 indices = {KV_PAGE_SPACE: page_indices, **(state_indices or {})}
-                if not any(s.name == KV_PAGE_SPACE for s in m.kvargs.index_spaces) and not np.size(page_indices):
+                if KV_PAGE_SPACE not in counts and not np.size(page_indices):
                     del indices[KV_PAGE_SPACE]  # a rank with state only (no full-attention KV)
                 packed = {}
                 for space, idx in indices.items():
-                    count = m.kvargs.index_space(space).count
+                    count = counts[space] if space in counts else m.kvargs.index_space(space).count  # KeyError names it
                     checked = Indices.check(f"destination {space} index", idx, count, unique=True)
                     # Checked against an index space that fits int32: packed without pack_indices' range check.
                     packed[space] = (checked.array.astype("<i4").tobytes() if count <= _INT32_MAX
                                      else P.pack_indices(checked.array))
-                if any(s.name == METADATA_SPACE for s in m.kvargs.index_spaces):
-                    Indices.check("metadata_row", [metadata_row], m.kvargs.index_space(METADATA_SPACE).count)
+                if METADATA_SPACE in counts:
+                    check_index("metadata_row", metadata_row, counts[METADATA_SPACE])
             except (KeyError, PlanError, P.ProtocolError) as exc:
                 reason = f"room {self.room}: {exc.args[0] if exc.args else exc}"
                 m.finish(self, Poll.FAILED, reason, "bad_request")  # nothing was asked for: nothing can land

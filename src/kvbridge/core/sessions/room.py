@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-__all__ = ["Poll", "Room"]
+__all__ = ["Changes", "Poll", "Room"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,22 @@ class Poll(enum.IntEnum):
     SUCCESS = 4
 
 
+class Changes(threading.Condition):
+    """A manager's rooms' changes: a condition on a plain lock whose :meth:`wake` costs nothing
+    when no host waits (a room changes state several times per request; most changes find no host
+    waiting, and ``notify_all`` is a dozen Python calls: issue #27)."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+
+    def wake(self) -> None:
+        """``notify_all()`` under the lock, if a thread waits. A waiter joins the list under the lock, after
+        it found the state unchanged: checked under the lock, none is missed."""
+        with self._lock:  # type: ignore[attr-defined]
+            if self._waiters:  # type: ignore[attr-defined]
+                self.notify_all()
+
+
 class Room:
     """One request's state on one rank. Its manager's lock guards every change."""
 
@@ -52,9 +68,11 @@ class Room:
         #: sees it later, by up to one iteration; latencies are measured from this).
         self.ended: float | None = None
         self._state = Poll.BOOTSTRAPPING
+        #: SUCCESS or FAILED (an attribute, not a property: read a dozen times per request, #27).
+        self.final = False
         self._reason: str | None = None
         #: Notified on every change of state: the manager's ``changed`` (set when the room is added to it).
-        self.changed: threading.Condition | None = None
+        self.changed: Changes | None = None
 
     def poll(self) -> Poll:
         """The current state; never blocks."""
@@ -72,6 +90,8 @@ class Room:
         cond = self.changed
         if cond is None:
             raise RuntimeError("this room belongs to no manager; poll() it instead")
+        if reached():  # states only move forward: nothing to wait for (a sender whose write ran inline)
+            return self._state
         with cond:
             cond.wait_for(reached, timeout)
         return self._state
@@ -80,27 +100,24 @@ class Room:
         """Why the room failed, or None."""
         return self._reason
 
-    @property
-    def final(self) -> bool:
-        return self._state in (Poll.FAILED, Poll.SUCCESS)
-
     def advance(self, state: Poll, reason: str | None = None, wake: bool = True) -> bool:
         """Move forward (never back); False if nothing changed. The caller holds the manager's lock.
 
-        ``wake=False``: the caller wakes the waiting hosts itself, later (``changed.notify_all()``).
+        ``wake=False``: the caller wakes the waiting hosts itself, later (``changed.wake()``).
         """
         if self.final:
             return False
         if state == Poll.FAILED:
             self._state, self._reason, self.ended = Poll.FAILED, reason or "failed", time.monotonic()
+            self.final = True
             log.warning("room %d failed: %s", self.room, self._reason)
         elif state > self._state:
             self._state = state
             if state == Poll.SUCCESS:
                 self.ended = time.monotonic()
+                self.final = True
         else:
             return False
         if wake and self.changed is not None:
-            with self.changed:
-                self.changed.notify_all()
+            self.changed.wake()
         return True

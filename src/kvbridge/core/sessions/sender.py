@@ -182,7 +182,7 @@ class Sender(Room):
             jobs: list[Job] = []
             try:
                 pages = m.source_indices(KV_PAGE_SPACE, page_indices)
-                state = {space: m.source_indices(space, idx) for space, idx in (state_indices or {}).items()}
+                state = {space: m.source_indices(space, idx) for space, idx in state_indices.items()} if state_indices else {}
                 for peer_id, req in sorted(self._requests.items()):
                     peer = m.peer(peer_id)
                     if peer is None:
@@ -345,9 +345,9 @@ class Sender(Room):
         if state and not last:
             raise PlanError("state indices are sent with the last chunk")
         if last:
-            own = {s.name for s in route.src.index_spaces}
             for space, idx in state.items():
                 if space not in route.spaces:
+                    own = {s.name for s in route.src.index_spaces}
                     if space not in own and any(s.name == space for s in route.dst.index_spaces):
                         continue  # another pipeline stage's state: that stage sends it
                     raise PlanError(f"no paired regions use index space {space!r} (paired: {sorted(route.spaces)})")

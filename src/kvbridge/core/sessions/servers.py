@@ -104,6 +104,7 @@ class DecodeSide(Protocol):
 
     lock: threading.RLock
     kvargs: KVArgs
+    space_counts: dict[str, int]
     config: SessionConfig
     backend_name: str
 

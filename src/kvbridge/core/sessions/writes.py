@@ -44,10 +44,17 @@ class Job:
     announced: list[tuple[list[int], Any]] = field(default_factory=list)
     queued: bool = False  # a write_layers call is queued or running on the peer's worker
     complete: bool = False  # every layer of the chunk was announced: the write that takes the last ends the chunk
-    # Set by layer_ready() for the chunk's last layer: ends a lingering worker's wait (linger).
-    arrived: threading.Event = field(default_factory=threading.Event)
     # Submissions of the room's later chunks to this peer, held until this chunk is written (after_layers).
     held: list[Callable[[], None]] = field(default_factory=list)
+    _arrived: threading.Event | None = field(default=None, repr=False)
+
+    @property
+    def arrived(self) -> threading.Event:
+        """Set by layer_ready() for the chunk's last layer: ends a lingering worker's wait (linger). Made
+        when first used (under the manager's lock): a chunk sent whole never waits for layers (#27)."""
+        if self._arrived is None:
+            self._arrived = threading.Event()
+        return self._arrived
 
 
 class WritingRoom(Protocol):
