@@ -41,15 +41,24 @@ needs_gpu = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 
 
 @needs_gpu
-def test_the_device_seam_gathers_and_scatters_scattered_pieces_byte_exact() -> None:
+@pytest.mark.parametrize("odd", [False, True], ids=["pages-of-one-pool-torch", "odd-offsets-triton"])
+def test_the_device_seam_gathers_and_scatters_scattered_pieces_byte_exact(monkeypatch, odd: bool) -> None:
+    """Units a whole number of units apart go through torch's indexed copy; others through the Triton kernel."""
     import torch
 
     from kvbridge import staging_torch
 
+    launches: list[str] = []
+    for name in ("gather", "scatter"):
+        kernel = getattr(staging_torch.kernels, name)
+        monkeypatch.setattr(staging_torch.kernels, name,
+                            lambda *a, _k=kernel, _n=name: (launches.append(_n), _k(*a))[1])
     rng = np.random.default_rng(9)
     memory = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, device="cuda")
     nbytes = np.array([4096, 64 << 10, 4096, 8192] * 8, np.int64)
-    addr = memory.data_ptr() + rng.permutation((16 << 20) // (64 << 10))[: len(nbytes)].astype(np.int64) * (64 << 10)
+    addr = memory.data_ptr() + rng.permutation((16 << 20) // (64 << 10) - 1)[: len(nbytes)].astype(np.int64) * (64 << 10)
+    if odd:
+        addr[::2] += 256  # a unit of 4 KiB, half the pieces 256 B off: no one row view holds them
     slice_addr, keep = staging_torch.alloc(int(nbytes.sum()), 0)
     staging_torch.gather(addr, nbytes, slice_addr, 0)  # complete on return: no synchronise here
     host = memory.cpu().numpy()
@@ -63,6 +72,7 @@ def test_the_device_seam_gathers_and_scatters_scattered_pieces_byte_exact() -> N
     for a, n in zip(offs, nbytes.tolist()):  # the oracle: plain slicing
         touched[a:a + n] = True
     np.testing.assert_array_equal(got, np.where(touched, host, 0))
+    assert launches == (["gather", "scatter"] if odd else [])
 
 
 @needs_gpu

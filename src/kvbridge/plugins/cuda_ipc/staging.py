@@ -51,13 +51,21 @@ def unit_table(addr: IntArray, packed: IntArray, nbytes: IntArray) -> UnitTable:
     if not (len(addr) == len(packed) == len(nbytes)) or len(addr) == 0 or (nbytes <= 0).any():
         raise ValueError(f"a window needs as many addresses ({len(addr)}), offsets ({len(packed)}) and sizes "
                          f"({len(nbytes)}) as pieces, at least one, each of a positive size")
-    unit = int(np.gcd.reduce(np.concatenate((nbytes, packed, [MAX_UNIT]))))
-    count = nbytes // unit
-    step = (np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)) * unit
-    far = np.repeat(addr, count) + step
-    near = np.repeat(packed, count) + step
-    align = int(np.gcd.reduce(np.concatenate((addr % 16, [16, unit]))))
-    width = next(w for w in _WIDTHS if align % w == 0)
+    size = int(nbytes[0])
+    same = bool((nbytes == size).all())  # pieces of one size (pages): no reduction over them
+    if same and not (packed % size).any():
+        unit = int(np.gcd(size, MAX_UNIT))
+    else:
+        unit = int(np.gcd.reduce(np.concatenate((nbytes, packed, [MAX_UNIT]))))
+    if same and unit == size:  # one unit a piece: the pieces are the table
+        far, near = addr.astype(np.int64, copy=True), packed.astype(np.int64, copy=True)
+    else:
+        count = nbytes // unit
+        step = (np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)) * unit
+        far = np.repeat(addr, count) + step
+        near = np.repeat(packed, count) + step
+    low = int(np.bitwise_or.reduce(addr)) | 16 | unit  # the lowest bit set in any address, 16 or the unit
+    width = next(w for w in _WIDTHS if low % w == 0)
     return UnitTable(far, near, unit, width)
 
 
