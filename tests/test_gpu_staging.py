@@ -86,3 +86,22 @@ def test_one_launch_gathers_and_one_scatters_a_window_of_gpu_pieces_byte_exact()
     got = back.cpu().numpy()
     for a, n in zip(offs, nbytes.tolist()):
         np.testing.assert_array_equal(got[a:a + n], host[a:a + n])
+
+
+def test_pages_of_one_size_are_their_own_units_and_copy_byte_exact_on_the_host() -> None:
+    rng = np.random.default_rng(7)
+    memory = rng.integers(0, 256, 4 << 20, dtype=np.uint8)
+    base = 1 << 40
+    addr = base + rng.permutation(memory.nbytes // 4096)[:64].astype(np.int64) * 4096
+    nbytes = np.full(64, 4096, np.int64)
+    packed = np.cumsum(nbytes) - nbytes
+    table = unit_table(addr, packed, nbytes)
+    assert table.unit == 4096 and table.width == 16
+    np.testing.assert_array_equal(table.far, addr)
+    np.testing.assert_array_equal(table.near, packed)
+    got = np.zeros(int(nbytes.sum()), np.uint8)
+    apply_on_host(table, memory, got, base, to_slice=True)
+    want = np.concatenate([memory[a - base:a - base + 4096] for a in addr.tolist()])
+    np.testing.assert_array_equal(got, want)
+    odd = unit_table(addr + 8, packed, nbytes)  # 8-byte aligned addresses narrow the element, not the unit
+    assert odd.unit == 4096 and odd.width == 8
