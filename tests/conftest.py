@@ -23,8 +23,8 @@ os.environ.setdefault("KVBRIDGE_SECRET", secrets.token_hex(32))
 # CI runs the suite on two workers (pytest-xdist, `-n 2 --dist loadgroup`: README, .ci/run); tests are
 # independent (ephemeral loopback ports, their own temporary folders and processes). Tests that kill,
 # freeze or signal processes, or bound how fast something fails, are kept serial: they all go to one
-# worker (xdist_group "faults") and each runs alone, holding an exclusive lock that every other test
-# shares, so no other test competes with it for the cores.
+# worker (xdist_group "faults"), one at a time; those of EXCLUSIVE's files also run alone, holding an exclusive
+# lock that every other test shares, so no other test competes with them for the cores.
 # (?<!de): "default" is no fault; the tests of --help's defaults and of default settings share the cores.
 SERIAL = re.compile(r"frozen|freeze|kill|signal|ctrl_c|(?<!de)fault|closed|deadline|in_time|timeout|timed_out|dead")
 # Named like the above but bound no time: settings and usage errors, a deadline that passed before the write
@@ -98,8 +98,17 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_LoadGroupIds(), "kvbridge-loadgroup-ids")
 
 
+# Of the serial tests, the process-heavy fault cells (several engine processes killed, frozen or signalled, and
+# bounds on how fast the survivors notice) run alone, the other worker waiting; the rest of the serial tests
+# (one frozen or closed peer, a timeout) run one at a time on their worker while the other worker goes on: they
+# wait more than they compute (336 s of them used 255 CPU-s), and holding the second core idle for them cost
+# CI about 150 s.
+EXCLUSIVE = frozenset({"test_faults.py", "test_faulty_backends.py", "test_demo.py", "test_soak.py"})
+
+
 def _alone(item: pytest.Item | None) -> bool:
-    return item is not None and any(m.args == ("faults",) for m in item.iter_markers("xdist_group"))
+    return (item is not None and item.path.name in EXCLUSIVE
+            and any(m.args == ("faults",) for m in item.iter_markers("xdist_group")))
 
 
 # The lock this worker holds, kept from one test to the next while both run alone in one module: released
