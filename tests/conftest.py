@@ -43,6 +43,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # it) serves all its tests; split over two workers it ran twice.
         if item.path.name in ("test_faults.py", "test_faulty_backends.py") or SERIAL.search(item.name):
             item.add_marker(pytest.mark.xdist_group("faults"))
+    # Longest first: the serial chain (one worker, about 300 s), then single tests of 10-50 s. Started last, the
+    # SGLang sub-suite (45 s, collected late) ran while the other worker had nothing left to do.
+    items.sort(key=lambda item: 0 if _grouped(item) else 1 if item.path.name in LONG else 2)
+
+
+#: Files of long tests (a sub-suite, demos, pytest runs in a subprocess): started early, so none ends the run alone.
+LONG = frozenset({"test_sglang_suite.py", "test_demo.py", "test_conformance_suite.py", "test_scaffold.py"})
+
+
+def _grouped(item: pytest.Item) -> bool:
+    return any(m.args == ("faults",) for m in item.iter_markers("xdist_group"))
 
 
 # Tables a test hands to the run's summary (tests/test_soak.py's chaos soak: per backend and fault kind).
@@ -98,20 +109,19 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_LoadGroupIds(), "kvbridge-loadgroup-ids")
 
 
-# Of the serial tests, the process-heavy fault cells (several engine processes killed, frozen or signalled, and
-# bounds on how fast the survivors notice) run alone, the other worker waiting; the rest of the serial tests
-# (one frozen or closed peer, a timeout) run one at a time on their worker while the other worker goes on: they
-# wait more than they compute (336 s of them used 255 CPU-s), and holding the second core idle for them cost
-# CI about 150 s.
-# The backends' own fault tests (a killed or frozen engine peer) too: under a second worker's load UCX once
-# reported a write to a killed destination as done (test_ucx_backend.py; never seen alone in 80 runs).
-EXCLUSIVE = frozenset({"test_faults.py", "test_faulty_backends.py", "test_demo.py", "test_soak.py",
-                       "test_ucx_backend.py", "test_nixl_backend.py", "test_mooncake_backend.py"})
+# Of the serial tests, the fault cells with engine processes killed, frozen or cut off and bounds on how fast the
+# survivors notice (test_faults.py, kvbridge's and the vLLM connector's; the chaos soak; the backends' own fault
+# tests: under a second worker's load UCX once reported a write to a killed destination as done, a test that had
+# passed in every run alone) run alone, the other worker waiting. The rest of the serial tests (one frozen or
+# closed peer, a timeout, the demo's signals, the faulty backends' inner suite) run one at a time on their worker
+# while the other worker goes on: they wait more than they compute (all serial tests: 336 s, 255 CPU-s), and
+# holding the second core idle for them cost CI about 150 s.
+EXCLUSIVE = frozenset({"test_faults.py", "test_soak.py", "test_ucx_backend.py", "test_nixl_backend.py",
+                       "test_mooncake_backend.py"})
 
 
 def _alone(item: pytest.Item | None) -> bool:
-    return (item is not None and item.path.name in EXCLUSIVE
-            and any(m.args == ("faults",) for m in item.iter_markers("xdist_group")))
+    return item is not None and item.path.name in EXCLUSIVE and _grouped(item)
 
 
 # The lock this worker holds, kept from one test to the next while both run alone in one module: released
