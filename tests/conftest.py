@@ -37,23 +37,27 @@ UNTIMED = re.compile(r"deadline_has_passed|write_after_the_deadline|fence_timeou
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if UNTIMED.search(item.name):
+        if item.path.parent.name == "vllm":
+            # vLLM's tests on one worker, one at a time (their fault tests bound nothing tighter than 30 s):
+            # each worker running one imports vLLM and builds its model config, about 12 CPU-s.
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+        elif UNTIMED.search(item.name):
             continue
         # test_faulty_backends.py: one inner run of the suite (a module fixture, with a frozen-peer test in
         # it) serves all its tests; split over two workers it ran twice.
-        if item.path.name in ("test_faults.py", "test_faulty_backends.py") or SERIAL.search(item.name):
+        elif item.path.name in ("test_faults.py", "test_faulty_backends.py") or SERIAL.search(item.name):
             item.add_marker(pytest.mark.xdist_group("faults"))
-    # Longest first: the serial chain (one worker, about 300 s), then single tests of 10-50 s. Started last, the
-    # SGLang sub-suite (45 s, collected late) ran while the other worker had nothing left to do.
-    items.sort(key=lambda item: 0 if _grouped(item) else 1 if item.path.name in LONG else 2)
+    # Longest first: the serial chain (one worker, about 300 s), vLLM's, then single tests of 10-50 s. Started last,
+    # the SGLang sub-suite (45 s, collected late) ran while the other worker had nothing left to do.
+    items.sort(key=lambda item: 0 if _grouped(item) else 1 if _grouped(item, "vllm") else 2 if item.path.name in LONG else 3)
 
 
 #: Files of long tests (a sub-suite, demos, pytest runs in a subprocess): started early, so none ends the run alone.
 LONG = frozenset({"test_sglang_suite.py", "test_demo.py", "test_conformance_suite.py", "test_scaffold.py"})
 
 
-def _grouped(item: pytest.Item) -> bool:
-    return any(m.args == ("faults",) for m in item.iter_markers("xdist_group"))
+def _grouped(item: pytest.Item, group: str = "faults") -> bool:
+    return any(m.args == (group,) for m in item.iter_markers("xdist_group"))
 
 
 # Tables a test hands to the run's summary (tests/test_soak.py's chaos soak: per backend and fault kind).
@@ -110,18 +114,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # Of the serial tests, the fault cells with engine processes killed, frozen or cut off and bounds on how fast the
-# survivors notice (test_faults.py, kvbridge's and the vLLM connector's; the chaos soak; the backends' own fault
+# survivors notice (tests/test_faults.py; the chaos soak; the backends' own fault
 # tests: under a second worker's load UCX once reported a write to a killed destination as done, a test that had
 # passed in every run alone) run alone, the other worker waiting. The rest of the serial tests (one frozen or
 # closed peer, a timeout, the demo's signals, the faulty backends' inner suite) run one at a time on their worker
 # while the other worker goes on: they wait more than they compute (all serial tests: 336 s, 255 CPU-s), and
 # holding the second core idle for them cost CI about 150 s.
-EXCLUSIVE = frozenset({"test_faults.py", "test_soak.py", "test_ucx_backend.py", "test_nixl_backend.py",
-                       "test_mooncake_backend.py"})
+EXCLUSIVE = frozenset(f"tests/{name}.py" for name in ("test_faults", "test_soak", "test_ucx_backend", "test_nixl_backend",
+                                                      "test_mooncake_backend"))
 
 
 def _alone(item: pytest.Item | None) -> bool:
-    return item is not None and item.path.name in EXCLUSIVE and _grouped(item)
+    return (item is not None and _grouped(item)
+            and item.path.relative_to(item.config.rootpath).as_posix() in EXCLUSIVE)
 
 
 # The lock this worker holds, kept from one test to the next while both run alone in one module: released
