@@ -4,7 +4,7 @@
 # Bring the wheels it lacks in .whl/ (kvbridge's own, built with `pip wheel --no-deps -w .whl .`, plus
 # nixl-cu13, msgspec and pyzmq for that machine's Python), then run `bash scripts/gpu_check.sh` there.
 # Writes gpu-tests.log, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, staging-tests.log,
-# staging.{txt,json}, layerwise.txt, demo.txt, request.{txt,json} and trace.txt (STEPS=request), cold.txt (STEPS=cold),
+# staging.txt, staging-{32,256}.json, layerwise.txt, demo.txt, request.{txt,json} and trace.txt (STEPS=request), cold.txt (STEPS=cold),
 # checksum-tests.log and checksum.{txt,json} (STEPS=checksum), gpustage-tests.log and gpustage.{txt,json} (STEPS=gpustage),
 # gpuwin-tests.log, gpuwin-64.{txt,json} and gpuwin-4.{txt,json} (STEPS=gpuwin) to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
@@ -102,8 +102,10 @@ fi
 # GPU staging kernels (kvbridge.plugins.cuda_ipc.staging): the byte-exact test on the device, then one gather and
 # one scatter launch per 64 MiB window of 4 KiB .. 1 MiB pieces beside a contiguous D2D copy.
 want staging && { python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_staging.py 2>&1 | tee "$OUT/staging-tests.log" || rc=1
-python3 benchmarks/gpu_staging_bench.py --json > "$OUT/staging.json" 2> "$OUT/staging.txt" || rc=1
-tail -6 "$OUT/staging.txt"; }
+for w in 32 256; do  # the kernels and the write path's whole call per window (seam), per window size
+  python3 benchmarks/gpu_staging_bench.py --window-mib "$w" --json > "$OUT/staging-$w.json" 2>> "$OUT/staging.txt" || rc=1
+done
+tail -12 "$OUT/staging.txt"; }
 # GPU staging wired into the write path (#29): the byte-exact tests (the seam's kernels, then scattered 4 KiB and 64 KiB
 # pages VRAM -> VRAM through NIXL, fast path off, staging on), then the plain path with staging off vs on beside the
 # fast path, 64 MiB and 1 GiB, 4 and 64 KiB pages. Each part is cut off (timeout) so the step ends within 4 minutes;
