@@ -47,9 +47,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # it) serves all its tests; split over two workers it ran twice.
         elif item.path.name in ("test_faults.py", "test_faulty_backends.py") or SERIAL.search(item.name):
             item.add_marker(pytest.mark.xdist_group("faults"))
-    # Longest first: the serial chain (one worker, about 300 s), vLLM's, then single tests of 10-50 s. Started last,
-    # the SGLang sub-suite (45 s, collected late) ran while the other worker had nothing left to do.
-    items.sort(key=lambda item: 0 if _grouped(item) else 1 if _grouped(item, "vllm") else 2 if item.path.name in LONG else 3)
+    # Longest first: the serial chain (one worker, about 300 s: the tests that run alone first, back to back, so
+    # they wait for the other worker's running test once, not once a module), vLLM's, then single tests of
+    # 10-50 s. Started last, the SGLang sub-suite (45 s, collected late) ran while the other worker had nothing left.
+    items.sort(key=lambda item: (0 if _alone(item) else 1 if _grouped(item) else 2 if _grouped(item, "vllm")
+                                 else 3 if item.path.name in LONG else 4))
 
 
 #: Files of long tests (a sub-suite, demos, pytest runs in a subprocess): started early, so none ends the run alone.
@@ -129,10 +131,9 @@ def _alone(item: pytest.Item | None) -> bool:
             and item.path.relative_to(item.config.rootpath).as_posix() in EXCLUSIVE)
 
 
-# The lock this worker holds, kept from one test to the next while both run alone in one module: released
-# between them, the other worker starts a test, which this one then waits out with the second core idle
-# (about a second per test, 80 times a run). Within one module only: a module fixture (test_faulty_backends'
-# inner run) is set up outside the lock, as it was before.
+# The lock this worker holds, kept from one test to the next while both run alone: released between them, the
+# other worker starts a test, which this one then waits out with the second core idle (a second to 25 s, the
+# other worker's test). A module fixture of the next module is then set up under the lock too.
 _held: list[tuple[IO[str], bool]] = []  # [(the lock file, exclusive)] while held
 
 
@@ -145,8 +146,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def _release_unless_kept(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    same_module = getattr(nextitem, "module", None) is getattr(item, "module", 0)
-    if _held and not (_held[0][1] and _alone(nextitem) and same_module):
+    if _held and not (_held[0][1] and _alone(nextitem)):
         lock, _ = _held.pop()
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()
