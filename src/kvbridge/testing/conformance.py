@@ -337,7 +337,7 @@ class BackendConformance(BackendHarness):
             t0 = time.monotonic()
             try:
                 _write(engines.source, "frozen", plan, t0 + budget, self.slack)
-            except TransferTimeout:
+            except TransferError:  # TransferTimeout at the deadline, or the engine's own timeout, if shorter, before it
                 pass
             assert time.monotonic() - t0 < budget + self.slack, "a write to a stopped peer overran its deadline"
             peer.thaw()
