@@ -163,7 +163,9 @@ def measure(backend: str, workdir: Path, before: int = 5, gap: float = 1.0, dead
     procs: list[PrefillProcess] = []
     end = time.monotonic() + deadline
     try:
-        procs.append(PrefillProcess(backend, server.address, workdir / "prefill-0"))
+        # The room in flight at the kill is held there (never sent): else a prefill quick enough could land it
+        # between decode's WAITING_FOR_INPUT and the kill (seen once: 7 rooms ok, none failed).
+        procs.append(PrefillProcess(backend, server.address, workdir / "prefill-0", hold_from=before + 1))
         procs[0].ready()
         room, killed_at, replaced = 0, None, False
         while time.monotonic() < end:
