@@ -116,12 +116,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # Of the serial tests, the fault cells with engine processes killed, frozen or cut off and bounds on how fast the
-# survivors notice (tests/test_faults.py; the chaos soak; the backends' own fault
-# tests: under a second worker's load UCX once reported a write to a killed destination as done, a test that had
-# passed in every run alone) run alone, the other worker waiting. The rest of the serial tests (one frozen or
-# closed peer, a timeout, the demo's signals, the faulty backends' inner suite) run one at a time on their worker
-# while the other worker goes on: they wait more than they compute (all serial tests: 336 s, 255 CPU-s), and
-# holding the second core idle for them cost CI about 150 s.
+# survivors notice run alone, the other worker waiting: tests/test_faults.py, the chaos soak, and the backends'
+# own fault tests (under a second worker's load UCX once reported a write to a killed destination as done, a test
+# that had passed in every run alone). The rest of the serial tests (one frozen or closed peer, a timeout, the
+# demo's signals, the faulty backends' inner suite) run one at a time on their worker while the other worker
+# goes on: they wait more than they compute (all serial tests: 336 s, 255 CPU-s), and holding the second core
+# idle for them cost CI about 150 s.
 EXCLUSIVE = frozenset(f"tests/{name}.py" for name in ("test_faults", "test_soak", "test_ucx_backend", "test_nixl_backend",
                                                       "test_mooncake_backend"))
 

@@ -190,8 +190,10 @@ class Cell(msgspec.Struct, kw_only=True):
         """Decode's room was fenced in the end, and nothing landed after that (but a stopped decode's one batch)."""
         if self.fenced_at_failed is None:
             return True  # not measured here (decode is the victim, or the room did not fail)
-        # A stopped decode's own kernel may still hold one batch when it resumes, fenced or not (docs/failures.md).
-        allowed = FENCE_BATCH_DESCRIPTORS if self._stopped_decode else 0
+        # A stopped decode's own kernel may still hold what it received of the batches in flight when it resumes,
+        # fenced or not (docs/failures.md): as after FAILED, up to FENCE_BATCHES_IN_FLIGHT of them (pipelined; one
+        # batch was the bound before, and a CI run saw 1,531 pages).
+        allowed = FENCE_BATCHES_IN_FLIGHT * FENCE_BATCH_DESCRIPTORS if self._stopped_decode else 0
         return self.fenced_s is not None and self.late_after_fenced is not None and self.late_after_fenced <= allowed
 
     @property
