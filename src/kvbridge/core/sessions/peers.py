@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy.typing as npt
 
@@ -36,6 +36,23 @@ __all__ = ["DecodePeer", "DecodeRequest", "PrefillSide"]
 COST_WINDOW = 16  # writes kept per size class to measure a peer's write cost (DecodePeer.note_write)
 COST_SAMPLES = 3  # writes a size class needs before it counts (the first write to a peer is a cold one)
 SMALL_WRITE = 64 << 10  # a write this small costs mostly what any write does: its fixed cost
+
+
+class _Measured:
+    """A :class:`DecodePeer` cost, measured from the writes noted since it was last read (or set directly)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = "_" + name
+
+    def __get__(self, peer: DecodePeer | None, owner: type | None = None) -> Any:
+        if peer is None:
+            return self
+        peer._measure()
+        return getattr(peer, self.name)
+
+    def __set__(self, peer: DecodePeer, value: float | None) -> None:
+        peer._measure()
+        setattr(peer, self.name, value)
 
 
 class DecodePeer:
@@ -95,28 +112,10 @@ class DecodePeer:
         window.append((seconds, nbytes))
         self._dirty = True
 
-    @property
-    def write_cost(self) -> float | None:
-        """What one write to it costs whatever its size (seconds); None until measured (:meth:`note_write`).
-        Layer-wise sending coalesces layers while their bytes cost less than a write."""
-        self._measure()
-        return self._write_cost
-
-    @write_cost.setter
-    def write_cost(self, value: float | None) -> None:
-        self._measure()
-        self._write_cost = value
-
-    @property
-    def byte_time(self) -> float | None:
-        """What each byte of a write to it adds (seconds); None until measured (:meth:`note_write`)."""
-        self._measure()
-        return self._byte_time
-
-    @byte_time.setter
-    def byte_time(self, value: float | None) -> None:
-        self._measure()
-        self._byte_time = value
+    #: What one write to it costs whatever its size (seconds), and what each byte adds (seconds); None until
+    #: measured (:meth:`note_write`). Layer-wise sending coalesces layers while their bytes cost less than a write.
+    write_cost = _Measured()
+    byte_time = _Measured()
 
     def _measure(self) -> None:
         """Measure the writes noted since the last time (a class too small to count keeps what was measured)."""
