@@ -120,11 +120,12 @@ tail -24 "$OUT/gpustage.txt"; }
 # bounded: landing.device_slots), every staged window traced in both processes; first the sweep's byte-exact test (32 and
 # 128 MiB slices, 256 MiB requests, traced). gpuwin-P.json holds the rows (each staged
 # path's trace as PATH_trace), gpuwin-P.txt the table then each path's window tables. Each call cut off by timeout.
+# DECODE_GPU=1 (a host of two GPUs): decode's pages on GPU 1, so the two processes' kernels do not take turns on one GPU.
 want gpuwin && { timeout "${GPUWIN_TESTS_S:-75}" python3 -m pytest -q -p no:cacheprovider -rs \
   tests/test_gpu_staging_wired.py -k sweep 2>&1 | tee "$OUT/gpuwin-tests.log" || rc=1
 for p in 64 4; do
   COLUMNS=${COLUMNS:-220} timeout "${GPUWIN_S:-150}" python3 -m kvbridge.cli bench transfer --device cuda --page-kib "$p" \
-    --total-mib 1024 --staging on --slice-mib ${GPUWIN_SLICES:-32 128 256} --reps 5 --trace --json \
+    ${DECODE_GPU:+--decode-gpu "$DECODE_GPU"} --total-mib 1024 --staging on --slice-mib ${GPUWIN_SLICES:-32 128 256} --reps 5 --trace --json \
     > "$OUT/gpuwin-$p.json" 2> "$OUT/gpuwin-$p.txt" || rc=1
   tail -60 "$OUT/gpuwin-$p.txt"
 done; }
