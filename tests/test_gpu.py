@@ -12,11 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import time
+
 import numpy as np
 import pytest
 
-from kvbridge.plugins.cuda_ipc import ipc, kernel, split
-from kvbridge.core.description.layout import Region
+from kvbridge.plugins.cuda_ipc import CAPABILITIES, ipc, kernel, split
+from kvbridge.core.description.layout import METADATA_SPACE, IndexSpace, KVArgs, Region, Shard
+from kvbridge.core.description.records import BackendCapabilities
+from kvbridge.core.planning.pairing import pair_layouts
+from kvbridge.core.transfer.backend import Backend, BackendConfig
+from kvbridge.core.transfer.lanes import Lane
 from kvbridge.core.transfer.transport import Transport
 from kvbridge.testing.harness import BackendHarness, Child, all_succeeded
 from kvbridge.testing.requirements import requires
@@ -220,8 +226,8 @@ def test_later_slices_tables_are_copied_beside_the_running_slices_and_the_fence_
 
 
 @pytest.mark.parametrize("item", [576, 1024, 4096, 65536])
-def test_the_kernels_compiled_at_the_handshake_are_those_one_page_and_run_plans_launch(item):
-    # What the backend compiles ahead (warm_shapes) against what copies of planned requests launch: every
+def test_the_kernels_compiled_at_registration_are_those_one_page_and_run_plans_launch(item):
+    # What the backend compiles at registration (warm_shapes) against what copies of planned requests launch: every
     # launch of plans of single pages and of runs up to 64 pages, scattered, finds its compiled kernel
     # (the kernel's key: the shape's constants and the sizes mode; piece counts and sizes are arguments).
     from kvbridge.core.planning.plan import plan_pages
@@ -244,6 +250,98 @@ def test_the_kernels_compiled_at_the_handshake_are_those_one_page_and_run_plans_
             sh = split.shape(part, hint)
             sizes = 0 if sh.uniform else 1 if split.row_sizes(part) else 2
             assert key(sh, sizes) in warmed, (run, sh, sizes)
+
+
+class _Recorder(Backend):
+    """A lane that records what core hands it (warm and write) and moves nothing (the addresses are made up)."""
+
+    def __init__(self) -> None:
+        super().__init__(BackendConfig())
+        self.warmed: list = []
+        self.written: list = []
+
+    def register(self, regions): pass
+    def metadata(self): return b""
+    def add_peer(self, peer, metadata, regions): pass
+    def remove_peer(self, peer): pass
+    def close(self): pass
+
+    def write(self, peer, batch, deadline):
+        self.written.append(batch)
+
+    def warm(self, peer, batches):
+        self.warmed += batches
+
+
+class _Host(_Recorder):
+    warm = Backend.warm  # prepares nothing
+
+
+#: Models of :func:`_rank`: (KV heads, tokens a page, bytes a head's row, layout); 0 heads: one replicated
+#: item a token (MLA's 576 B latent; a tiny 64 B one whose runs keep changing the launch up to 128 pages).
+MODELS = {"gqa-nhd": (8, 16, 256, "nhd"), "gqa-hnd": (8, 16, 256, "hnd"), "mla": (0, 1, 576, ""), "tiny": (0, 1, 64, "")}
+
+
+def _rank(tp: int, rank: int, model: str, base: int) -> KVArgs:
+    """A model's K and V pools on a "GPU" (made-up addresses: layers 256 B aligned, one only 8 B, as views of
+    one allocation may be) and a metadata buffer in host memory; 3 layers of 512 pages."""
+    heads, tokens, row, layout = MODELS[model]
+    pages = 512
+    if heads:
+        item = max(1, heads // tp) * tokens * row
+        shard = (Shard(kind="split", outer=tokens, totals=(heads,), unit_nbytes=row) if layout == "nhd"
+                 else Shard(kind="split", outer=1, totals=(heads,), unit_nbytes=tokens * row))
+    else:
+        item, shard = tokens * row, Shard()
+    regions = [Region(name=f"{role}{layer}", addr=base + (2 * layer + kv) * (1 << 30) + (8 if layer == 1 else 256 * layer),
+                      nbytes=item * pages, stride=item, role=role, index_space="kv_page", layer=layer, shard=shard,
+                      mem="vram")
+               for layer in range(3) for kv, role in enumerate("kv")]
+    regions.append(Region(name="meta", addr=base + (1 << 36), nbytes=64 * 16, stride=64, role="metadata",
+                          index_space=METADATA_SPACE))
+    return KVArgs(regions=tuple(regions), index_spaces=(IndexSpace("kv_page", pages, tokens), IndexSpace(METADATA_SPACE, 16)),
+                  dtype="bfloat16", page_size=tokens, tp_rank=rank, tp_size=tp)
+
+
+@pytest.mark.parametrize("model, tp_p, tp_d", [(m, p, d) for m in ("gqa-nhd", "gqa-hnd") for p, d in ((1, 1), (2, 1), (1, 2), (4, 2))]
+                         + [(m, p, d) for m in ("mla", "tiny") for p, d in ((1, 1), (2, 1))])
+def test_the_kernels_prepared_at_the_handshake_are_every_one_the_peers_requests_launch(model, tp_p, tp_d):
+    # Core plans samples from the pairing (runs of pages, layer by layer too) and hands each lane its
+    # batches of them (Backend.warm) before the handshake is answered: every batch that requests of that peer
+    # then hand the GPU lane (scattered pages, runs, mixed, whole chunks and layer by layer, head-sliced when
+    # the TPs differ) needs a kernel among those (a cold one is compiled inside the request: 100-200 ms).
+    from kvbridge.core.planning.layers import LayerIndex
+    from kvbridge.core.sessions.handshake import warm_plans
+
+    src, dst = _rank(tp_p, 0, model, 1 << 40), _rank(tp_d, 0, model, 1 << 42)
+    gpu, host = _Recorder(), _Host()
+    t = Transport([Lane("gpu", gpu, CAPABILITIES), Lane("host", host, BackendCapabilities(memory_kinds=("dram", "vram"), host_staging=False))])
+    t.register(src.regions)
+    t.add_peer("d", {"gpu": b"", "host": b""}, dst.regions)
+    assert t.lanes_of("d") == ["gpu", "host"] and t.warms("d")
+    route, layers = pair_layouts(src, dst), LayerIndex(src)
+    t.warm("d", warm_plans(route, layers))
+    assert gpu.warmed and not gpu.written and not host.warmed  # nothing written; the host lane prepares nothing
+    prepared = split.kernel_shapes([f for b in gpu.warmed for f in b.factors()], [h for b in gpu.warmed for h in b.hints()])
+    rng = np.random.default_rng(tp_p * 10 + tp_d)
+    requests: list = []
+    for pages in (1, 2, 3, 5, 17, 64, 300):
+        for pattern in ("scattered", "sorted", "contiguous"):
+            if pattern == "contiguous":
+                idx = np.arange(pages) + int(rng.integers(0, 512 - pages))
+            else:
+                idx = rng.permutation(512)[:pages]
+                idx = np.sort(idx) if pattern == "sorted" else idx  # sorted: runs where the pages follow each other
+            requests.append(idx)
+    requests.append(np.r_[0:128, 130:194])  # runs of two lengths, each a multiple of a kernel program's bytes
+    for idx in requests:  # the same pages on both sides: runs on one are runs on the other
+        plan = route.plan({"kv_page": idx}, {"kv_page": idx})
+        for part in (plan, *layers.split(plan).parts):
+            if len(part):
+                t.write("d", part, time.monotonic() + 10)
+    assert gpu.written
+    used = split.kernel_shapes([f for b in gpu.written for f in b.factors()], [h for b in gpu.written for h in b.hints()])
+    assert set(used) <= set(prepared), sorted(set(used) - set(prepared))
 
 
 def test_without_cuda_the_fast_path_stays_off_and_core_still_imports():

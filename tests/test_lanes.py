@@ -284,3 +284,60 @@ def test_writes_inline_asks_only_the_lanes_that_move_something_to_the_peer(host_
     assert t.lanes_of("decode") == (["far"] if host_only else ["near", "far"])
     assert t.writes_inline("decode") is expect
     assert t.writes_inline("stranger") is False
+
+
+@pytest.mark.parametrize("outcome", ["prepared", "past warm_timeout", "failed"])
+def test_a_prefill_rank_answers_a_handshake_once_its_lanes_prepared_for_the_peers_writes(monkeypatch, caplog, outcome):
+    # A lane that prepares (Backend.warm: cuda_ipc compiles its kernels) gets plans shaped like the peer's
+    # requests before the handshake is answered; decode sends no request until then, so its first requests
+    # find the lane ready. A lane still preparing at SessionConfig.warm_timeout, or failing to, delays nothing more.
+    import threading
+    import time
+
+    from kvbridge import BootstrapServer, DecodeManager, Poll, PrefillManager, Receiver, Sender, SessionConfig
+    from kvbridge.testing.memory import MemoryBackend
+
+    release, got = threading.Event(), []
+
+    def warm(self, peer: str, batches: Sequence[TransferPlan]) -> None:
+        got.append((peer, batches))
+        if outcome == "failed":
+            raise RuntimeError("no compiler here")
+        release.wait(20)
+
+    monkeypatch.setattr(MemoryBackend, "warm", warm)
+    rng = np.random.default_rng(6)
+    p_k, p_meta = rng.integers(1, 256, (PAGES, PAGE), dtype=np.uint8), rng.integers(1, 256, (4, 64), dtype=np.uint8)
+    d_k, d_meta = np.zeros_like(p_k), np.zeros_like(p_meta)
+    config = SessionConfig(gpu_fast_path=False, warm_timeout=0.5 if outcome == "past warm_timeout" else 20.0)
+    server = BootstrapServer("127.0.0.1")
+    prefill = PrefillManager(_kvargs(p_k, p_meta), "memory", bootstrap=server.address, config=config)
+    decode = DecodeManager(_kvargs(d_k, d_meta), "memory", config=config)
+    try:
+        started = time.monotonic()
+        recv = Receiver(decode, 7, bootstrap=server.address)
+        recv.init(page_indices=[10, 11, 40], metadata_row=2)
+        send = Sender(prefill, 7, metadata_row=1)
+        if outcome == "prepared":
+            assert send.wait(Poll.WAITING_FOR_INPUT, 1.0) < Poll.WAITING_FOR_INPUT  # held while the lane prepares
+            assert got and recv.poll() < Poll.TRANSFERRING
+            release.set()
+        assert send.wait(Poll.WAITING_FOR_INPUT, 30) == Poll.WAITING_FOR_INPUT, send.failure()
+        if outcome == "past warm_timeout":
+            assert time.monotonic() - started >= 0.5 and not release.is_set()
+        assert [peer for peer, _ in got] == [decode.peer_id]
+        assert got[0][1] and sum(len(b) for b in got[0][1]) >= 256  # pages of every run length, nothing written yet
+        assert not d_k.any()
+        send.send([0, 1, 5], last=True)
+        assert recv.wait(Poll.SUCCESS, 30) == Poll.SUCCESS, recv.failure()
+        np.testing.assert_array_equal(d_k[[10, 11, 40]], p_k[[0, 1, 5]])
+        np.testing.assert_array_equal(d_meta[2], p_meta[1])
+        assert not np.delete(d_k, [10, 11, 40], axis=0).any()
+        said = {"prepared": None, "past warm_timeout": "while its lanes still prepare for it (0.5 s: SessionConfig.warm_timeout)",
+                "failed": "preparing the lanes for decode peer"}[outcome]
+        if said is not None:
+            assert any(said in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        release.set()
+        for obj in (decode, prefill, server):
+            obj.close()

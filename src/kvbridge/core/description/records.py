@@ -31,7 +31,8 @@ __all__ = [
 #: (``kvbridge.plugins.tcpfence``).
 #: 1.3: pipelined batches and inline writes. Added, all optional: ``BackendCapabilities.batches_in_flight``
 #: with ``Backend.post``, and ``BackendCapabilities.inline_writes``.
-PLUGIN_API_VERSION = "1.3"
+#: 1.4: ``Backend.warm`` (optional): prepare for a peer's writes before its handshake is answered.
+PLUGIN_API_VERSION = "1.4"
 
 #: Type names an :class:`OptionSpec` may use instead of a parse function.
 OPTION_TYPES = ("str", "int", "float", "bool")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +40,10 @@ __all__ = ["IncompatibleLayoutError", "Route", "Totals", "pair_layouts", "item_s
 
 #: Bytes and descriptors per state type: what :meth:`Route.plan` adds a plan's counts to.
 Totals = dict[str, tuple[int, int]]
+#: Runs of pages :meth:`Route.samples` plans: every length to 16, then in each octave to 256 its first
+#: length and its last (how a kernel splits a run changes at powers of two, and with the largest power of
+#: two dividing its length: the two ends of an octave are its two extremes).
+SAMPLE_RUNS = (*range(1, 17), *(n for j in range(4, 8) for n in (2 ** j + 1, 2 ** (j + 1))))
 
 
 class IncompatibleLayoutError(ValueError):
@@ -140,6 +144,23 @@ class Route:
                 b, n = totals.get(state_type, (0, 0))
                 totals[state_type] = (b + nbytes, n + descriptors)
         return plan
+
+    def samples(self, spaces: Collection[str] | None = None) -> list[TransferPlan]:
+        """Small plans shaped like this route's requests, for the backends to prepare for at the handshake
+        (``Backend.warm``): per index space that sends (of ``spaces``; None: all), a run of ``k`` pages for each
+        ``k`` of :data:`SAMPLE_RUNS`, and a run of ``k`` pages then, after a gap, one of 1, 2, 4 or the largest
+        power of two below ``k`` (runs of two lengths), the same indices on both sides, within both counts."""
+        out: list[TransferPlan] = []
+        for space, sr in self.spaces.items():
+            n = min(sr.src_count, sr.dst_count) if sr.sends and (spaces is None or space in spaces) else 0
+            for k in SAMPLE_RUNS:
+                if k > n:
+                    break
+                lists = [np.arange(k, dtype=np.int64)]
+                lists += [np.r_[0:k, k + 1:k + 1 + j].astype(np.int64)
+                          for j in sorted({1, 2, 4, 1 << max(0, (k - 1).bit_length() - 1)}) if j < k and k + 1 + j <= n]
+                out += [self.plan({space: idx}, {space: idx}) for idx in lists]
+        return out
 
 
 def item_segments(src: Region, src_args: KVArgs, dst: Region, dst_args: KVArgs) -> npt.NDArray[np.int64]:

@@ -11,6 +11,7 @@ the restart), instead of leaving them to its lapsed lease (docs/failures.md, "Re
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -18,9 +19,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..control import protocol as P
-from ..control.channel import Channel, quiet
-from ..description.layout import KVArgs
-from ..planning.pairing import IncompatibleLayoutError, pair_layouts
+from ..control.channel import Channel, IOLoop, quiet
+from ..description.layout import METADATA_SPACE, KVArgs
+from ..planning.layers import LayerIndex
+from ..planning.pairing import IncompatibleLayoutError, Route, pair_layouts
+from ..planning.transferplan import TransferPlan
 from .peers import DecodePeer
 
 if TYPE_CHECKING:
@@ -30,6 +33,19 @@ if TYPE_CHECKING:
 __all__ = ["Handshakes"]
 
 MAX_ROUTES = 4096  # decode peer ids whose last connection is remembered after the peer was dropped (late Fenced)
+log = logging.getLogger(__name__)
+
+
+def warm_plans(route: Route, layers: LayerIndex) -> list[TransferPlan]:
+    """What a peer's lanes prepare for (``Backend.warm``): the route's sample plans
+    (:meth:`~kvbridge.core.planning.pairing.Route.samples`) of every index space but the metadata row's
+    (planned apart, once per peer: ``DecodePeer.row_plans``), each whole (a chunk sent at once) and each
+    layer's part of it (layer-wise sending posts a layer's rows)."""
+    out: list[TransferPlan] = []
+    for plan in route.samples([space for space in route.spaces if space != METADATA_SPACE]):
+        out.append(plan)
+        out += [part for part in layers.split(plan).parts if len(part)]
+    return out
 
 class Handshakes:
     """The handshakes of :class:`~.prefill.PrefillManager` (a part of it: it keeps the state below and
@@ -49,6 +65,8 @@ class Handshakes:
     _hello_refill: float
     _reply: Callable[[bytes, P.Message], None]
     _drop_peer: Callable[[DecodePeer, str], None]
+    loop: IOLoop
+    layer_index: LayerIndex
 
     def _hello_allowed(self) -> bool:
         """Take a handshake token (I/O thread)."""
@@ -117,7 +135,46 @@ class Handshakes:
             for table in (self._routes, self._route_peer):
                 while len(table) > MAX_ROUTES:
                     table.popitem(last=False)
-        self._reply(ident, P.HelloAck(kvargs=self.kvargs))
+        self._acknowledge(ident, msg.peer_id, route)
+
+    def _acknowledge(self, ident: bytes, peer_id: str, route: Route) -> None:
+        """Answer an accepted ``Hello`` (I/O thread): at once, unless a lane prepares for the peer's writes
+        (``Backend.warm``, on a thread of its own, with plans shaped like the peer's requests): then once
+        it is done or ``SessionConfig.warm_timeout`` has passed, whichever comes first. The peer sends no
+        request before the answer, so its first ones find the lanes ready. A peer dropped or replaced
+        meanwhile gets no answer here (its next ``Hello`` gets its own)."""
+        ack = P.HelloAck(kvargs=self.kvargs)
+        if not self.transport.warms(peer_id):
+            self._reply(ident, ack)
+            return
+        peer, pending = self._peers[peer_id], [True]
+
+        def answer(why: str) -> None:  # on the I/O thread only: the flag needs no lock
+            if not pending:
+                return
+            pending.clear()
+            timer.cancel()
+            if self._peers.get(peer_id) is peer:
+                if why:
+                    log.warning("prefill: answering decode peer %r's handshake %s", peer_id[:64], why)
+                self._reply(ident, ack)
+
+        def prepare() -> None:
+            try:
+                self.transport.warm(peer_id, warm_plans(route, self.layer_index))
+            except Exception as exc:  # only the first writes are slower for it
+                log.warning("prefill: preparing the lanes for decode peer %r failed: %r", peer_id[:64], exc)
+            self.loop.call(lambda: answer(""))
+
+        timeout = self.config.warm_timeout
+        timer = threading.Timer(timeout, lambda: self.loop.call(
+            lambda: answer(f"while its lanes still prepare for it ({timeout:g} s: SessionConfig.warm_timeout)")))
+        timer.daemon = True
+        if timeout:
+            timer.start()
+        threading.Thread(target=prepare, name="kvbridge-warm", daemon=True).start()
+        if not timeout:
+            answer("")
 
     def _release_slot(self, peer: DecodePeer) -> None:
         """``peer`` is gone: its slot, if it holds one, is free."""

@@ -66,6 +66,12 @@ class SessionConfig:
     #: How long prefill keeps a request whose room has no ``Sender`` yet (the host
     #: creates it slightly later) before it tells decode the room failed.
     sender_grace: float = 5.0
+    #: How long a prefill rank holds back its answer to a decode rank's handshake while its lanes
+    #: prepare for that peer's writes (``Backend.warm``: ``cuda_ipc`` compiles the copy kernels of the
+    #: peer's plans, so the first requests do not pay for it); the peer's requests wait for the answer.
+    #: Past it the handshake is answered and the preparing goes on beside the first writes; 0: answer
+    #: at once. Keep it well under decode's ``bootstrap_timeout``.
+    warm_timeout: float = 20.0
     #: Verify every room end to end: prefill hashes the bytes it wrote, decode
     #: the bytes it holds, a difference fails the room (kvbridge.core.sessions.checksum).
     #: Either side may ask. GPU memory is hashed in place (``wmix64`` with torch); a rank
@@ -126,6 +132,8 @@ class SessionConfig:
                 f"max_message_bytes ({self.max_message_bytes}) must hold one index list of max_index_list "
                 f"({self.max_index_list}) int32 entries: at least {4 * self.max_index_list + 4096}"
             )
+        if not self.warm_timeout >= 0:
+            raise ValueError(f"warm_timeout must be >= 0 (0: answer handshakes at once), got {self.warm_timeout}")
         if isinstance(self.inline_row_bytes, bool) or not isinstance(self.inline_row_bytes, int) or self.inline_row_bytes < 0:
             raise ValueError(f"inline_row_bytes must be an int >= 0 (0: never inline), got {self.inline_row_bytes!r}")
         if self.inline_row_bytes > self.max_message_bytes // 2:

@@ -193,6 +193,18 @@ class Backend(abc.ABC):
         Called again for a known peer when it handshakes again: replace it.
         """
 
+    def warm(self, peer: str, batches: Sequence[TransferPlan]) -> None:
+        """Optional: prepare for writes to ``peer`` shaped like ``batches``, so that the first requests do
+        not pay for it (compile a kernel, open a connection).
+
+        Core calls it after :meth:`add_peer`, on a thread of its own, with small batches planned from the
+        pairing of the two layouts (runs of one to 256 pages of every index space, layer by layer too), as
+        :meth:`write` would receive them; the peer's handshake is acknowledged once it returns, or after
+        ``SessionConfig.warm_timeout`` seconds if it is still running. Nothing is written. It may block; it
+        must not raise for a peer it took (a failure here only makes the first writes slower). Default:
+        nothing to prepare.
+        """
+
     @abc.abstractmethod
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``; later writes to it fail. Unknown peers are ignored."""

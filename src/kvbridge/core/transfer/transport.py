@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -301,24 +301,50 @@ class Transport(LaneWrites):
         token = _live.set(live)  # the backend re-checks right before it posts (backend.may_post)
         check = _checkpoint.set(lambda where: self._check(peer, deadline, live, where))
         try:
-            if route.whole is not None and (route.memory is not None or not route.table.places):
-                self._write_lane(self.lanes[route.whole], peer, plan, deadline, live, route.memory, announce)
-                return
-            # Located once: each part goes to its lane, one memory kind and device a side per part.
-            src = self._local.locate(plan.src_addr, plan.nbytes)[0]
-            dst = route.table.locate(plan.dst_addr, plan.nbytes)[0]
-            src_place, dst_place = self._local.place[src], route.table.place[dst]
-            n_src, n_dst = len(self._local.places), len(route.table.places)
-            key = (route.lanes[src, dst] * n_src + src_place) * n_dst + dst_place
-            for k in np.unique(key).tolist():  # in lane order
-                pick = key == k
-                part = plan if pick.all() else TransferPlan(plan.src_addr[pick], plan.dst_addr[pick], plan.nbytes[pick])
-                lane, rest = divmod(k, n_src * n_dst)
-                memory = Memory(*self._local.places[rest // n_dst], *route.table.places[rest % n_dst])
+            for lane, part, memory in self._parts(route, plan):
                 self._write_lane(self.lanes[lane], peer, part, deadline, live, memory, announce)
         finally:
             _checkpoint.reset(check)
             _live.reset(token)
+
+    def _parts(self, route: Route, plan: TransferPlan) -> Iterator[tuple[int, TransferPlan, Memory | None]]:
+        """``plan`` shared out among the lanes, in lane order: ``(lane, part, where its descriptors are)``, one
+        memory kind and device a side per part (None: not located, one lane moves everything)."""
+        if route.whole is not None and (route.memory is not None or not route.table.places):
+            yield route.whole, plan, route.memory
+            return
+        # Located once: each part goes to its lane, one memory kind and device a side per part.
+        src = self._local.locate(plan.src_addr, plan.nbytes)[0]
+        dst = route.table.locate(plan.dst_addr, plan.nbytes)[0]
+        src_place, dst_place = self._local.place[src], route.table.place[dst]
+        n_src, n_dst = len(self._local.places), len(route.table.places)
+        key = (route.lanes[src, dst] * n_src + src_place) * n_dst + dst_place
+        for k in np.unique(key).tolist():  # in lane order
+            pick = key == k
+            part = plan if pick.all() else TransferPlan(plan.src_addr[pick], plan.dst_addr[pick], plan.nbytes[pick])
+            lane, rest = divmod(k, n_src * n_dst)
+            yield lane, part, Memory(*self._local.places[rest // n_dst], *route.table.places[rest % n_dst])
+
+    def warms(self, peer: str) -> bool:
+        """Whether a lane moving something to ``peer`` prepares for its writes (overrides ``Backend.warm``)."""
+        route = self._route_of(peer, self._single)
+        return route is not None and any(_warms(self.lanes[i].backend) for i in route.used)
+
+    def warm(self, peer: str, plans: Sequence[TransferPlan]) -> None:
+        """Have the lanes prepare for writes to ``peer`` like ``plans`` (``Backend.warm``): each lane that
+        prepares gets its batches of them as :meth:`write` hands them over unstaged. Nothing is written."""
+        route = self._route_of(peer, self._single)
+        if route is None:
+            return
+        batches: dict[int, list[TransferPlan]] = {}
+        for plan in plans:
+            for lane, part, memory in self._parts(route, plan):
+                if _warms(self.lanes[lane].backend):
+                    for batch in self.lanes[lane].batches(part):
+                        batch.memory = memory
+                        batches.setdefault(lane, []).append(batch)
+        for lane, mine in sorted(batches.items()):
+            self.lanes[lane].backend.warm(peer, mine)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"backend": self.name,
@@ -334,6 +360,10 @@ class Transport(LaneWrites):
         if self.landing is not None:
             out["landing"] = {**self.landing.stats(), "mode": self.staging_mode}
         return out
+
+
+def _warms(backend: Backend) -> bool:
+    return type(backend).warm is not Backend.warm
 
 
 def open_transport(

@@ -6,7 +6,10 @@ the lanes after this one). ``metadata`` is the IPC handles of the
 allocations behind them (:mod:`.ipc`); ``add_peer`` maps a peer's and refuses
 a peer whose GPU regions it cannot all reach (another host, memory without
 legacy IPC, no CUDA here), so that core gives that peer's pairs to the next
-lane. ``write`` copies the whole plan unexpanded (:mod:`.kernel`), checking
+lane. ``warm`` compiles the kernels of core's plans shaped like the peer's
+requests before its handshake is answered, as ``register`` compiles those of
+plans between its own regions, so that no request waits for a compile.
+``write`` copies the whole plan unexpanded (:mod:`.kernel`), checking
 core's fence between slices, and returns once every byte has landed.
 """
 
@@ -26,6 +29,9 @@ from . import CAPABILITIES, ipc, kernel, split
 __all__ = ["CudaIpcBackend"]
 
 log = logging.getLogger(__name__)
+#: Longest a registration or a handshake waits for its kernels to compile (a cold Triton cache on an H200 took
+#: 5.3 s for the 23 kernels of a registration); copies needing one still compiling wait for it past that.
+WARM_WAIT_S = 120.0
 
 
 class CudaIpcBackend(Backend):
@@ -55,7 +61,8 @@ class CudaIpcBackend(Backend):
         if self._metadata:  # compile ahead, guessing that peers share as many allocations as this rank
             # and waiting: compiling beside the first copies slowed them 100-300 ms on an H200 (the compile
             # holds the interpreter), so registration (server start) pays it instead, once per Triton cache.
-            self._warm("registration", self._regions, split.search_steps(ipc.allocation_count(self._metadata))).join(120)
+            self._warm("registration", warm_shapes(self._regions, self._regions),
+                       split.search_steps(ipc.allocation_count(self._metadata))).join(WARM_WAIT_S)
 
     def metadata(self) -> bytes:
         return self._metadata
@@ -75,15 +82,22 @@ class CudaIpcBackend(Backend):
         if not mapped.covers(regions):
             raise TransferError(f"peer {peer!r}'s GPU regions are not all inside the allocations it shared")
         self._peers[peer] = mapped
-        self._warm(f"peer {peer!r}", regions, split.search_steps(len(mapped.starts)))
 
-    def _warm(self, what: str, peer_regions: Sequence[Region], steps: int) -> threading.Thread:
-        """Compile, beside the caller, the kernels copies to such peer regions will launch, so that requests do
+    def warm(self, peer: str, batches: Sequence[TransferPlan]) -> None:
+        """Compile the kernels that copies of ``batches`` to ``peer`` launch (core's plans shaped like the
+        peer's requests, at the handshake), and return once they are loaded (at most :data:`WARM_WAIT_S`)."""
+        mapped = self._peers.get(peer)
+        if mapped is not None and batches:
+            shapes = split.kernel_shapes([p for b in batches for p in b.factors()], [h for b in batches for h in b.hints()])
+            self._warm(f"peer {peer!r}", list(shapes.values()), split.search_steps(len(mapped.starts))).join(WARM_WAIT_S)
+
+    def _warm(self, what: str, shapes: Sequence[tuple[split.Shape, int]], steps: int) -> threading.Thread:
+        """Compile, beside the caller, the kernels of ``shapes`` (each with its sizes mode), so that requests do
         not pay for compiling (a fraction of a second each, and Triton's import before the first). A copy that
         needs one still being compiled waits for it; close() waits for these threads. Returns the thread."""
         def run() -> None:
             try:
-                n = kernel.warm(self._device, warm_shapes(self._regions, peer_regions), steps)
+                n = kernel.warm(self._device, shapes, steps)
                 log.debug("cuda_ipc: compiled %d copy kernels ahead (%s)", n, what)
             except Exception as exc:  # a copy compiles what it needs anyway
                 log.warning("cuda_ipc: could not compile the copy kernels ahead (%s): %r", what, exc)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .ipc import GpuPeer, check_rc, driver, on_device
-from .split import Part, Shape, launches, row_sizes, shape
+from .split import Part, Shape, launches, shape, sizes_mode
 
 __all__ = ["copy", "warm"]
 
@@ -224,7 +224,7 @@ def _pack(part: Part, sh: Shape, h: Any, at: int) -> tuple[int, int, int]:
     destinations[, sizes]), then rows (sources, destinations[, sizes]). Returns where sizes are kept (0:
     ``sh.uniform`` for all, 1: per row, 2: per column), the first row word and the end."""
     src_rows, dst_rows, src_cols, dst_cols, nbytes = part
-    sizes = 0 if sh.uniform else 1 if row_sizes(part) else 2
+    sizes = sizes_mode(part, sh)
     cols = (src_cols, dst_cols, nbytes) if sizes == 2 else (src_cols, dst_cols)
     rows = (src_rows, dst_rows, nbytes) if sizes == 1 else (src_rows, dst_rows)
     r = at + len(cols) * len(src_cols)

@@ -17,8 +17,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Mapped", "Part", "Shape", "arrays_part", "execute_on_host", "kernel_translate", "launches", "row_sizes",
-           "search_steps", "shape", "slices"]
+__all__ = ["Mapped", "Part", "Shape", "arrays_part", "execute_on_host", "kernel_shapes", "kernel_translate", "launches",
+           "row_sizes", "search_steps", "shape", "sizes_mode", "slices"]
 
 
 class Mapped(Protocol):
@@ -69,6 +69,22 @@ class Shape(NamedTuple):
     align16: bool
     even: bool
     uniform: int = 0
+
+
+def sizes_mode(part: Part, sh: Shape) -> int:
+    """Where a launch of ``part`` finds its sizes: 0 one size for all (``sh.uniform``), 1 per row, 2 per column."""
+    return 0 if sh.uniform else 1 if row_sizes(part) else 2
+
+
+def kernel_shapes(parts: Sequence[Part], hints: Sequence[tuple[int, int]] | None) -> dict[tuple[int, ...], tuple[Shape, int]]:
+    """The launches of ``parts`` as the kernels they need: ``(shape, sizes mode)`` by what tells compiled
+    kernels apart (every constant but the piece count; counts and sizes are arguments)."""
+    out: dict[tuple[int, ...], tuple[Shape, int]] = {}
+    for piece, hint in launches(parts, hints):
+        sh = shape(piece, hint)
+        sizes = sizes_mode(piece, sh)
+        out.setdefault((sh.rows, sh.chunk, sh.width, sh.align16, sh.even, sizes), (sh, sizes))
+    return out
 
 
 def _or(a: IntArray) -> int:
