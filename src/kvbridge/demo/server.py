@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import datetime
 import json
 import logging
@@ -575,6 +576,10 @@ def _rank_main(rank: int, args: argparse.Namespace, transfer: TransferConfig, st
     if args.device == "cuda" and args.tp > 1 and torch.cuda.device_count() >= args.tp:
         model_group = dist.new_group(backend="nccl")  # one GPU per rank: NCCL for the model's all-reduces
     server = (PrefillServer if args.role == "prefill" else DecodeServer)(args, transfer, rank, model_group)
+    # What start-up made (torch's, the model's, the managers') lives as long as the rank: frozen, a full garbage
+    # collection no longer walks it. Unfrozen, one took 75-96 ms on an H200 host, every thread stopped mid-request.
+    gc.collect()
+    gc.freeze()
     server.run()
     dist.destroy_process_group()
 
