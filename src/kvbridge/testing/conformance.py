@@ -266,6 +266,17 @@ class BackendConformance(BackendHarness):
         np.testing.assert_array_equal(engines.dst(0), want_pages, err_msg=broken)
         np.testing.assert_array_equal(engines.dst(1), want_bytes, err_msg=broken)
 
+    def test_warm_writes_nothing_and_the_writes_after_it_land(self, engines: Engines) -> None:
+        # Core calls warm (optional) after add_peer with batches shaped like the peer's requests, before
+        # the handshake is answered; it prepares (connects, compiles) and must not write any of them.
+        plans = [engines.plan([0, 1, 2], [5, 6, 7]), engines.plan([9], [30])]
+        engines.source.warm("dest", plans)
+        engines.source.warm("nobody", plans)  # a peer it does not know: nothing to prepare, no error
+        time.sleep(0.1)  # an engine that posted anyway would have landed by now
+        assert not engines.dst(0).any(), "warm() wrote bytes: it must only prepare for writes"
+        _write(engines.source, "dest", plans[0], time.monotonic() + self.scaled(5.0), self.slack)
+        np.testing.assert_array_equal(engines.dst(0)[[5, 6, 7]], engines.src[0][[0, 1, 2]])
+
     def test_a_write_whose_deadline_has_passed_raises_transfer_timeout_and_moves_nothing(self, engines: Engines) -> None:
         with pytest.raises(TransferTimeout):
             _write(engines.source, "dest", engines.plan(list(range(8)), list(range(8))), time.monotonic() - 0.001, self.slack)
