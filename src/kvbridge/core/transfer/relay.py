@@ -54,8 +54,10 @@ MAX_PIECE_REMOTE = 256 << 10
 #: across: NIXL VRAM -> VRAM with the same-host fast path off moved 1 GiB of scattered 64 KiB pages at
 #: 6.5-7.6 GB/s against 180-300 GB/s contiguous on an H200 (docs/performance.md); larger pieces not measured.
 MAX_PIECE_DEVICE = 256 << 10
-#: Most pieces in one window staged on both sides: its ``Staged`` message carries 16 bytes a run.
-REMOTE_WINDOW_DESCRIPTORS = 16384
+#: Most pieces in one window staged on both sides: its ``Staged`` message carries 16 bytes a run (1 MiB
+#: at most). Host slices hold fewer 4 KiB pieces; a 256 MiB GPU slice holds this many (at 16,384 its 4 KiB
+#: pages went in 64 MiB windows, 26-30 GB/s on an H200 whatever the slice).
+REMOTE_WINDOW_DESCRIPTORS = 65536
 #: ``auto`` gathers on prefill alone (no round trip to decode per window) when the runs merging neighbours in
 #: the destination leaves average at least this many bytes; below that, with slots lent, both sides
 #: (measured, ucx, head slices TP 1 -> 2 of 64 KiB pages: 32 KiB runs gathered 0.38 GB/s, both sides 0.72).
