@@ -1,7 +1,7 @@
 """The NIXL adapter's peers (a part of :class:`~.backend.NixlBackend`): agents loaded, reloaded, page tables.
 
 A peer's agent metadata is loaded with ``add_remote_agent`` and its regions' page table prepared
-(:meth:`NixlPeers.add_peer`) and its connection made before its handshake is answered (``warm``); a peer removed while a write to it is in progress is released by
+(:meth:`NixlPeers.add_peer`); a peer removed while a write to it is in progress is released by
 that write (``_retire``); a peer whose UCX endpoint failed has its agent unloaded and loaded
 again so that the next write connects anew (``_reload``; :mod:`.backend` says why).
 """
@@ -91,18 +91,6 @@ class NixlPeers:
             self._peers[peer] = _Peer(peer, agent_name, table, table_of_regions, bytes(metadata), list(regions))
         if old is not None:
             self._retire(old, forget_agent=old.agent != agent_name)
-
-    def warm(self, peer: str, batches: Sequence[Any]) -> None:
-        """Connect to ``peer``'s agent before its handshake is answered (``make_connection``): UCX's wire-up
-        otherwise falls in the first write to it, 1-11 ms on a GPU host. Needs no batch; a NIXL without
-        ``make_connection`` connects at the first write, as before."""
-        with self._lock:
-            known = self._peers.get(peer)
-        connect = getattr(self._agent, "make_connection", None)
-        if known is None or connect is None:
-            return
-        with self._agents:
-            connect(known.agent)
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer`` and disconnect from its agent. Unknown peers are ignored."""
