@@ -18,8 +18,13 @@ Prints, per case, the median end-to-end ms, the write's ms (core's metrics, as
 the bench's GB/s) and the difference in ns per descriptor. ``--profile FILE``
 writes a cProfile of every prefill thread during the timed reps.
 
-Not exercised: the kernel's own host work (table packing, launches: inside
-``kernel.copy``) and anything on the GPU. With ``PYTHONPATH`` pointing at an
+The kernel's own host work is kept: its launches are split, shaped and their
+tables packed (into a host buffer standing in for the pinned one), only the
+table copy, the launch and the wait are left out. ``--trace`` also traces both
+processes (:mod:`kvbridge.bench.trace`, decode writing its events to a file)
+and prints, per case, the whole request step by step from decode's
+``Receiver.init`` to its SUCCESS: decode's checks, the request message,
+prefill's checks, planning, the write and ``Done``. Not exercised: anything on the GPU. With ``PYTHONPATH`` pointing at an
 older checkout's ``src`` it also runs the code before the lanes (where
 ``kvbridge.core.gpu`` held the fast path), to compare both on one machine.
 """
@@ -29,10 +34,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -99,9 +106,26 @@ def install() -> None:
     gpu.open_peer = lambda metadata, device: gpu.GpuPeer(np.array([0], np.int64), np.array([1 << 62], np.int64),
                                                           np.array([0], np.int64))
 
-    def copy(device: int, parts: Any, peer: Any, check: Any = None, hints: Any = None) -> None:
-        if check is not None:
-            check()
+    def copy(device: int, parts: Any, peer: Any, check: Any = None, hints: Any = None, units: Any = None) -> None:
+        """``kernel.copy``'s host work: its launches, each shaped and its table packed, the fence checked between."""
+        if OLD:
+            if check is not None:
+                check()
+            return
+        from kvbridge.plugins.cuda_ipc import split
+
+        # Columns in units of an item are scaled as the table is packed (older code: columns in bytes).
+        work = split.launches(parts, hints, units) if units is not None else [(*w, 1) for w in split.launches(parts, hints)]
+        words = sum(3 * (len(p[0]) + len(p[2])) + 1 for p, _, _ in work)
+        if not _table or len(_table[0]) < words:  # the pinned buffer's stand-in: allocated once, touched
+            _table[:] = [np.ones(max(words, 1 << 16), np.int64)]
+        at = 0
+        for i, (piece, hint, unit) in enumerate(work):
+            if i and check is not None:
+                check()
+            scaled = (unit,) if unit != 1 else ()
+            _, _, end = kernel._pack(piece, split.shape(piece, hint, *scaled), _table[0], at, *scaled)
+            at = end + (end & 1)
 
     kernel.copy = copy
     if not OLD:
@@ -114,6 +138,9 @@ def install() -> None:
     if not OLD:
         ipc = reg.backends["cuda_ipc"]
         reg.backends["cuda_ipc"] = dataclasses.replace(ipc, spec=dataclasses.replace(ipc.spec, requires=()))
+
+
+_table: list[np.ndarray] = []  # the fake copy's table buffer (kernel.copy's pinned one)
 
 
 def cases(page_kib: list[int], total_mib: list[int]) -> list[tuple[int, int]]:
@@ -137,7 +164,21 @@ def pages(page: int, total: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(n), np.random.default_rng(seed).permutation(n)
 
 
+def _trace_steps() -> None:
+    """Trace a request's steps (:func:`kvbridge.bench.trace.install`), and a few more of a large one's."""
+    from kvbridge.bench import trace
+    from kvbridge.core.planning import indices
+    from kvbridge.core.sessions import peers
+
+    trace.install()
+    trace._wrap(indices, "check_indices", "check_indices")
+    trace._wrap(peers.DecodeRequest, "check", "DecodeRequest.check")
+    trace._wrap(kernel, "copy", "kernel.copy (host work)")
+
+
 def run_decode(args: argparse.Namespace) -> None:
+    if args.trace_file:
+        _trace_steps()
     kvargs, keep = pools(args.page_kib, args.total_mib)
     mgr = DecodeManager(kvargs, "fakenet", config=CONFIG)
     try:
@@ -149,6 +190,11 @@ def run_decode(args: argparse.Namespace) -> None:
                 recv = Receiver(mgr, room, bootstrap=args.decode)
                 recv.init([], state_indices={f"p{page >> 10}": dst})
                 assert recv.wait(Poll.SUCCESS, 600) == Poll.SUCCESS, recv.failure()
+        if args.trace_file:
+            from kvbridge.bench import trace
+
+            with open(args.trace_file, "w") as f:
+                json.dump(trace.events(), f)
         print("done", flush=True)
         sys.stdin.readline()
     finally:
@@ -229,6 +275,8 @@ def _trace(mgr: Any, marks: dict[str, float]) -> None:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     install()
+    if args.trace:
+        _trace_steps()
     prof = _Profiles() if args.profile else None
     if prof is not None:  # before any thread starts: each then profiles itself (set-up included)
         prof.start()
@@ -239,8 +287,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     marks: dict[str, float] = {}
     if args.phases:
         _trace(mgr, marks)
+    trace_file = tempfile.NamedTemporaryFile(prefix="kvbridge-trace-", suffix=".json", delete=False).name if args.trace else None
     child = subprocess.Popen([sys.executable, __file__, "--decode", server.address, "--reps", str(args.reps),
-                              "--page-kib", *map(str, args.page_kib), "--total-mib", *map(str, args.total_mib)],
+                              "--page-kib", *map(str, args.page_kib), "--total-mib", *map(str, args.total_mib),
+                              *(["--trace-file", trace_file] if trace_file else [])],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rows = []
     room = 0
@@ -299,13 +349,45 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if prof is not None:
             prof.dump(args.profile)
         assert child.stdout is not None and child.stdout.readline().strip() == "done"
+        if trace_file:
+            with open(trace_file) as f:
+                _print_timelines(rows, args.reps, {"prefill": trace_events(), "decode": [tuple(e) for e in json.load(f)]})
     finally:
+        if trace_file:
+            os.unlink(trace_file)
         if child.stdin is not None:
             child.stdin.close()
         child.wait(60)
         mgr.close()
         server.close()
     return rows
+
+
+def trace_events() -> list[Any]:
+    from kvbridge.bench import trace
+
+    return trace.events()
+
+
+def _print_timelines(rows: list[dict[str, Any]], reps: int, sides: dict[str, list[Any]]) -> None:
+    """Per case, the steps of its timed requests (each from decode's ``Receiver.init`` to the next one's)."""
+    from kvbridge.bench import trace
+
+    inits = sorted(e[0] for e in sides["decode"] if e[2] == "Receiver.init >")
+    for c, row in enumerate(rows):
+        lo = inits[c * (reps + 1)]
+        hi = inits[(c + 1) * (reps + 1)] if (c + 1) * (reps + 1) < len(inits) else float("inf")
+        # The case's requests, then the next case's first init: the last request ends there.
+        part = {side: [e for e in evs if lo <= e[0] < hi or (e[0] == hi and e[2] == "Receiver.init >")]
+                for side, evs in sides.items()}
+        if hi == float("inf"):
+            part["decode"].append((max(e[0] for evs in sides.values() for e in evs) + 1, "MainThread", "Receiver.init >"))
+        steps, n = trace.timeline(part, skip=1)
+        row["steps"] = steps
+        print(f"\n{row['page_bytes'] >> 10}K {row['request_bytes'] >> 20}Mi scattered: median of {n} requests, "
+              "us from decode's Receiver.init ('>' entered, '<' returned)", file=sys.stderr)
+        for s in steps:
+            print(f"  {s['at_us']:9.0f} {s['delta_us']:+8.0f}  {s['side']:7s} {s['thread']:15s} {s['step']}", file=sys.stderr)
 
 
 def main() -> int:
@@ -315,8 +397,11 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per case after one warm-up (median)")
     parser.add_argument("--profile", help="write a cProfile of all prefill threads (set-up included) here")
     parser.add_argument("--phases", action="store_true", help="time stamps: where the end-to-end time goes")
+    parser.add_argument("--trace", action="store_true",
+                        help="trace both processes: every step of a request from decode's Receiver.init, per case")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--decode", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.decode:
         install()

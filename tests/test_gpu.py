@@ -160,6 +160,33 @@ def test_the_kernels_split_of_an_unexpanded_plan_moves_what_its_descriptors_say(
     np.testing.assert_array_equal(dst, want)
 
 
+def test_a_scattered_plans_columns_in_items_are_scaled_where_the_table_is_packed_and_land_byte_exact():
+    # A scattered plan keeps its columns in items (TransferPlan.units); the backend hands them over so,
+    # and the table, as the kernel reads it, holds the same byte offsets as the plan in bytes would give.
+    from kvbridge.core.planning.plan import plan_pages
+
+    item, pages = 256, 1000
+    src = np.random.default_rng(2).integers(0, 256, 2 * 4096 * item, dtype=np.uint8)
+    rng = np.random.default_rng(4)
+    base = src.ctypes.data
+    plan = plan_pages([base, base + 4096 * item], [1 << 44, (1 << 44) + 4096 * item], [item, item],
+                      rng.permutation(4096)[:pages], rng.permutation(4096)[:pages])
+    assert plan.units() == [item]
+    (part,), (hint,), (unit,) = plan.factors(in_units=True), plan.hints(), plan.units()
+    (in_bytes,) = plan.factors()
+    h, want = np.full(8 * pages, -1, np.int64), np.full(8 * pages, -1, np.int64)
+    assert kernel._pack(part, split.shape(part, hint, unit), h, 2, unit) == kernel._pack(in_bytes, split.shape(in_bytes), want, 2)
+    np.testing.assert_array_equal(h, want)
+    dst = np.zeros(2 * 4096 * item, np.uint8)
+    peer = ipc.GpuPeer(np.array([1 << 44], np.int64), np.array([(1 << 44) + dst.nbytes], np.int64),
+                       np.array([dst.ctypes.data - (1 << 44)], np.int64))
+    split.execute_on_host([part], peer, [hint], [unit])
+    expected = np.zeros_like(dst)
+    for s_, d, n in zip(plan.src_addr - base, plan.dst_addr - (1 << 44), plan.nbytes):
+        expected[d:d + n] = src[s_:s_ + n]
+    np.testing.assert_array_equal(dst, expected)
+
+
 @pytest.mark.parametrize("sizes", ["uniform", "per column", "per row"])
 def test_the_table_is_packed_columns_then_rows_with_sizes_where_they_differ(sizes):
     cols = np.array([0, 4096, 8192], np.int64)
@@ -246,8 +273,8 @@ def test_the_kernels_compiled_at_registration_are_those_one_page_and_run_plans_l
         starts = rng.choice(np.arange(0, 4096 - run, run), 5, replace=False)
         idx = (starts[:, None] + np.arange(run)).ravel()
         plan = plan_pages(bases, bases + (1 << 38), np.full(3, item), idx, rng.permutation(4096)[: idx.size] if run == 1 else idx)
-        for part, hint in split.launches(plan.factors(), plan.hints()):
-            sh = split.shape(part, hint)
+        for part, hint, unit in split.launches(plan.factors(in_units=True), plan.hints(), plan.units()):  # as the backend
+            sh = split.shape(part, hint, unit)
             sizes = 0 if sh.uniform else 1 if split.row_sizes(part) else 2
             assert key(sh, sizes) in warmed, (run, sh, sizes)
 

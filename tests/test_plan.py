@@ -23,12 +23,17 @@ def oracle_runs(src, dst):
 
 
 def oracle_descriptors(src_bases, dst_bases, items, src, dst):
+    """One descriptor per page per region, neighbours that continue each other on both sides merged;
+    unless every region's item is one size, there are more than 32 pages and on one side at most one in 64
+    of them continues the one before it (then nothing is merged: each page is one descriptor)."""
+    continuing = min(sum(1 for i in range(1, len(idx)) if idx[i] == idx[i - 1] + 1) for idx in (src, dst))
+    merge = not (len(set(items)) == 1 and len(src) > 32 and continuing <= len(src) // 64)
     out = []
     for sb, db, it in zip(src_bases, dst_bases, items):
         per_page = [(sb + s * it, db + d * it, it) for s, d in zip(src, dst)]
         merged = []
         for a, b, n in per_page:
-            if merged and merged[-1][0] + merged[-1][2] == a and merged[-1][1] + merged[-1][2] == b:
+            if merge and merged and merged[-1][0] + merged[-1][2] == a and merged[-1][1] + merged[-1][2] == b:
                 merged[-1][2] += n
             else:
                 merged.append([a, b, n])
@@ -381,3 +386,35 @@ def test_a_scattered_destination_list_with_one_repeat_is_refused_naming_it():
     sparse = perm.astype(np.int64) * 1000  # values far beyond 8x the length: sorted, not flagged
     with pytest.raises(PlanError, match=f"contains index {perm[5] * 1000} more than once"):
         check_indices("dst", sparse, None, unique=True)
+
+
+def test_a_scattered_plan_keeps_its_index_lists_as_columns_in_items_and_the_callers_changes_do_not_reach_it():
+    # Nothing coalesces: the plan's columns are the index lists in units of an item (no arrays of byte
+    # offsets made), read in bytes through factors() and the descriptors as ever; the lists it was given
+    # are the caller's, so it holds copies: changing them after planning changes nothing planned.
+    rng = np.random.default_rng(5)
+    src, dst = rng.permutation(4096)[:1000], rng.permutation(4096)[:1000]
+    want = oracle_descriptors([1 << 30, 2 << 30], [1 << 40, 2 << 40], [512, 512], src.tolist(), dst.tolist())
+    plan = plan_pages([1 << 30, 2 << 30], [1 << 40, 2 << 40], [512, 512], src, dst)
+    src[:] = 10**9
+    dst[:] = 0
+    assert plan.units() == [512] and plan.hints() == [(512, 512)]
+    (_, _, cols_s, cols_d, sizes), = plan.factors(in_units=True)
+    (_, _, b_cols_s, b_cols_d, _), = plan.factors()
+    np.testing.assert_array_equal(b_cols_s, cols_s * 512)
+    np.testing.assert_array_equal(b_cols_d, cols_d * 512)
+    assert set(sizes.tolist()) == {512} and len(plan) == 2000
+    assert list(zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.nbytes.tolist())) == want
+
+
+def test_index_lists_are_kvbridges_own_only_when_made_in_the_check_or_handed_over():
+    from kvbridge.core.planning.indices import Indices
+
+    host = np.arange(100, dtype=np.int64)
+    assert not Indices.check("src", host, 100).own  # the caller's memory: a plan must copy it
+    assert not Indices.check("src", host[10:], 100).own
+    assert not Indices.check("src", memoryview(host), 100).own
+    assert Indices.check("src", host.tolist(), 100).own  # made from a list
+    assert Indices.check("src", host.astype(np.int32), 100).own  # converted: a new array
+    assert Indices.check("dst", host, 100, unique=True, own=True).own  # handed over (a peer's decoded list)
+    assert Indices.check("dst", host, 100, own=True)[5:].own  # slices of it stay its own

@@ -96,26 +96,32 @@ class Indices:
     (``count`` None: only ``>= 0``), and without repeats when ``unique``
     (destinations: every item is written once per transfer). Built by
     :meth:`check`, which raises :class:`PlanError` naming the first bad value.
+    ``own``: the array is kvbridge's, not memory of the caller's, so nobody
+    changes it after the check and a plan may keep it instead of a copy.
     """
 
-    __slots__ = ("array", "count", "unique")
+    __slots__ = ("array", "count", "unique", "own")
 
-    def __init__(self, array: IntArray, count: int | None, unique: bool) -> None:
-        self.array, self.count, self.unique = array, count, unique
+    def __init__(self, array: IntArray, count: int | None, unique: bool, own: bool = False) -> None:
+        self.array, self.count, self.unique, self.own = array, count, unique, own
 
     @classmethod
-    def check(cls, name: str, values: Indices | npt.ArrayLike, count: int | None = None, *, unique: bool = False) -> Indices:
-        """``values`` checked (an :class:`Indices` already checked at least as strictly is returned as is)."""
+    def check(cls, name: str, values: Indices | npt.ArrayLike, count: int | None = None, *, unique: bool = False,
+              own: bool = False) -> Indices:
+        """``values`` checked (an :class:`Indices` already checked at least as strictly is returned as is).
+        ``own``: ``values`` is an array the caller made for this and hands over (a peer's decoded list)."""
         if isinstance(values, Indices):
             within = count is None or (values.count is not None and values.count <= count)
             if within and (values.unique or not unique):
                 return values
-            values = values.array
-        return cls(check_indices(name, values, count, unique=unique), count, unique)
+            own, values = values.own, values.array
+        arr = check_indices(name, values, count, unique=unique)
+        # Made here (from a list, or converted to int64) it is ours too; else it is the caller's memory.
+        return cls(arr, count, unique, own or (arr is not values and arr.base is None))
 
     def __len__(self) -> int:
         return int(self.array.shape[0])
 
     def __getitem__(self, key: slice) -> Indices:
         """A slice (a view; still checked)."""
-        return Indices(self.array[key], self.count, self.unique)
+        return Indices(self.array[key], self.count, self.unique, self.own)

@@ -64,11 +64,12 @@ class _Group:
         """Bytes one index moves across the group's regions (coalescing never changes it)."""
         return int(len(self.pairs) * self.segments[:, 2].sum())
 
-    def plan(self, src_idx: npt.NDArray[np.int64], dst_idx: npt.NDArray[np.int64]) -> TransferPlan:
-        """Descriptors for checked, equally long index arrays."""
+    def plan(self, src: Indices, dst: Indices) -> TransferPlan:
+        """Descriptors for checked, equally long index lists."""
         if self.whole_items:
-            return _plan_pages(self.pairs.src_bases, self.pairs.dst_bases, self.pairs.src_strides, src_idx, dst_idx)
-        return _plan_segments(self.pairs, self.segments, src_idx, dst_idx)
+            return _plan_pages(self.pairs.src_bases, self.pairs.dst_bases, self.pairs.src_strides, src.array, dst.array,
+                               (src.own, dst.own))
+        return _plan_segments(self.pairs, self.segments, src.array, dst.array)
 
 
 @dataclass(frozen=True)
@@ -125,14 +126,14 @@ class Route:
             sr = self.spaces.get(space)
             if sr is None:
                 raise PlanError(f"no paired regions use index space {space!r} (paired: {sorted(self.spaces)})")
-            s = Indices.check(f"source {space} index", src_idx, sr.src_count).array
-            d = Indices.check(f"destination {space} index", dst_indices[space], sr.dst_count, unique=True).array
-            if s.size != d.size:
-                raise PlanError(f"{space}: {s.size} source indices but {d.size} destination indices")
+            s = Indices.check(f"source {space} index", src_idx, sr.src_count)
+            d = Indices.check(f"destination {space} index", dst_indices[space], sr.dst_count, unique=True)
+            if len(s) != len(d):
+                raise PlanError(f"{space}: {len(s)} source indices but {len(d)} destination indices")
             for g in sr.groups:
                 plans.append(g.plan(s, d))
                 if totals is not None:
-                    counted.append((g.state_type, s.size * g.index_nbytes, len(plans[-1])))
+                    counted.append((g.state_type, len(s) * g.index_nbytes, len(plans[-1])))
         # Every descriptor is inside its regions: its indices were checked against the
         # index spaces just above, and pair_layouts proved that every index of those
         # spaces, with every segment, lies inside every region of its group. That

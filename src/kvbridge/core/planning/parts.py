@@ -20,20 +20,24 @@ __all__ = ["ArrayPart", "OuterPart", "Part", "by_group"]
 
 class OuterPart:
     """Descriptors as an outer product, expanded only when read: row ``r``, column ``c`` moves
-    ``nbytes[c]`` bytes from ``src_rows[r] + src_cols[c]`` to ``dst_rows[r] + dst_cols[c]``.
+    ``nbytes[c]`` bytes from ``src_rows[r] + src_cols[c] * unit`` to ``dst_rows[r] + dst_cols[c] * unit``.
 
     Rows are region pairs, columns are coalesced runs; a 1M-token page-1 request over 61
     layers is ~57M descriptors (1.4 GB as arrays) but a few MB in this form. ``hint`` is what the
-    planner knows of the columns without reading them (see :meth:`TransferPlan.hints`).
+    planner knows of the columns without reading them (see :meth:`TransferPlan.hints`). ``unit``:
+    what one column step is in bytes (an item's size: the columns are then the index lists
+    themselves, kept rather than multiplied into new arrays, 2 MiB each for 262,144 pages: #27).
     """
 
-    __slots__ = ("src_rows", "dst_rows", "src_cols", "dst_cols", "col_nbytes", "hint", "_cum", "_row_bytes")
+    __slots__ = ("src_rows", "dst_rows", "src_cols", "dst_cols", "col_nbytes", "hint", "unit", "_cum", "_row_bytes")
 
     def __init__(self, src_rows: IntArray, dst_rows: IntArray, src_cols: IntArray, dst_cols: IntArray,
-                 col_nbytes: IntArray, hint: tuple[int, int] = (0, 0), row_bytes: int | None = None) -> None:
+                 col_nbytes: IntArray, hint: tuple[int, int] = (0, 0), row_bytes: int | None = None,
+                 unit: int = 1) -> None:
         self.src_rows, self.dst_rows = src_rows, dst_rows
         self.src_cols, self.dst_cols, self.col_nbytes = src_cols, dst_cols, col_nbytes
         self.hint = hint
+        self.unit = unit
         self._cum: IntArray | None = None
         # Given (the planner knows it), or the one column size times the columns where the hint knows it;
         # else summed once, when first asked (a pass over the columns: a write asks before its first batch).
@@ -56,7 +60,7 @@ class OuterPart:
         return int(self.src_rows.shape[0]) * self.row_bytes
 
     def max_nbytes(self) -> int:
-        return int(self.col_nbytes.max())
+        return self.hint[1] or int(self.col_nbytes.max())
 
     def cum_bytes(self, k: int) -> int:
         """Bytes of the first ``k`` descriptors."""
@@ -100,8 +104,12 @@ class OuterPart:
         # One pass per output array: each is written once, no temporaries of its size.
         shape = (r1 - r0, c1 - c0)
         src, dst, nbytes = np.empty(shape, np.int64), np.empty(shape, np.int64), np.empty(shape, np.int64)
-        np.add(self.src_rows[r0:r1, None], self.src_cols[None, c0:c1], out=src)
-        np.add(self.dst_rows[r0:r1, None], self.dst_cols[None, c0:c1], out=dst)
+        for out, rows, cols in ((src, self.src_rows, self.src_cols), (dst, self.dst_rows, self.dst_cols)):
+            if self.unit == 1:
+                np.add(rows[r0:r1, None], cols[None, c0:c1], out=out)
+            else:
+                np.multiply(cols[None, c0:c1], self.unit, out=out)
+                out += rows[r0:r1, None]
         nbytes[...] = self.col_nbytes[None, c0:c1]
         return src.ravel(), dst.ravel(), nbytes.ravel()
 

@@ -59,6 +59,11 @@ def coalesce_runs(src_idx: npt.ArrayLike, dst_idx: npt.ArrayLike) -> tuple[IntAr
 _BLOCK = 1 << 15
 #: Lists up to this long are coalesced in one Python pass (numpy's per-call overhead dominates there).
 _SMALL = 32
+#: Where at most one index in this many continues the one before it on one side (so at most that many could
+#: merge), runs are not coalesced: every index is its own descriptor, the index lists themselves the plan's
+#: columns (no arrays gathered), every size one item's (the GPU copy's table then needs no sizes: 2 words
+#: a descriptor, not 3).
+_FEW_RUNS = 64
 
 
 def _run_starts(src: IntArray, dst: IntArray) -> npt.NDArray[np.bool_]:
@@ -78,6 +83,24 @@ def _run_starts(src: IntArray, dst: IntArray) -> npt.NDArray[np.bool_]:
         np.not_equal(d, 1, out=o)
         out |= o
     return new
+
+
+def _continuing(idx: IntArray, enough: int | None = None) -> int:
+    """How many indices of ``idx`` (more than one) continue the one before them (``idx[i] == idx[i-1] + 1``),
+    in blocks through scratch arrays as :func:`_run_starts`; stops counting past ``enough``."""
+    n = idx.size
+    step = np.empty(min(_BLOCK, n - 1), np.int64)
+    one = np.empty(step.size, bool)
+    count = 0
+    for lo in range(0, n - 1, _BLOCK):
+        hi = min(lo + _BLOCK, n - 1)
+        d, o = step[: hi - lo], one[: hi - lo]
+        np.subtract(idx[lo + 1 : hi + 1], idx[lo:hi], out=d)
+        np.equal(d, 1, out=o)
+        count += int(np.count_nonzero(o))
+        if enough is not None and count > enough:
+            break
+    return count
 
 
 def _runs(src: IntArray, dst: IntArray, scale: int = 1) -> tuple[IntArray, IntArray, IntArray]:
@@ -140,19 +163,32 @@ def plan_pages(
     return _plan_pages(src_b, dst_b, item, src, dst)
 
 
-def _plan_pages(src_b: IntArray, dst_b: IntArray, item: IntArray, src_idx: IntArray, dst_idx: IntArray) -> TransferPlan:
-    """:func:`plan_pages` of checked arrays."""
+def _plan_pages(src_b: IntArray, dst_b: IntArray, item: IntArray, src_idx: IntArray, dst_idx: IntArray,
+                keep: tuple[bool, bool] = (False, False)) -> TransferPlan:
+    """:func:`plan_pages` of checked arrays. ``keep``: whether the plan may keep ``src_idx``, and
+    ``dst_idx``, as they are (kvbridge's own arrays, which nobody changes: :attr:`Indices.own`)."""
     if item.size == 0 or src_idx.size == 0:
         return TransferPlan.empty()
     if item.size == 1 or (item == item[0]).all():
         # Rows are region pairs, columns are runs: kept as an outer sum and
         # expanded batch by batch where it is written (TransferPlan.batches).
         it = int(item[0])
+        n = src_idx.size
+        if n > _SMALL and min(_continuing(dst_idx), _continuing(src_idx, n // _FEW_RUNS + 1)) <= n // _FEW_RUNS:
+            # (Almost) nothing can coalesce (one side's pages are scattered): the columns are the index lists
+            # themselves, in items (the plan's unit), every one of one item's bytes. No array of the
+            # request's length is made but a copy of a list the caller may still change: 262,144 scattered
+            # pages, one pair of which continued each other, made four of 2 MiB (run starts, gathered
+            # starts, lengths), whose first-touch faults cost more than the arithmetic (#27).
+            src_cols = src_idx if keep[0] else src_idx.copy()
+            dst_cols = dst_idx if keep[1] else dst_idx.copy()
+            sizes = np.broadcast_to(np.int64(it), (n,))
+            return TransferPlan.outer(src_b, dst_b, src_cols, dst_cols, sizes, (it & -it, it), row_bytes=it * n, unit=it)
         src_cols, dst_cols, col_nbytes = _runs(src_idx, dst_idx, it)
         # Columns are multiples of the item; no run coalesced (as many runs as indices): each is one item.
         # A row's bytes are every index's item, known without summing the columns.
-        hint = (it & -it, it if src_cols.size == src_idx.size else 0)
-        return TransferPlan.outer(src_b, dst_b, src_cols, dst_cols, col_nbytes, hint, row_bytes=it * src_idx.size)
+        hint = (it & -it, it if src_cols.size == n else 0)
+        return TransferPlan.outer(src_b, dst_b, src_cols, dst_cols, col_nbytes, hint, row_bytes=it * n)
     src_start, dst_start, run_len = _runs(src_idx, dst_idx)
     # Items of different sizes per region pair: expanded now, written in place
     # (at millions of descriptors the temporaries would cost as much as the result).

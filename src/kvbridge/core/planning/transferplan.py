@@ -48,6 +48,13 @@ def memory_of(plan: TransferPlan, local: RegionTable, peer: RegionTable) -> Memo
     return Memory(*found[0], *found[1])
 
 
+def _scaled(p: OuterPart, in_units: bool) -> tuple[IntArray, IntArray]:
+    """``p``'s columns in bytes, or as kept (``in_units``)."""
+    if in_units or p.unit == 1:
+        return p.src_cols, p.dst_cols
+    return p.src_cols * p.unit, p.dst_cols * p.unit
+
+
 class TransferPlan:
     """Descriptors to move: ``nbytes[i]`` bytes from ``src_addr[i]`` to ``dst_addr[i]``.
 
@@ -87,11 +94,13 @@ class TransferPlan:
 
     @classmethod
     def outer(cls, src_rows: IntArray, dst_rows: IntArray, src_cols: IntArray, dst_cols: IntArray,
-              col_nbytes: IntArray, hint: tuple[int, int] = (0, 0), row_bytes: int | None = None) -> TransferPlan:
-        """Every (row, column): ``col_nbytes[c]`` bytes from ``src_rows[r] + src_cols[c]`` to
-        ``dst_rows[r] + dst_cols[c]``, row by row; nothing is expanded yet. ``hint``: see :meth:`hints`.
-        ``row_bytes``: ``col_nbytes``' sum where the caller knows it (else summed when first needed)."""
-        return cls._of([OuterPart(src_rows, dst_rows, src_cols, dst_cols, col_nbytes, hint, row_bytes)])
+              col_nbytes: IntArray, hint: tuple[int, int] = (0, 0), row_bytes: int | None = None,
+              unit: int = 1) -> TransferPlan:
+        """Every (row, column): ``col_nbytes[c]`` bytes from ``src_rows[r] + src_cols[c] * unit`` to
+        ``dst_rows[r] + dst_cols[c] * unit``, row by row; nothing is expanded yet. ``hint``: see :meth:`hints`.
+        ``row_bytes``: ``col_nbytes``' sum where the caller knows it (else summed when first needed).
+        The arrays are kept, not copied: the caller must not change them afterwards."""
+        return cls._of([OuterPart(src_rows, dst_rows, src_cols, dst_cols, col_nbytes, hint, row_bytes, unit)])
 
     @classmethod
     def empty(cls) -> TransferPlan:
@@ -151,13 +160,22 @@ class TransferPlan:
         """The largest descriptor's size (0 for an empty plan), without expanding the plan."""
         return max((p.max_nbytes() for p in self._parts), default=0)
 
-    def factors(self) -> list[tuple[IntArray, IntArray, IntArray, IntArray, IntArray]]:
+    def factors(self, in_units: bool = False) -> list[tuple[IntArray, IntArray, IntArray, IntArray, IntArray]]:
         """The plan as outer sums, in order, without expanding it: ``(src_rows, dst_rows, src_cols,
         dst_cols, nbytes)`` each, row ``r`` and column ``c`` moving ``nbytes[c]`` bytes (``nbytes[r]``
-        where there is one column per row: a part given as arrays has columns ``[0]``, sizes per row)."""
+        where there is one column per row: a part given as arrays has columns ``[0]``, sizes per row).
+
+        Column offsets are in bytes; with ``in_units`` they are as the plan keeps them, in units of
+        :meth:`units` bytes (an item: a page's column is its index), which costs no new arrays: a
+        backend that scales them where it copies them anyway (the GPU copy's table) saves a pass and
+        two arrays of the request's length."""
         zero = np.zeros(1, np.int64)
-        return [(p.src_rows, p.dst_rows, p.src_cols, p.dst_cols, p.col_nbytes) if isinstance(p, OuterPart)
+        return [(p.src_rows, p.dst_rows, *_scaled(p, in_units), p.col_nbytes) if isinstance(p, OuterPart)
                 else (p.src, p.dst, zero, zero, p.nbytes) for p in self._parts]
+
+    def units(self) -> list[int]:
+        """Per part of :meth:`factors`, the bytes one column step is in ``factors(in_units=True)`` (1: bytes)."""
+        return [p.unit if isinstance(p, OuterPart) else 1 for p in self._parts]
 
     def hints(self) -> list[tuple[int, int]]:
         """Per part of :meth:`factors`, what the planner knew of its columns without reading them:
@@ -201,13 +219,15 @@ class TransferPlan:
         out: list[list[Part]] = [[] for _ in range(groups)]
         for p in self._parts:
             if isinstance(p, OuterPart):
-                lo = int(p.src_cols.min())
-                span = int((p.src_cols + p.col_nbytes).max()) - lo
+                lo = int(p.src_cols.min()) * p.unit
+                # The end of the highest column: with one size for every column, no array of ends is made.
+                ends = int(p.src_cols.max()) * p.unit + p.hint[1] if p.hint[1] else int((p.src_cols * p.unit + p.col_nbytes).max())
+                span = ends - lo
                 group, inside = group_of(p.src_rows + lo, np.full(p.src_rows.shape, span, np.int64))
                 if inside.all():
                     for g, take in by_group(group):
                         out[g].append(p if take is None else OuterPart(p.src_rows[take], p.dst_rows[take], p.src_cols,
-                                                                    p.dst_cols, p.col_nbytes, p.hint, p._row_bytes))
+                                                                    p.dst_cols, p.col_nbytes, p.hint, p._row_bytes, p.unit))
                     continue
                 p = ArrayPart(*p.arrays(0, len(p)))
             group, inside = group_of(p.src, p.nbytes)

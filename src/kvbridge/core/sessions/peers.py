@@ -171,7 +171,7 @@ class DecodeRequest:
                                       f"declared only {sr.dst_count} {space!r} indices")
             idx = P.unpack_indices(space, packed)
             if sr is not None:
-                indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True)
+                indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True, own=True)
         if METADATA_SPACE in peer.route.spaces:
             check_index("destination metadata row", msg.metadata_row, peer.route.spaces[METADATA_SPACE].dst_count)
         if msg.checksum or config.checksum:

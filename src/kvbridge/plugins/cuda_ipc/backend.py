@@ -118,7 +118,8 @@ class CudaIpcBackend(Backend):
         if mapped is None:
             raise TransferError(f"cuda_ipc: write to unknown peer {peer!r}")
         try:  # the plan as the planner left it: rows x columns, unexpanded
-            kernel.copy(self._device, batch.factors(), mapped, lambda: checkpoint("between GPU copy slices"), batch.hints())
+            kernel.copy(self._device, batch.factors(in_units=True), mapped, lambda: checkpoint("between GPU copy slices"),
+                        batch.hints(), batch.units())
         except TransferError:
             raise
         except Exception as exc:

@@ -170,7 +170,7 @@ _staging = _Staging()
 
 
 def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], None] | None = None,
-         hints: Sequence[tuple[int, int]] | None = None) -> None:
+         hints: Sequence[tuple[int, int]] | None = None, units: Sequence[int] | None = None) -> None:
     """Copy every descriptor of ``parts`` into ``peer``'s mapped memory on ``device``; return once landed.
 
     Destinations are the peer's own addresses; the kernel translates them.
@@ -180,34 +180,36 @@ def copy(device: int, parts: Sequence[Part], peer: GpuPeer, check: Callable[[], 
     between slices (the caller checks before the first) and may raise to stop there (a failed room's
     fence); the slices already launched are still waited for, so nothing is
     left running when this returns or raises. ``hints``: per part, what
-    :meth:`~kvbridge.core.planning.plan.TransferPlan.hints` says of its columns.
+    :meth:`~kvbridge.core.planning.plan.TransferPlan.hints` says of its columns; ``units``: per part, the
+    bytes its columns count in (``TransferPlan.units``; None: bytes), scaled as the table is packed.
 
     Before the first launch: one table copy and one launch. A later slice's table is copied on a side
     stream while the slices before it run, and its launch waits for that copy alone.
     """
-    work = launches(parts, hints)
+    work = launches(parts, hints, units)
     if not work:
         return
     _load()
     # each table starts on a 16-byte boundary (an even word)
-    buf = _staging.get(device, sum(3 * (len(p[0]) + len(p[2])) + 1 for p, _ in work))
+    buf = _staging.get(device, sum(3 * (len(p[0]) + len(p[2])) + 1 for p, _, _ in work))
     table = peer.on_device(device)
     at = 0
     try:
-        for i, (piece, hint) in enumerate(work):
+        for i, (piece, hint, unit) in enumerate(work):
             if i and check is not None:
                 check()
-            at = _launch(piece, shape(piece, hint), at, buf, table, i > 0)
+            at = _launch(piece, shape(piece, hint, unit), at, buf, table, i > 0, unit)
     finally:
         buf.stream.synchronize()  # whatever was launched has landed before this returns or raises
         if len(work) > 1:
             buf.side.synchronize()  # a table copy whose launch never came (it raised) ends too
 
 
-def _launch(part: Part, sh: Shape, at: int, buf: _Buffers, table: tuple[int, int, int, int], later: bool) -> int:
+def _launch(part: Part, sh: Shape, at: int, buf: _Buffers, table: tuple[int, int, int, int], later: bool,
+            unit: int = 1) -> int:
     """Launch one slice on ``buf``'s stream, its table staged from word ``at`` (``later``: through the side
     stream, the launch waiting for that copy); the next free (even) word."""
-    sizes, r, end = _pack(part, sh, buf.words, at)
+    sizes, r, end = _pack(part, sh, buf.words, at, unit)
     lib = driver()
     on = buf.side_handle if later else buf.handle  # later: the copy engine moves it while the kernels before run
     check_rc(lib.cuMemcpyHtoDAsync_v2(buf.dev_addr + 8 * at, buf.host_addr + 8 * at, 8 * (end - at), on),
@@ -219,17 +221,24 @@ def _launch(part: Part, sh: Shape, at: int, buf: _Buffers, table: tuple[int, int
     return end + (end & 1)
 
 
-def _pack(part: Part, sh: Shape, h: Any, at: int) -> tuple[int, int, int]:
-    """Write ``part``'s table into ``h`` from word ``at`` (one numpy call): columns (sources,
-    destinations[, sizes]), then rows (sources, destinations[, sizes]). Returns where sizes are kept (0:
-    ``sh.uniform`` for all, 1: per row, 2: per column), the first row word and the end."""
+def _pack(part: Part, sh: Shape, h: Any, at: int, unit: int = 1) -> tuple[int, int, int]:
+    """Write ``part``'s table into ``h`` from word ``at`` (one numpy call; columns in units of ``unit``
+    bytes are multiplied into place, one call each): columns (sources, destinations[, sizes]), then rows
+    (sources, destinations[, sizes]), in bytes. Returns where sizes are kept (0: ``sh.uniform`` for all,
+    1: per row, 2: per column), the first row word and the end."""
     src_rows, dst_rows, src_cols, dst_cols, nbytes = part
     sizes = sizes_mode(part, sh)
     cols = (src_cols, dst_cols, nbytes) if sizes == 2 else (src_cols, dst_cols)
     rows = (src_rows, dst_rows, nbytes) if sizes == 1 else (src_rows, dst_rows)
-    r = at + len(cols) * len(src_cols)
+    n = len(src_cols)
+    r = at + len(cols) * n
     end = r + len(rows) * len(src_rows)
-    np.concatenate(cols + rows, out=h[at:end])
+    if unit == 1:
+        np.concatenate(cols + rows, out=h[at:end])
+    else:
+        np.multiply(src_cols, unit, out=h[at:at + n])
+        np.multiply(dst_cols, unit, out=h[at + n:at + 2 * n])
+        np.concatenate(cols[2:] + rows, out=h[at + 2 * n:end])
     return sizes, r, end
 
 

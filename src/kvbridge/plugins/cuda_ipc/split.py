@@ -1,7 +1,8 @@
 """How the copy kernel splits a plan into launches and programs, in numpy (tested on CPU).
 
 A plan arrives unexpanded (:meth:`~kvbridge.core.planning.plan.TransferPlan.factors`:
-rows x columns, a descriptor being formed on the GPU); :func:`shape` picks a
+rows x columns, a descriptor being formed on the GPU; columns in units of a part's
+``unit`` bytes, scaled where the table is packed); :func:`shape` picks a
 launch's element width and pieces, :func:`slices` cuts a part into launches,
 and :func:`execute_on_host` runs the kernel's split, masks and address
 translation with ``ctypes.memmove`` on host memory: the CPU reference of
@@ -38,8 +39,9 @@ TILE_BYTES = 4096
 
 # -- the work split (numpy; tested on CPU) ------------------------------------------------------------
 #: One part of a plan as an outer sum (:meth:`kvbridge.core.planning.plan.TransferPlan.factors`): descriptor
-#: ``(r, c)`` moves ``nbytes`` bytes from ``src_rows[r] + src_cols[c]`` to ``dst_rows[r] + dst_cols[c]``;
-#: ``nbytes`` is per column, or per row where there is one column (a part given as arrays).
+#: ``(r, c)`` moves ``nbytes`` bytes from ``src_rows[r] + src_cols[c] * unit`` to ``dst_rows[r] + dst_cols[c] * unit``
+#: (``unit``: the part's, from ``TransferPlan.units``, 1 where columns are in bytes); ``nbytes`` is per column,
+#: or per row where there is one column (a part given as arrays).
 Part = tuple[IntArray, IntArray, IntArray, IntArray, IntArray]
 
 
@@ -92,12 +94,13 @@ def _or(a: IntArray) -> int:
     return int(a[0]) if len(a) == 1 else int(np.bitwise_or.reduce(a))
 
 
-def shape(part: Part, hint: tuple[int, int] = (0, 0)) -> Shape:
+def shape(part: Part, hint: tuple[int, int] = (0, 0), unit: int = 1) -> Shape:
     """The launch shape of a part: the widest element every address and size is a multiple of.
 
     A sum of multiples of 2**k is one, so rows and columns are reduced apart: no descriptor is formed.
     ``hint`` (:meth:`~kvbridge.core.planning.plan.TransferPlan.hints`): a power of two dividing every column
-    offset and size, and the one column size, where known (0: not), which are then not reduced.
+    offset (in bytes) and size, and the one column size, where known (0: not), which are then not reduced.
+    ``unit``: the columns' (only the lowest set bit of what is reduced counts: ``c * unit``'s is ``c``'s times ``unit``'s).
     """
     src_rows, dst_rows, src_cols, dst_cols, nbytes = part
     align, size = hint
@@ -110,7 +113,7 @@ def shape(part: Part, hint: tuple[int, int] = (0, 0)) -> Shape:
         # over the sizes fewer (a scattered 1 GiB of 16 KiB pages has 65,535 of them).
         size_bits = align if align >= TILE_BYTES else _or(nbytes)
     # columns are multiples of ``align`` where known: the widest element is then at most as wide
-    bits = size_bits | _or(src_rows) | _or(dst_rows) | (align if align else _or(src_cols) | _or(dst_cols))
+    bits = size_bits | _or(src_rows) | _or(dst_rows) | (align if align else (_or(src_cols) | _or(dst_cols)) * unit)
     width = min(8, bits & -bits) if bits else 8
     longest = max(1, most // width)
     tile = TILE_BYTES // width
@@ -163,10 +166,11 @@ def slices(part: Part) -> list[Part]:
     return [(src_rows, dst_rows, src_cols[lo:hi], dst_cols[lo:hi], nbytes[lo:hi]) for lo, hi in cuts]
 
 
-def launches(parts: Sequence[Part], hints: Sequence[tuple[int, int]] | None) -> list[tuple[Part, tuple[int, int]]]:
-    """Every launch of ``parts`` (none for an empty part): each slice, with its part's hint."""
-    return [(piece, hint) for part, hint in zip(parts, hints or [(0, 0)] * len(parts)) if len(part[0]) and len(part[2])
-            for piece in slices(part)]
+def launches(parts: Sequence[Part], hints: Sequence[tuple[int, int]] | None = None,
+             units: Sequence[int] | None = None) -> list[tuple[Part, tuple[int, int], int]]:
+    """Every launch of ``parts`` (none for an empty part): each slice, with its part's hint and unit."""
+    return [(piece, hint, unit) for part, hint, unit in zip(parts, hints or [(0, 0)] * len(parts), units or [1] * len(parts))
+            if len(part[0]) and len(part[2]) for piece in slices(part)]
 
 
 def search_steps(allocations: int) -> int:
@@ -186,12 +190,14 @@ def kernel_translate(dst: IntArray, starts: IntArray, deltas: IntArray) -> IntAr
     return dst + deltas[pos]
 
 
-def execute_on_host(parts: Sequence[Part], peer: Mapped, hints: Sequence[tuple[int, int]] | None = None) -> None:
+def execute_on_host(parts: Sequence[Part], peer: Mapped, hints: Sequence[tuple[int, int]] | None = None,
+                    units: Sequence[int] | None = None) -> None:
     """The kernel's work split, sizes, masks and translation run with ``ctypes.memmove`` on host memory:
     the CPU reference of :func:`copy`, program by program."""
-    for part, hint in launches(parts, hints):
+    for part, hint, unit in launches(parts, hints, units):
         src_rows, dst_rows, src_cols, dst_cols, nbytes = part
-        sh = shape(part, hint)
+        src_cols, dst_cols = src_cols * unit, dst_cols * unit  # as the table is packed
+        sh = shape(part, hint, unit)
         cols = len(src_cols)
         piece = np.arange(len(src_rows) * cols * sh.pieces, dtype=np.int64)  # as the programs number them
         d, first = piece // sh.pieces, (piece % sh.pieces) * sh.chunk * sh.width
