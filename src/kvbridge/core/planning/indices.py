@@ -6,6 +6,8 @@ does the checking and names the first bad value.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import numpy.typing as npt
 
@@ -42,10 +44,12 @@ def check_indices(name: str, idx: npt.ArrayLike, count: int | None = None, *, un
         vals = arr.tolist()
         if min(vals) >= 0 and (count is None or max(vals) < count) and (not unique or len(set(vals)) == len(vals)):
             return arr
-    # Two reductions, no temporary of the list's size (each costs its pages' first-touch faults at
-    # hundreds of thousands of indices); the positions are looked for only when a value is bad.
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or (count is not None and hi >= count):
+    # One reduction, no temporary of the list's size (each costs its pages' first-touch faults at
+    # hundreds of thousands of indices): read as unsigned, a negative value is above every count and
+    # 2**63, so the largest value says whether all are in range. The positions are looked for only when
+    # a value is bad.
+    hi = int(arr.view(np.uint64).max())
+    if hi >= (2**63 if count is None else count):
         bad = np.flatnonzero(arr < 0) if count is None else np.flatnonzero((arr < 0) | (arr >= count))
         i = int(bad[0])
         limit = "must be >= 0" if count is None else f"valid range is 0..{count - 1}"
@@ -68,8 +72,38 @@ def check_index(name: str, value: int, count: int) -> None:
 
 
 def _ascending(arr: IntArray) -> bool:
-    """Whether ``arr`` (two or more values) strictly ascends: sorted input, the common case, needs no sort."""
-    return bool((arr[1:] > arr[:-1]).all())
+    """Whether ``arr`` (two or more values) strictly ascends: sorted input, the common case, needs no sort.
+    A list whose first values do not ascend (scattered pages) is told so without a pass over it; the rest
+    is compared in blocks through scratch flags, stopping at the first block that does not ascend."""
+    head = arr[:_HEAD].tolist()
+    if any(b <= a for a, b in zip(head, head[1:])):
+        return False
+    n = arr.size
+    flags = _scratch(min(_BLOCK, n - 1))
+    for lo in range(0, n - 1, _BLOCK):
+        hi = min(lo + _BLOCK, n - 1)
+        out = flags[: hi - lo]
+        np.greater(arr[lo + 1 : hi + 1], arr[lo:hi], out=out)
+        if not out.all():
+            return False
+    return True
+
+
+#: Values compared in Python before a list is compared whole (:func:`_ascending`).
+_HEAD = 16
+#: Neighbours compared at a time (:func:`_ascending`), as :mod:`.plan` compares them for runs.
+_BLOCK = 1 << 15
+_local = threading.local()
+
+
+def _scratch(size: int) -> npt.NDArray[np.bool_]:
+    """This thread's scratch flags, at least ``size`` of them, holding whatever the last check left: a
+    list's checks reuse them instead of a fresh array each, whose pages would each fault on first touch
+    (#27). They never leave the check that asked for them."""
+    flags: npt.NDArray[np.bool_] | None = getattr(_local, "flags", None)
+    if flags is None or flags.size < size:
+        flags = _local.flags = np.zeros(max(size, 1 << 16), np.bool_)
+    return flags
 
 
 #: Values up to this many times the list's length are told apart by marking them in an array of
@@ -84,7 +118,8 @@ def _distinct(arr: IntArray, hi: int) -> bool:
     if hi + 1 > _DENSE * arr.size:
         s = np.sort(arr)
         return not bool((s[1:] == s[:-1]).any())
-    seen = np.zeros(hi + 1, np.bool_)
+    seen = _scratch(hi + 1)[: hi + 1]
+    seen.fill(False)  # a memset: cheaper than fresh pages, which each fault on first touch
     seen[arr] = True
     return int(np.count_nonzero(seen)) == arr.size
 

@@ -85,8 +85,9 @@ class Receiver(Room):
                 for space, idx in indices.items():
                     count = counts[space] if space in counts else m.kvargs.index_space(space).count  # KeyError names it
                     checked = Indices.check(f"destination {space} index", idx, count, unique=True)
-                    # Checked against an index space that fits int32: packed without pack_indices' range check.
-                    packed[space] = (checked.array.astype("<i4").tobytes() if count <= _INT32_MAX
+                    # Checked against an index space that fits int32: packed without pack_indices' range check,
+                    # as the int32 array's own bytes (a copy of its own: msgspec encodes any buffer).
+                    packed[space] = (memoryview(checked.array.astype("<i4")).cast("B") if count <= _INT32_MAX
                                      else P.pack_indices(checked.array))
                 if METADATA_SPACE in counts:
                     check_index("metadata_row", metadata_row, counts[METADATA_SPACE])
