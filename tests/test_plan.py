@@ -418,3 +418,24 @@ def test_index_lists_are_kvbridges_own_only_when_made_in_the_check_or_handed_ove
     assert Indices.check("src", host.astype(np.int32), 100).own  # converted: a new array
     assert Indices.check("dst", host, 100, unique=True, own=True).own  # handed over (a peer's decoded list)
     assert Indices.check("dst", host, 100, own=True)[5:].own  # slices of it stay its own
+
+
+@pytest.mark.parametrize("pattern", ["scattered", "contiguous", "runs"])
+def test_a_destination_list_counted_on_arrival_plans_as_one_counted_when_planning(pattern):
+    # Prefill counts a decode request's continuing indices as it arrives (Indices.count_continuing), so
+    # that planning at send() need not: the plan is the same either way, and the oracle's.
+    from kvbridge.bench.plan import SPACE, Case, make_inputs
+    from kvbridge.core.planning.indices import Indices
+
+    route, src, dst = make_inputs(Case(2, 1000, 128, pattern == "runs"), 1)
+    if pattern == "scattered":
+        dst = np.random.default_rng(1).permutation(4000)[:1000].astype(np.int32)
+    counted = Indices.check("dst", dst, 4000, unique=True, own=True)
+    counted.count_continuing()
+    assert counted.continuing == sum(1 for a, b in zip(dst.tolist(), dst.tolist()[1:]) if b == a + 1)
+    a, b = route.plan({SPACE: src}, {SPACE: counted}), route.plan({SPACE: src}, {SPACE: dst})
+    for x, y in ((a.src_addr, b.src_addr), (a.dst_addr, b.dst_addr), (a.nbytes, b.nbytes)):
+        np.testing.assert_array_equal(x, y)
+    bases = [r.addr for r in route.src.regions], [r.addr for r in route.dst.regions]
+    assert list(zip(a.src_addr.tolist(), a.dst_addr.tolist(), a.nbytes.tolist())) == oracle_descriptors(
+        *bases, [128, 128], src.tolist(), dst.tolist())

@@ -68,7 +68,7 @@ class _Group:
         """Descriptors for checked, equally long index lists."""
         if self.whole_items:
             return _plan_pages(self.pairs.src_bases, self.pairs.dst_bases, self.pairs.src_strides, src.array, dst.array,
-                               (src.own, dst.own))
+                               (src.own, dst.own), dst.continuing)
         return _plan_segments(self.pairs, self.segments, src.array, dst.array)
 
 

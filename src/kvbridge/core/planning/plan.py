@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .indices import Indices, IntArray, PlanError, _as_index_array, check_indices
+from .indices import _BLOCK, SMALL, Indices, IntArray, PlanError, _as_index_array, check_indices, continuing
 from .regions import RegionTable
 from .transferplan import Memory, TransferPlan, memory_of
 
@@ -52,13 +52,7 @@ def coalesce_runs(src_idx: npt.ArrayLike, dst_idx: npt.ArrayLike) -> tuple[IntAr
     return _runs(src, dst)
 
 
-#: Neighbouring indices are compared in blocks of this many, through two scratch arrays allocated once
-#: per call: a request's whole-list temporaries each cost their pages' first-touch faults, which
-#: measured more than the arithmetic on them (benchmarks/gpu_host_bench.py: 262,144 scattered pages,
-#: 2,016 page faults and 7.2 ms per plan before, 992 and 4.5 ms after; 3.6 -> 2.8 ms without faults).
-_BLOCK = 1 << 15
-#: Lists up to this long are coalesced in one Python pass (numpy's per-call overhead dominates there).
-_SMALL = 32
+_SMALL = SMALL  # lists up to this long are coalesced in one Python pass
 #: Where at most one index in this many continues the one before it on one side (so at most that many could
 #: merge), runs are not coalesced: every index is its own descriptor, the index lists themselves the plan's
 #: columns (no arrays gathered), every size one item's (the GPU copy's table then needs no sizes: 2 words
@@ -83,24 +77,6 @@ def _run_starts(src: IntArray, dst: IntArray) -> npt.NDArray[np.bool_]:
         np.not_equal(d, 1, out=o)
         out |= o
     return new
-
-
-def _continuing(idx: IntArray, enough: int | None = None) -> int:
-    """How many indices of ``idx`` (more than one) continue the one before them (``idx[i] == idx[i-1] + 1``),
-    in blocks through scratch arrays as :func:`_run_starts`; stops counting past ``enough``."""
-    n = idx.size
-    step = np.empty(min(_BLOCK, n - 1), np.int64)
-    one = np.empty(step.size, bool)
-    count = 0
-    for lo in range(0, n - 1, _BLOCK):
-        hi = min(lo + _BLOCK, n - 1)
-        d, o = step[: hi - lo], one[: hi - lo]
-        np.subtract(idx[lo + 1 : hi + 1], idx[lo:hi], out=d)
-        np.equal(d, 1, out=o)
-        count += int(np.count_nonzero(o))
-        if enough is not None and count > enough:
-            break
-    return count
 
 
 def _runs(src: IntArray, dst: IntArray, scale: int = 1) -> tuple[IntArray, IntArray, IntArray]:
@@ -164,9 +140,10 @@ def plan_pages(
 
 
 def _plan_pages(src_b: IntArray, dst_b: IntArray, item: IntArray, src_idx: IntArray, dst_idx: IntArray,
-                keep: tuple[bool, bool] = (False, False)) -> TransferPlan:
+                keep: tuple[bool, bool] = (False, False), dst_continuing: int | None = None) -> TransferPlan:
     """:func:`plan_pages` of checked arrays. ``keep``: whether the plan may keep ``src_idx``, and
-    ``dst_idx``, as they are (kvbridge's own arrays, which nobody changes: :attr:`Indices.own`)."""
+    ``dst_idx``, as they are (kvbridge's own arrays, which nobody changes: :attr:`Indices.own`);
+    ``dst_continuing``: :func:`~.indices.continuing` of ``dst_idx`` where known (counted on arrival)."""
     if item.size == 0 or src_idx.size == 0:
         return TransferPlan.empty()
     if item.size == 1 or (item == item[0]).all():
@@ -174,7 +151,9 @@ def _plan_pages(src_b: IntArray, dst_b: IntArray, item: IntArray, src_idx: IntAr
         # expanded batch by batch where it is written (TransferPlan.batches).
         it = int(item[0])
         n = src_idx.size
-        if n > _SMALL and min(_continuing(dst_idx), _continuing(src_idx, n // _FEW_RUNS + 1)) <= n // _FEW_RUNS:
+        few = n // _FEW_RUNS
+        if n > _SMALL and ((dst_continuing if dst_continuing is not None else continuing(dst_idx, few)) <= few
+                           or continuing(src_idx, few) <= few):
             # (Almost) nothing can coalesce (one side's pages are scattered): the columns are the index lists
             # themselves, in items (the plan's unit), every one of one item's bytes. No array of the
             # request's length is made but a copy of a list the caller may still change: 262,144 scattered

@@ -172,6 +172,8 @@ class DecodeRequest:
             idx = P.unpack_indices(space, packed)
             if sr is not None:
                 indices[space] = Indices.check(f"destination {space} index", idx, sr.dst_count, unique=True, own=True)
+                # Counted now, while prefill computes, not when it sends (the planner asks: #27).
+                indices[space].count_continuing()
         if METADATA_SPACE in peer.route.spaces:
             check_index("destination metadata row", msg.metadata_row, peer.route.spaces[METADATA_SPACE].dst_count)
         if msg.checksum or config.checksum:
