@@ -6,7 +6,8 @@
 # Writes gpu-tests.log, kernel.{txt,json}, host.{txt,json} (STEPS=host), bench{,-4g}.{txt,json}, staging-tests.log,
 # staging.txt, staging-{32,256}.json, layerwise.txt, demo.txt, request.{txt,json} and trace.txt (STEPS=request), cold.txt (STEPS=cold),
 # checksum-tests.log and checksum.{txt,json} (STEPS=checksum), gpustage-tests.log and gpustage.{txt,json} (STEPS=gpustage),
-# gpuwin-tests.log, gpuwin-64.{txt,json} and gpuwin-4.{txt,json} (STEPS=gpuwin) to $OUT (default ./gpu-out).
+# gpuwin-tests.log, gpuwin-64.{txt,json} and gpuwin-4.{txt,json} (STEPS=gpuwin), bigreq-*.{txt,json} and
+# bigreq-host.{txt,json} (STEPS=bigreq) to $OUT (default ./gpu-out).
 # KERNEL_TUNE=1 also tries several program sizes and warp counts for the copy kernel. STEPS picks parts
 # (default "tests conformance kernel bench staging demo layerwise"; "host" alone: the host breakdown, which "kernel" includes), e.g.
 # STEPS="layerwise demo" to fit a shorter session.
@@ -60,6 +61,23 @@ want request && { for round in $(seq "${ROUNDS:-1}"); do
 done
 python3 -m kvbridge.cli bench request --backends nixl --trace > "$OUT/trace.txt" 2>&1 || rc=1
 tail -40 "$OUT/trace.txt"; }
+# A large request end to end (#27, STEPS=bigreq): 1 GiB of scattered 4 and 64 KiB pages, prefill's send to SUCCESS
+# (fast ms, the fast_latency_ms column) beside the write (fast GB/s) and D2D; with BASELINE the baseline's first,
+# ROUNDS times, in one call. Then the same requests' host work on this host's CPU, CUDA faked, every step of a
+# request traced from decode's Receiver.init to its SUCCESS (benchmarks/gpu_host_bench.py --trace).
+want bigreq && { for round in $(seq "${ROUNDS:-1}"); do
+  if [ -n "${BASELINE:-}" ]; then
+    PYTHONPATH=/tmp/kvb-old python3 -m kvbridge.cli bench transfer --device cuda --page-kib 4 64 --total-mib 1024 \
+      --reps 10 --json > "$OUT/bigreq-before-$round.json" 2> "$OUT/bigreq-before-$round.txt" || rc=1
+    tail -8 "$OUT/bigreq-before-$round.txt"
+  fi
+  python3 -m kvbridge.cli bench transfer --device cuda --page-kib 4 64 --total-mib 1024 --reps 10 --json \
+    > "$OUT/bigreq-$round.json" 2> "$OUT/bigreq-$round.txt" || rc=1
+  tail -8 "$OUT/bigreq-$round.txt"
+done
+python3 benchmarks/gpu_host_bench.py --page-kib 4 64 --total-mib 1024 --reps 9 --trace --json \
+  > "$OUT/bigreq-host.json" 2> "$OUT/bigreq-host.txt" || rc=1
+tail -100 "$OUT/bigreq-host.txt"; }
 want kernel && { python3 benchmarks/gpu_kernel_bench.py --json ${KERNEL_TUNE:+--tune} > "$OUT/kernel.json" 2> "$OUT/kernel.txt" || rc=1
 tail -20 "$OUT/kernel.txt"; }
 # Where one write's host time goes (copy() vs D2D in one process, step by step); also part of "kernel".
