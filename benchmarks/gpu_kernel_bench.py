@@ -162,7 +162,8 @@ def host(reps: int) -> list[dict]:
         n = GiB // page
         perm = np.random.default_rng(kib).permutation(n)
         plan = pair_layouts(pool(src), pool(dst)).plan({"p": np.arange(n)}, {"p": perm})
-        go = lambda: kernel.copy(0, plan.factors(), peer, lambda: None, plan.hints())  # noqa: E731
+        # as the backend hands it over: columns as the plan keeps them (in items where it does), scaled as packed
+        go = lambda: kernel.copy(0, plan.factors(in_units=True), peer, lambda: None, plan.hints(), plan.units())  # noqa: E731
         go()
         ok = torch.equal(dst.view(-1, page // 8)[torch.as_tensor(perm, device="cuda")], src.view(-1, page // 8))
         copies, d2ds = [], []

@@ -78,12 +78,14 @@ def sizes_mode(part: Part, sh: Shape) -> int:
     return 0 if sh.uniform else 1 if row_sizes(part) else 2
 
 
-def kernel_shapes(parts: Sequence[Part], hints: Sequence[tuple[int, int]] | None) -> dict[tuple[int, ...], tuple[Shape, int]]:
-    """The launches of ``parts`` as the kernels they need: ``(shape, sizes mode)`` by what tells compiled
-    kernels apart (every constant but the piece count; counts and sizes are arguments)."""
+def kernel_shapes(parts: Sequence[Part], hints: Sequence[tuple[int, int]] | None,
+                  units: Sequence[int] | None = None) -> dict[tuple[int, ...], tuple[Shape, int]]:
+    """The launches of ``parts`` (columns in ``units``, as :func:`launches` takes them) as the kernels they
+    need: ``(shape, sizes mode)`` by what tells compiled kernels apart (every constant but the piece count;
+    counts and sizes are arguments)."""
     out: dict[tuple[int, ...], tuple[Shape, int]] = {}
-    for piece, hint in launches(parts, hints):
-        sh = shape(piece, hint)
+    for piece, hint, unit in launches(parts, hints, units):
+        sh = shape(piece, hint, unit)
         sizes = sizes_mode(piece, sh)
         out.setdefault((sh.rows, sh.chunk, sh.width, sh.align16, sh.even, sizes), (sh, sizes))
     return out
