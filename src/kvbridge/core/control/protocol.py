@@ -295,7 +295,7 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes) -> Message:
+def decode(data: bytes | memoryview) -> Message:
     """Decode one message strictly; :class:`ProtocolError` says what was wrong."""
     try:
         msg = _decoder.decode(data)
