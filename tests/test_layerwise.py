@@ -403,3 +403,39 @@ class TestLayerwisePolicy(BackendHarness):
         busy.set()
         self._succeeds(decode, sender)  # decode checks every byte
         assert writes == [{0, 1}] and splits == []
+
+
+def test_the_hosts_page_list_is_its_own_again_once_send_returns() -> None:
+    # A chunk sent layer-wise is planned at send() and written at layer_ready(): a host that reuses its page
+    # list in between (here: overwrites it with other valid pages) changes nothing that lands. Scattered
+    # pages, so the plan keeps index lists rather than arrays it made (core.planning.plan._FEW_RUNS).
+    from kvbridge import BootstrapServer, DecodeManager, Receiver
+    from kvbridge.core.description.pools import KVPool, MetadataPool
+
+    pages, n = 512, 200
+    rng = np.random.default_rng(9)
+
+    def kvargs(fill: bool) -> tuple[KVArgs, np.ndarray]:
+        k = rng.integers(0, 256, (pages, 4, 1, 16), dtype=np.uint8) if fill else np.zeros((pages, 4, 1, 16), np.uint8)
+        pool = KVPool(k=[k], v=[k.copy()], layer_ids=[0], page_size=4)
+        return describe([pool, MetadataPool([np.zeros((4, 64), np.uint8)])], dtype="bfloat16", page_size=4), k
+
+    (src_args, src_k), (dst_args, dst_k) = kvargs(True), kvargs(False)
+    src, dst = rng.permutation(pages)[:n], rng.permutation(pages)[:n]
+    sent = src.copy()
+    bootstrap = BootstrapServer("127.0.0.1")
+    prefill = PrefillManager(src_args, "memory", bootstrap=bootstrap.address)
+    decode = DecodeManager(dst_args, "memory")
+    try:
+        recv = Receiver(decode, 7, bootstrap=bootstrap.address)
+        recv.init(page_indices=dst, metadata_row=0)
+        send = Sender(prefill, 7, metadata_row=0)
+        assert send.wait(Poll.WAITING_FOR_INPUT, timeout=20) == Poll.WAITING_FOR_INPUT, send.failure()
+        send.send(src, last=True, layerwise=True)
+        src[:] = src[::-1].copy()  # the host's list, reused before the layer is announced
+        send.layer_ready([layer for layer, draft in send.layers if not draft])
+        assert recv.wait(Poll.SUCCESS, timeout=20) == Poll.SUCCESS, recv.failure() or send.failure()
+        np.testing.assert_array_equal(dst_k[dst], src_k[sent])
+    finally:
+        for obj in (decode, prefill, bootstrap):
+            obj.close()

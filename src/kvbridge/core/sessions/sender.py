@@ -145,7 +145,7 @@ class Sender(Room):
         must declare ``inline_writes``, and on one host its write lands even in
         a frozen process). Bad indices (out of range, more pages than decode
         allocated, a slot-list mismatch) fail the room with the reason, on both
-        sides.
+        sides. The lists are the host's again once it returns: a plan keeps copies of them, not them.
 
         With ``layerwise=True`` the chunk is planned now (and bad indices fail
         the room now) but nothing moves until :meth:`layer_ready` announces
