@@ -81,7 +81,7 @@ class Receiver(Room):
                 indices = {KV_PAGE_SPACE: page_indices, **(state_indices or {})}
                 if KV_PAGE_SPACE not in counts and not np.size(page_indices):
                     del indices[KV_PAGE_SPACE]  # a rank with state only (no full-attention KV)
-                packed = {}
+                packed: dict[str, bytes | memoryview] = {}  # msgspec encodes either as the same bytes
                 for space, idx in indices.items():
                     count = counts[space] if space in counts else m.kvargs.index_space(space).count  # KeyError names it
                     checked = Indices.check(f"destination {space} index", idx, count, unique=True)
@@ -97,7 +97,8 @@ class Receiver(Room):
                 # Prefill may have a sender waiting for this request: tell it now, not at its bootstrap_timeout.
                 m.tell(self.server, P.Abort(room=self.room, reason=f"decode init failed: {reason}", requested=False))
                 return
-            self._request = P.TransferRequest(room=self.room, indices=packed, metadata_row=int(metadata_row),
+            self._request = P.TransferRequest(room=self.room, indices=packed,  # type: ignore[arg-type]
+                                              metadata_row=int(metadata_row),
                                               strict=m.config.strict_index_lengths, checksum=m.config.checksum)
             self._init_at = time.monotonic()
             if self.server.ready:
