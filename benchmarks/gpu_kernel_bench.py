@@ -173,7 +173,7 @@ def host(reps: int) -> list[dict]:
             go()
             copies.append(time.perf_counter() - t0)
             d2ds.append(d2d())
-        go()  # the staging buffers exist: the traced pass patches the thread's instance
+        go()  # the staging buffers exist before the traced pass
         patched = {"shape": split.shape, "_pack": kernel._pack, "_run": kernel._run}
         names = {"shape": "shape", "_pack": "pack", "_run": "launch"}
         h2d = ipc._lib.cuMemcpyHtoDAsync_v2

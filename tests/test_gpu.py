@@ -239,7 +239,8 @@ def test_later_slices_tables_are_copied_beside_the_running_slices_and_the_fence_
     monkeypatch.setattr(kernel, "_run", lambda *args: calls.append(("launch", args[-2])))
     monkeypatch.setattr(split, "PIPELINE_BYTES", 1 << 20)
     staging = kernel._Staging()
-    staging.by_device[0] = kernel._Buffers(Stream(1), 1, Stream(2), 2, 7, host, host, host.ctypes.data, None, 1 << 40, 0)
+    buffers = kernel._Buffers(Stream(1), 1, Stream(2), 2, 7, host, host, host.ctypes.data, None, 1 << 40, 0)
+    staging.free[0] = [buffers]
     monkeypatch.setattr(kernel, "_staging", staging)
     peer = ipc.GpuPeer(np.zeros(1, np.int64), np.full(1, 1 << 50, np.int64), np.zeros(1, np.int64))
     monkeypatch.setattr(peer, "on_device", lambda device: (0, 0, 0, 1))
@@ -250,6 +251,7 @@ def test_later_slices_tables_are_copied_beside_the_running_slices_and_the_fence_
     assert calls == [("set device", 0), ("table copy", 1), ("launch", 1), ("table copy", 2), ("event", 2), ("wait", 1),
                      ("launch", 1), ("sync", 1), ("sync", 2)]
     assert checks == [3]  # once, between the two slices
+    assert staging.free[0] == [buffers]  # given back for the next copy, on any thread
 
 
 @pytest.mark.parametrize("item", [576, 1024, 4096, 65536])

@@ -88,6 +88,7 @@ class CudaIpcBackend(Backend):
         peer's requests, at the handshake), and return once they are loaded (at most :data:`WARM_WAIT_S`)."""
         mapped = self._peers.get(peer)
         if mapped is not None and batches:
+            mapped.on_device(self._device)  # the peer's translation table copied to the GPU now, not in a copy
             shapes = split.kernel_shapes([p for b in batches for p in b.factors(in_units=True)],
                                          [h for b in batches for h in b.hints()], [u for b in batches for u in b.units()])
             self._warm(f"peer {peer!r}", list(shapes.values()), split.search_steps(len(mapped.starts))).join(WARM_WAIT_S)
