@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import queue
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -52,15 +53,23 @@ SocketGetter = Callable[[], "Channel | None"]
 class IOLoop:
     def __init__(self, name: str, tick: Callable[[], None] | None = None, tick_interval: float = 0.05) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._poller = zmq.Poller()
+        # The thread sleeps on each socket's ZMQ_FD and the wake pipe, and asks a socket for ZMQ_EVENTS only
+        # when its descriptor fired or code may have used the socket since it was last asked (see _run).
+        # zmq.Poller asked every socket before and after each wait, each ask a getpid and a poll: #27.
+        self._epoll = select.epoll()
         self._handlers: dict[zmq.Socket, Handler] = {}
+        self._fds: dict[int, zmq.Socket] = {}  # each socket's ZMQ_FD
         self._outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         # Guards _wake_w against its close at stop: a write after it would go to whatever file
         # reused the descriptor's number (a worker's Fenced can come after the loop stopped).
         self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        #: True while the I/O thread may go to sleep: only then does a call write to the wake pipe.
+        self._idle = False
+        #: Sockets to ask for ZMQ_EVENTS before the thread sleeps (added ones: a message may wait already).
+        self._ask: list[zmq.Socket] = []
         self._tick = tick
         self._tick_interval = tick_interval
         self._stop = threading.Event()
@@ -73,16 +82,21 @@ class IOLoop:
     def on_io_thread(self) -> bool:
         return threading.get_ident() == self._ident
 
-    # -- used on the I/O thread only -------------------------------------------------
+    # -- used on the I/O thread only (or before start) -----------------------------------
     def add_socket(self, sock: zmq.Socket, handler: Handler) -> None:
+        fd = int(sock.getsockopt(zmq.FD))
         self._handlers[sock] = handler
-        self._poller.register(sock, zmq.POLLIN)
+        self._fds[fd] = sock
+        self._epoll.register(fd, select.EPOLLIN)
+        self._ask.append(sock)
 
     def remove_socket(self, sock: zmq.Socket, linger_ms: int = 0) -> None:
         """Stop polling ``sock`` and close it; what it still queues is dropped, or sent for up to ``linger_ms``."""
         if sock in self._handlers:
-            self._poller.unregister(sock)
             del self._handlers[sock]
+            fd = int(sock.getsockopt(zmq.FD))
+            del self._fds[fd]
+            self._epoll.unregister(fd)  # before the close: zmq closes the descriptor, and its number is reused
         sock.close(linger=linger_ms)
 
     # -- thread-safe -------------------------------------------------------------------
@@ -104,7 +118,10 @@ class IOLoop:
             fn()
             return
         self._outbox.put((fn,))
-        self._wake()
+        # The thread sets _idle before it looks at the outbox for the last time before sleeping: either it
+        # sees this call there, or this sees _idle set (the GIL orders both). A busy thread needs no byte.
+        if self._idle:
+            self._wake()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -123,33 +140,52 @@ class IOLoop:
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
+        """Wait, run the calls handed over, read the sockets that may hold messages, tick.
+
+        A ZMQ_FD is edge-triggered: it signals that a socket's state may have changed, and any use of the
+        socket (a send, a receive, asking ZMQ_EVENTS) may take that signal while a message waits. So a
+        socket is asked for ZMQ_EVENTS, and read while it says POLLIN, after its descriptor fired; and
+        after any code ran here (a call, a handler, the tick), every socket not asked since is asked
+        before the thread sleeps again. One that gave its 256 messages of a wake-up is asked again too.
+        """
         self._ident = threading.get_ident()
         next_tick = time.monotonic() + self._tick_interval
+        outbox, fds, wake_r = self._outbox, self._fds, self._wake_r
         try:
             while not self._stop.is_set():
-                # Rounded up: truncated, the last millisecond before each tick polled with 0 (a busy loop).
-                timeout_ms = max(0, math.ceil((next_tick - time.monotonic()) * 1000))
-                events = self._poller.poll(timeout_ms)
-                for sock, _ in events:
-                    if sock == self._wake_r:
+                timeout = 0.0
+                if not self._ask:
+                    self._idle = True
+                    if outbox.empty():
+                        # Rounded up: truncated, the last millisecond before each tick polled with 0 (a busy loop).
+                        timeout = max(0, math.ceil((next_tick - time.monotonic()) * 1000)) / 1000
+                for fd, _ in self._epoll.poll(timeout):
+                    sock = fds.get(fd)
+                    if sock is not None:
+                        self._ask.append(sock)
+                    elif fd == wake_r:
                         try:
-                            os.read(self._wake_r, 65536)
+                            os.read(wake_r, 65536)
                         except BlockingIOError:
                             pass
-                self._drain_outbox()
-                self._read_events(events)
+                self._idle = False
+                if self._drain_outbox():
+                    self._ask = list(self._handlers)  # a call may have used any socket
+                self._read_asked()
                 now = time.monotonic()
                 if now >= next_tick:
                     if now - next_tick > STALL:
                         # This thread did not run for a while (a long call, a frozen or swapped-out
                         # process): read what arrived meanwhile before the tick judges peers silent.
-                        self._read_events(self._poller.poll(0))
+                        self._ask = list(self._handlers)
+                        self._read_asked()
                     next_tick = time.monotonic() + self._tick_interval
                     if self._tick is not None:
                         try:
                             self._tick()
                         except Exception:
                             log.exception("kvbridge I/O tick failed")
+                        self._ask = list(self._handlers)  # it sends (heartbeats, Failed)
             self._drain_outbox()
         finally:
             for sock in list(self._handlers):
@@ -157,45 +193,58 @@ class IOLoop:
                 # close) may still be in zmq's queue: closing with linger 0 dropped them, and
                 # decode waited for a Done its prefill had already counted as SUCCESS.
                 self.remove_socket(sock, STOP_LINGER_MS)
+            self._epoll.close()
             with self._wake_lock:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_w = -1
             self._ident = None  # a thread started later may get the same id
 
-    def _read_events(self, events: list[tuple[Any, int]]) -> None:
-        for sock, event in events:
-            # A handler may have removed (closed) another socket meanwhile.
-            handler = self._handlers.get(sock) if event & _POLLIN else None
-            if handler is not None:
-                self._read(sock, handler)
+    def _read_asked(self) -> None:
+        """Read every socket in ``_ask`` that says POLLIN; leave in ``_ask`` those to ask again before sleeping."""
+        asked, self._ask = list(dict.fromkeys(self._ask)), []
+        last = -1  # the index in ``asked`` of the last socket whose handler ran
+        for i, sock in enumerate(asked):
+            handler = self._handlers.get(sock)  # None: removed, by a handler perhaps
+            if handler is not None and self._read(sock, handler):
+                last = i
+        if last >= 0:
+            # A handler may have used any socket: ask again each one not asked after it ran.
+            skip = {*asked[last:], *self._ask}
+            self._ask += [s for s in self._handlers if s not in skip]
 
-    def _drain_outbox(self) -> None:
+    def _drain_outbox(self) -> bool:
+        """Run the calls handed over; whether there were any."""
         outbox = self._outbox
+        ran = False
         while not outbox.empty():  # this thread alone takes from it: not empty, get_nowait() succeeds
             (fn,) = outbox.get_nowait()
+            ran = True
             try:
                 fn()
             except Exception:
                 log.exception("kvbridge I/O call failed")
+        return ran
 
-    def _read(self, sock: zmq.Socket, handler: Handler) -> None:
+    def _read(self, sock: zmq.Socket, handler: Handler) -> bool:
+        """Read ``sock`` while ZMQ_EVENTS says POLLIN; whether a handler ran."""
         # Bounded: at most 256 messages per socket per wake-up so one chatty peer
         # cannot starve the others or the tick.
         for i in range(256):
-            # Asking is cheaper than the zmq.Again that would end every wake-up; poll() said the first is there.
-            if i and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
-                return
+            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+                return i > 0
             try:
                 frames = _recv_frames(sock)
             except zmq.Again:
-                return
+                return i > 0
             try:
                 handler(sock, frames)
             except Exception:
                 log.exception("kvbridge control handler failed")
             if sock not in self._handlers:  # the handler closed it
-                return
+                return True
+        self._ask.append(sock)  # it may hold more: asked again before the thread sleeps
+        return True
 
 
 class _Quiet:
