@@ -14,22 +14,24 @@ import time
 import pytest
 import zmq
 
-from kvbridge.core.control.channel import IOLoop
+from kvbridge.core.control.auth import Auth
+from kvbridge.core.control.channel import Channel, IOLoop
 from kvbridge.testing.harness import wait_until
 
 #: Bounds every wait: a lost wake-up leaves the loop asleep for good (no tick here), so a test fails, not hangs.
 WAIT = 10.0
 
 
-def _pair(loop: IOLoop, handler):  # type: ignore[no-untyped-def]
-    """A ROUTER in the test's thread and a DEALER connected to it, polled by ``loop`` with ``handler``;
-    returns ``(router, dealer, the dealer's routing id at the router)``."""
+def _pair(loop: IOLoop, handler, dealer: zmq.Socket | None = None):  # type: ignore[no-untyped-def]
+    """A ROUTER in the test's thread and a DEALER (``dealer`` or a new one) connected to it, polled by
+    ``loop`` with ``handler``; returns ``(router, dealer, the dealer's routing id at the router)``."""
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
+    if dealer is None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
 
     def setup() -> None:
         dealer.connect(f"tcp://127.0.0.1:{port}")
@@ -78,21 +80,20 @@ def test_messages_that_arrive_while_the_loop_is_busy_and_then_sends_are_all_read
 
 
 def test_messages_that_arrive_while_a_handler_sends_on_their_socket_are_read() -> None:
-    """A handler of one socket sends on another while messages arrive there (the send may take that
-    socket's signal): they are read, with no tick to ask again."""
+    """A handler of one socket sends on another (through its Channel) while messages arrive there (the
+    send may take that socket's signal): they are read, with no tick to ask again."""
     loop = IOLoop("test-cross", tick=None, tick_interval=3600)
     got: list[bytes] = []
     arrived = threading.Event()
-    dealers: list[zmq.Socket] = []
+    chan = Channel(loop.ctx, zmq.DEALER, Auth(b"test"), endpoint="decode", max_bytes=1 << 20)
 
     def on_first(_sock: zmq.Socket, _frames: list[bytes]) -> None:
         arrived.wait(WAIT)
         time.sleep(0.02)  # zmq delivers meanwhile; then a send, more than 1 ms after the last
-        dealers[1].send(b"from the first's handler")
+        chan.send(b"from the first's handler")
 
     loop.start()
-    pairs = [_pair(loop, on_first), _pair(loop, lambda _s, frames: got.extend(frames))]
-    dealers += [d for _, d, _ in pairs]
+    pairs = [_pair(loop, on_first), _pair(loop, lambda _s, frames: got.extend(frames), chan.sock)]
     try:
         for r in range(5):
             (first, _, first_ident), (second, _, second_ident) = pairs

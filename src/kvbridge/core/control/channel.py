@@ -56,7 +56,7 @@ class IOLoop:
         # The thread sleeps on each socket's ZMQ_FD and the wake pipe, and asks a socket for ZMQ_EVENTS only
         # when its descriptor fired or code may have used the socket since it was last asked (see _run).
         # zmq.Poller asked every socket before and after each wait, each ask a getpid and a poll: #27.
-        self._epoll = select.epoll()
+        self._poll = select.poll()
         self._handlers: dict[zmq.Socket, Handler] = {}
         self._fds: dict[int, zmq.Socket] = {}  # each socket's ZMQ_FD
         self._outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -65,11 +65,13 @@ class IOLoop:
         # reused the descriptor's number (a worker's Fenced can come after the loop stopped).
         self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
-        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._poll.register(self._wake_r, select.POLLIN)
         #: True while the I/O thread may go to sleep: only then does a call write to the wake pipe.
         self._idle = False
         #: Sockets to ask for ZMQ_EVENTS before the thread sleeps (added ones: a message may wait already).
         self._ask: list[zmq.Socket] = []
+        #: Sockets a Channel sent on from this thread since they were last asked (``_io.sent`` there).
+        self._sent: set[zmq.Socket] = set()
         self._tick = tick
         self._tick_interval = tick_interval
         self._stop = threading.Event()
@@ -84,10 +86,11 @@ class IOLoop:
 
     # -- used on the I/O thread only (or before start) -----------------------------------
     def add_socket(self, sock: zmq.Socket, handler: Handler) -> None:
+        """Read ``sock`` with ``handler``, which sends on this loop's sockets through :class:`Channel` only."""
         fd = int(sock.getsockopt(zmq.FD))
         self._handlers[sock] = handler
         self._fds[fd] = sock
-        self._epoll.register(fd, select.EPOLLIN)
+        self._poll.register(fd, select.POLLIN)
         self._ask.append(sock)
 
     def remove_socket(self, sock: zmq.Socket, linger_ms: int = 0) -> None:
@@ -96,7 +99,7 @@ class IOLoop:
             del self._handlers[sock]
             fd = int(sock.getsockopt(zmq.FD))
             del self._fds[fd]
-            self._epoll.unregister(fd)  # before the close: zmq closes the descriptor, and its number is reused
+            self._poll.unregister(fd)  # before the close: zmq closes the descriptor, and its number is reused
         sock.close(linger=linger_ms)
 
     # -- thread-safe -------------------------------------------------------------------
@@ -144,22 +147,24 @@ class IOLoop:
 
         A ZMQ_FD is edge-triggered: it signals that a socket's state may have changed, and any use of the
         socket (a send, a receive, asking ZMQ_EVENTS) may take that signal while a message waits. So a
-        socket is asked for ZMQ_EVENTS, and read while it says POLLIN, after its descriptor fired; and
-        after any code ran here (a call, a handler, the tick), every socket not asked since is asked
-        before the thread sleeps again. One that gave its 256 messages of a wake-up is asked again too.
+        socket is asked for ZMQ_EVENTS, and read while it says POLLIN, after its descriptor fired; after a
+        call or the tick (any code), every socket is asked before the thread sleeps again; after the
+        handlers, each socket a :class:`Channel` sent on meanwhile (handlers send through channels).
+        One that gave its 256 messages of a wake-up is asked again too.
         """
         self._ident = threading.get_ident()
+        _io.sent = self._sent
         next_tick = time.monotonic() + self._tick_interval
         outbox, fds, wake_r = self._outbox, self._fds, self._wake_r
         try:
             while not self._stop.is_set():
-                timeout = 0.0
+                timeout = 0
                 if not self._ask:
                     self._idle = True
                     if outbox.empty():
                         # Rounded up: truncated, the last millisecond before each tick polled with 0 (a busy loop).
-                        timeout = max(0, math.ceil((next_tick - time.monotonic()) * 1000)) / 1000
-                for fd, _ in self._epoll.poll(timeout):
+                        timeout = max(0, math.ceil((next_tick - time.monotonic()) * 1000))
+                for fd, _ in self._poll.poll(timeout):
                     sock = fds.get(fd)
                     if sock is not None:
                         self._ask.append(sock)
@@ -170,14 +175,14 @@ class IOLoop:
                             pass
                 self._idle = False
                 if self._drain_outbox():
-                    self._ask = list(self._handlers)  # a call may have used any socket
+                    self._ask_all()  # a call may have used any socket
                 self._read_asked()
                 now = time.monotonic()
                 if now >= next_tick:
                     if now - next_tick > STALL:
                         # This thread did not run for a while (a long call, a frozen or swapped-out
                         # process): read what arrived meanwhile before the tick judges peers silent.
-                        self._ask = list(self._handlers)
+                        self._ask_all()
                         self._read_asked()
                     next_tick = time.monotonic() + self._tick_interval
                     if self._tick is not None:
@@ -185,7 +190,7 @@ class IOLoop:
                             self._tick()
                         except Exception:
                             log.exception("kvbridge I/O tick failed")
-                        self._ask = list(self._handlers)  # it sends (heartbeats, Failed)
+                        self._ask_all()  # it sends (heartbeats, Failed)
             self._drain_outbox()
         finally:
             for sock in list(self._handlers):
@@ -193,12 +198,16 @@ class IOLoop:
                 # close) may still be in zmq's queue: closing with linger 0 dropped them, and
                 # decode waited for a Done its prefill had already counted as SUCCESS.
                 self.remove_socket(sock, STOP_LINGER_MS)
-            self._epoll.close()
             with self._wake_lock:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_w = -1
+            _io.sent = None
             self._ident = None  # a thread started later may get the same id
+
+    def _ask_all(self) -> None:
+        self._ask = list(self._handlers)
+        self._sent.clear()
 
     def _read_asked(self) -> None:
         """Read every socket in ``_ask`` that says POLLIN; leave in ``_ask`` those to ask again before sleeping."""
@@ -208,10 +217,12 @@ class IOLoop:
             handler = self._handlers.get(sock)  # None: removed, by a handler perhaps
             if handler is not None and self._read(sock, handler):
                 last = i
-        if last >= 0:
-            # A handler may have used any socket: ask again each one not asked after it ran.
+        sent = self._sent
+        if sent:
+            # Handlers sent on them: ask again each one not asked after the last handler ran.
             skip = {*asked[last:], *self._ask}
-            self._ask += [s for s in self._handlers if s not in skip]
+            self._ask += [s for s in sent if s not in skip and s in self._handlers]
+            sent.clear()
 
     def _drain_outbox(self) -> bool:
         """Run the calls handed over; whether there were any."""
@@ -447,6 +458,14 @@ def _recv_frames(sock: zmq.Socket) -> list[bytes]:
             return frames
 
 
+class _IOThread(threading.local):
+    #: On an IOLoop's thread: the set of sockets sent on since the loop last asked them (else None).
+    sent: set[zmq.Socket] | None = None
+
+
+_io = _IOThread()
+
+
 def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
     if sock is None:
         return
@@ -456,3 +475,6 @@ def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
         quiet.warning("full", "kvbridge control socket is full; dropped a message")
     except zmq.ZMQError as exc:
         quiet.warning("send", "kvbridge control send failed: %s", exc)
+    sent = _io.sent
+    if sent is not None:  # a send may take the signal of a message that arrived: the loop asks the socket again
+        sent.add(sock)
