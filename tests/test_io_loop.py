@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -109,6 +110,56 @@ def test_messages_that_arrive_while_a_handler_sends_on_their_socket_are_read() -
         loop.stop()
         for router, _, _ in pairs:
             router.close(linger=0)
+
+
+class _SlowToWake:
+    """An I/O loop's poller that, while ``gate`` is clear, holds the thread before it looks at its descriptors."""
+
+    def __init__(self, poller: Any) -> None:
+        self.poller = poller
+        self.gate = threading.Event()
+        self.gate.set()
+        self.held = threading.Event()
+
+    def poll(self, timeout: int) -> list[tuple[int, int]]:
+        if not self.gate.is_set():
+            self.held.set()
+            self.gate.wait(WAIT)
+        return self.poller.poll(timeout)
+
+    def register(self, fd: int, events: int) -> None:
+        self.poller.register(fd, events)
+
+    def unregister(self, fd: int) -> None:
+        self.poller.unregister(fd)
+
+
+def test_messages_that_arrive_before_another_thread_sends_on_their_socket_are_read() -> None:
+    """Messages arrive while the I/O thread sleeps and has not looked yet; another thread then sends
+    on the socket itself (IOLoop.send), which takes the socket's signal: they are read all the same."""
+    loop = IOLoop("test-inline", tick=None, tick_interval=3600)
+    slow = loop._poll = _SlowToWake(loop._poll)
+    got: list[bytes] = []
+    chan = Channel(loop.ctx, zmq.DEALER, Auth(b"test"), endpoint="decode", max_bytes=1 << 20)
+    loop.start()
+    router, _, ident = _pair(loop, lambda _s, frames: got.extend(frames), chan.sock)
+    try:
+        for r in range(3):
+            slow.held.clear()
+            slow.gate.clear()
+            loop.call(lambda: None)  # one more pass: the thread is then held before it sleeps
+            assert slow.held.wait(WAIT)
+            for i in range(10):
+                router.send_multipart([ident, b"%d" % (r * 10 + i)])
+            time.sleep(0.02)  # zmq delivers and signals meanwhile; the send below comes over 1 ms after the last
+            loop.send(lambda: chan, b"from another thread")
+            slow.gate.set()
+            wait_until(lambda: len(got) == (r + 1) * 10, WAIT, f"round {r}: 10 messages")
+        assert got == [b"%d" % i for i in range(30)]
+    finally:
+        slow.gate.set()
+        loop.stop()
+        router.close(linger=0)
 
 
 def test_calls_handed_over_from_many_threads_all_run() -> None:
