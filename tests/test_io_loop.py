@@ -1,4 +1,4 @@
-"""The control plane's I/O thread (``kvbridge.core.control.channel.IOLoop``), with real zmq sockets.
+"""The control plane's I/O thread (``kvbridge.core.control.ioloop.IOLoop``), with real zmq sockets.
 
 It sleeps on each socket's ZMQ_FD, which is edge-triggered: any use of a socket may take the signal that
 a message arrived. These tests start loops without a tick (which would ask every socket again every few
@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 from kvbridge.core.control.auth import Auth
-from kvbridge.core.control.channel import Channel, IOLoop
+from kvbridge.core.control.channel import Channel
+from kvbridge.core.control.ioloop import IOLoop
 from kvbridge.testing.harness import wait_until
 
 #: Bounds every wait: a lost wake-up leaves the loop asleep for good (no tick here), so a test fails, not hangs.

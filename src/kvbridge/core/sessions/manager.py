@@ -11,7 +11,7 @@ from typing import Generic, TypeVar
 
 from ..control import protocol as P
 from ..control.auth import auth_for, check_host, new_incarnation
-from ..control.channel import IOLoop, SocketGetter
+from ..control.ioloop import IOLoop, SocketGetter
 from .checksum import device_problem
 from ..description.layout import KVArgs
 from ..control.metrics import metrics
