@@ -65,14 +65,14 @@ def install(backend_class: type | None = None) -> None:
     if "core" in _wrapped:
         return
     _wrapped.add("core")
-    from kvbridge.core.control import channel
+    from kvbridge.core.control import channel, ioloop
     from kvbridge.core.sessions import manager, prefill, receiver, room, sender, writes
     from kvbridge.core.transfer import transport
 
     _wrap(receiver.Receiver, "init", "Receiver.init")
     _wrap(room.Room, "wait", "Room.wait")
     _wrap(manager.TransferManager, "wait_any", "wait_any")
-    _wrap(channel.IOLoop, "_drain_outbox", "I/O thread awake", leave=False)
+    _wrap(ioloop.IOLoop, "_drain_outbox", "I/O thread awake", leave=False)
     _wrap(channel.Channel, "send", "zmq send")
     _wrap(sender.Sender, "send", "Sender.send")
     _wrap(sender.Sender, "_plan_chunk", "plan")

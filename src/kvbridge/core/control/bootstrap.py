@@ -37,7 +37,8 @@ import zmq
 
 from . import protocol as P
 from .auth import PREDATES, Auth, auth_for, check_host, new_incarnation
-from .channel import Channel, IOLoop
+from .channel import Channel
+from .ioloop import IOLoop
 from .liveness import Probes
 
 __all__ = ["BootstrapServer", "LEASE", "MAX_RANKS", "RENEW", "check_rank", "register_rank"]

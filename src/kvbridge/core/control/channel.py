@@ -1,201 +1,28 @@
-"""A single I/O thread that owns zmq sockets and runs callbacks.
-
-zmq sockets are not thread-safe, so every socket lives on one thread. Other
-threads hand it outgoing frames through :meth:`IOLoop.send`, which wakes the
-poller through a pipe; :meth:`IOLoop.call` runs a function on the I/O thread.
-A periodic ``tick`` runs timeouts and heartbeats.
+"""Control sockets: :class:`Channel` seals what it sends and opens what it receives.
 
 Every control socket is a :class:`Channel`: it seals what it sends and opens
 what it receives with the process's :class:`~kvbridge.core.control.auth.Auth` (the
 one place control messages are authenticated), caps the size of a frame
 (zmq drops a longer one before allocating it) and turns anything refused
-into a counted, logged, and where possible answered rejection.
+into a counted, logged, and where possible answered rejection. The thread
+that owns the sockets is :class:`~kvbridge.core.control.ioloop.IOLoop`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
-import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections import OrderedDict
 
 import zmq
 
 from . import protocol as P
-from collections import OrderedDict
-
 from .auth import NO_INCARNATION, Auth, AuthError, Sealer, incarnation_name, new_incarnation
+from .ioloop import _io
 from .metrics import metrics
 
 log = logging.getLogger(__name__)
-
-#: How long messages queued when the loop stops may still take to leave (zmq's linger, in ms);
-#: the process's exit waits for them at most this long.
-STOP_LINGER_MS = 1000
-
-#: A tick this late (seconds) means the I/O thread was held up: what arrived meanwhile is read first.
-STALL = 0.25
-
-Handler = Callable[[zmq.Socket, list[bytes]], None]
-# Plain ints: zmq's are enum flags, and every ``&`` with one builds an enum member (on each wake-up).
-_POLLIN = int(zmq.POLLIN)
-_EVENTS = int(zmq.EVENTS)
-_NOBLOCK = int(zmq.NOBLOCK)
-#: Returns the channel to send on, looked up on the I/O thread (None: drop the message).
-SocketGetter = Callable[[], "Channel | None"]
-
-
-class IOLoop:
-    def __init__(self, name: str, tick: Callable[[], None] | None = None, tick_interval: float = 0.05) -> None:
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._poller = zmq.Poller()
-        self._handlers: dict[zmq.Socket, Handler] = {}
-        self._outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        # Guards _wake_w against its close at stop: a write after it would go to whatever file
-        # reused the descriptor's number (a worker's Fenced can come after the loop stopped).
-        self._wake_lock = threading.Lock()
-        os.set_blocking(self._wake_r, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
-        self._tick = tick
-        self._tick_interval = tick_interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._ident: int | None = None  # the I/O thread's, once it runs (compared per call: no Thread property)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def on_io_thread(self) -> bool:
-        return threading.get_ident() == self._ident
-
-    # -- used on the I/O thread only -------------------------------------------------
-    def add_socket(self, sock: zmq.Socket, handler: Handler) -> None:
-        self._handlers[sock] = handler
-        self._poller.register(sock, zmq.POLLIN)
-
-    def remove_socket(self, sock: zmq.Socket, linger_ms: int = 0) -> None:
-        """Stop polling ``sock`` and close it; what it still queues is dropped, or sent for up to ``linger_ms``."""
-        if sock in self._handlers:
-            self._poller.unregister(sock)
-            del self._handlers[sock]
-        sock.close(linger=linger_ms)
-
-    # -- thread-safe -------------------------------------------------------------------
-    def send(self, channel: SocketGetter, payload: bytes, ident: bytes | None = None) -> None:
-        """Send ``payload`` (to ``ident`` on a ROUTER) on the channel ``channel()`` returns, on the I/O thread.
-
-        Sealing happens there too, so each socket's counter follows the order messages leave in.
-        """
-
-        def send() -> None:
-            chan = channel()
-            if chan is not None:
-                chan.send(payload, ident)
-
-        self.call(send)
-
-    def call(self, fn: Callable[[], None]) -> None:
-        if self.on_io_thread():
-            fn()
-            return
-        self._outbox.put((fn,))
-        self._wake()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._wake()
-        if self._thread.is_alive() and not self.on_io_thread():
-            self._thread.join(timeout)
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_w < 0:  # the loop has stopped and closed its pipe
-                return
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:  # the pipe is full: the loop is awake anyway
-                pass
-
-    # -- the loop ------------------------------------------------------------------------
-    def _run(self) -> None:
-        self._ident = threading.get_ident()
-        next_tick = time.monotonic() + self._tick_interval
-        try:
-            while not self._stop.is_set():
-                # Rounded up: truncated, the last millisecond before each tick polled with 0 (a busy loop).
-                timeout_ms = max(0, math.ceil((next_tick - time.monotonic()) * 1000))
-                events = self._poller.poll(timeout_ms)
-                for sock, _ in events:
-                    if sock == self._wake_r:
-                        try:
-                            os.read(self._wake_r, 65536)
-                        except BlockingIOError:
-                            pass
-                self._drain_outbox()
-                self._read_events(events)
-                now = time.monotonic()
-                if now >= next_tick:
-                    if now - next_tick > STALL:
-                        # This thread did not run for a while (a long call, a frozen or swapped-out
-                        # process): read what arrived meanwhile before the tick judges peers silent.
-                        self._read_events(self._poller.poll(0))
-                    next_tick = time.monotonic() + self._tick_interval
-                    if self._tick is not None:
-                        try:
-                            self._tick()
-                        except Exception:
-                            log.exception("kvbridge I/O tick failed")
-            self._drain_outbox()
-        finally:
-            for sock in list(self._handlers):
-                # Messages sent just before the loop stopped (a room's Done, each room's Failed at
-                # close) may still be in zmq's queue: closing with linger 0 dropped them, and
-                # decode waited for a Done its prefill had already counted as SUCCESS.
-                self.remove_socket(sock, STOP_LINGER_MS)
-            with self._wake_lock:
-                os.close(self._wake_r)
-                os.close(self._wake_w)
-                self._wake_w = -1
-            self._ident = None  # a thread started later may get the same id
-
-    def _read_events(self, events: list[tuple[Any, int]]) -> None:
-        for sock, event in events:
-            # A handler may have removed (closed) another socket meanwhile.
-            handler = self._handlers.get(sock) if event & _POLLIN else None
-            if handler is not None:
-                self._read(sock, handler)
-
-    def _drain_outbox(self) -> None:
-        outbox = self._outbox
-        while not outbox.empty():  # this thread alone takes from it: not empty, get_nowait() succeeds
-            (fn,) = outbox.get_nowait()
-            try:
-                fn()
-            except Exception:
-                log.exception("kvbridge I/O call failed")
-
-    def _read(self, sock: zmq.Socket, handler: Handler) -> None:
-        # Bounded: at most 256 messages per socket per wake-up so one chatty peer
-        # cannot starve the others or the tick.
-        for i in range(256):
-            # Asking is cheaper than the zmq.Again that would end every wake-up; poll() said the first is there.
-            if i and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
-                return
-            try:
-                frames = _recv_frames(sock)
-            except zmq.Again:
-                return
-            try:
-                handler(sock, frames)
-            except Exception:
-                log.exception("kvbridge control handler failed")
-            if sock not in self._handlers:  # the handler closed it
-                return
 
 
 class _Quiet:
@@ -388,16 +215,6 @@ class Channel:
         self.sock.close(linger=0)
 
 
-def _recv_frames(sock: zmq.Socket) -> list[bytes]:
-    """``recv_multipart(NOBLOCK)``, told of a next frame by the frame, not by asking (``RCVMORE``): #27."""
-    frames = []
-    while True:
-        frame = sock.recv(_NOBLOCK, copy=False)
-        frames.append(frame.bytes)
-        if not frame.more:
-            return frames
-
-
 def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
     if sock is None:
         return
@@ -407,3 +224,6 @@ def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
         quiet.warning("full", "kvbridge control socket is full; dropped a message")
     except zmq.ZMQError as exc:
         quiet.warning("send", "kvbridge control send failed: %s", exc)
+    sent = _io.sent
+    if sent is not None:  # a send may take the signal of a message that arrived: the loop asks the socket again
+        sent.add(sock)

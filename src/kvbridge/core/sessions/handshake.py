@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..control import protocol as P
-from ..control.channel import Channel, IOLoop, quiet
+from ..control.channel import Channel, quiet
+from ..control.ioloop import IOLoop
 from ..description.layout import METADATA_SPACE, KVArgs
 from ..planning.layers import LayerIndex
 from ..planning.pairing import IncompatibleLayoutError, Route, pair_layouts

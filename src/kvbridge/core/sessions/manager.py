@@ -11,7 +11,7 @@ from typing import Generic, TypeVar
 
 from ..control import protocol as P
 from ..control.auth import auth_for, check_host, new_incarnation
-from ..control.channel import IOLoop, SocketGetter
+from ..control.ioloop import IOLoop, SocketGetter
 from .checksum import device_problem
 from ..description.layout import KVArgs
 from ..control.metrics import metrics
@@ -222,7 +222,7 @@ class TransferManager(Generic[R]):
 
     def send(self, channel: SocketGetter, msg: P.Message, ident: bytes | None = None) -> None:
         """Send ``msg`` on the channel ``channel()`` returns, from the I/O thread (any thread may call)."""
-        self.loop.send(channel, P.encode(msg), ident)
+        self.loop.send(channel, P.encode(msg), ident=ident)
 
     def wake_hosts(self) -> None:
         """Wake every host waiting in ``Room.wait`` or :meth:`wait_any` (after a change made with ``wake=False``)."""

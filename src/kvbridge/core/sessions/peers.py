@@ -27,7 +27,7 @@ from .row import RowPlans, inline_row
 from .worker import PeerWorker
 
 if TYPE_CHECKING:
-    from ..control.channel import IOLoop
+    from ..control.ioloop import IOLoop
     from ..transfer.transport import Transport
     from .manager import SessionConfig
 

@@ -143,23 +143,16 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         return Indices.check(f"source {space} index", values, self.space_counts.get(space))
 
     def notify(self, peer: DecodePeer, *msgs: P.Message, wake: bool = False) -> None:
-        """Send ``msgs`` to decode ``peer``, in order, with one hand-off to the I/O thread (any thread).
+        """Send ``msgs`` to decode ``peer``, in order, at once or with one hand-off to the I/O thread (any thread).
 
         ``wake``: then wake this rank's waiting hosts (:meth:`wake_hosts`), once the messages are on
         their way: a room that reached SUCCESS with ``wake=False`` wakes its host after its ``Done``
-        left, so the host's thread does not compete with the I/O thread for the GIL before that.
+        left, so the host's thread does not compete for the GIL with the thread sending it before that.
         """
-        payloads = [P.encode(m) for m in msgs]
-
-        def send_all() -> None:
-            for payload in payloads:
-                self._chan.send(payload, peer.ident)
-            if wake:
-                self.wake_hosts()
-
         if wake and self.closed:  # the loop may have stopped: nobody would wake the hosts
             self.wake_hosts()
-        self.loop.call(send_all)
+        self.loop.send(lambda: self._chan, *(P.encode(m) for m in msgs), ident=peer.ident,
+                       then=self.wake_hosts if wake else None)
 
     def finish(self, room: Room, state: Poll, reason: str | None = None, kind: str = "transfer_error",
                wake: bool = True) -> bool:

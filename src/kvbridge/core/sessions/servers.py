@@ -71,7 +71,7 @@ class PrefillRank:
         return self.dropped_at is not None and self.retries >= 2 and now - self.dropped_at >= GONE_GRACE
 
     def socket(self) -> Channel | None:
-        """The control channel, looked up on the I/O thread when a message goes out."""
+        """The control channel, looked up when a message goes out (with the I/O loop's lock held)."""
         return self.chan
 
     @property

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ..control.channel import Channel, IOLoop
+from ..control.channel import Channel
+from ..control.ioloop import IOLoop
 from .servers import PrefillRank, PrefillServer
 
 if TYPE_CHECKING:

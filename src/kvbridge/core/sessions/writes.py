@@ -287,7 +287,7 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
     """Chunks queued back to back for one peer (on its worker): every chunk's bytes in one write, then
     every metadata row (inside each room's ``Done`` when the peer takes rows that way,
     :mod:`kvbridge.core.sessions.row`; else in a second write), so each row still lands after its pages,
-    then decode is told with one hand-off to the I/O thread.
+    then decode is told (from this thread, or with one hand-off to the I/O thread: ``IOLoop.send``).
 
     With many small requests in flight this is one backend write (and one NIXL request) for many
     rooms instead of two per room. The fence stays per room: each room's write is counted
