@@ -312,7 +312,7 @@ MODELS = {"gqa-nhd": (8, 16, 256, "nhd"), "gqa-hnd": (8, 16, 256, "hnd"), "mla":
 
 
 def _rank(tp: int, rank: int, model: str, base: int) -> KVArgs:
-    """A model's K and V pools on a "GPU" (made-up addresses: layers 256 B aligned, one only 8 B, as views of
+    """A model's K and V pools on a "GPU" (made-up addresses: layers aligned to 2**30, 4 and 8 B, as views of
     one allocation may be) and a metadata buffer in host memory; 3 layers of 512 pages."""
     heads, tokens, row, layout = MODELS[model]
     pages = 512
@@ -322,7 +322,7 @@ def _rank(tp: int, rank: int, model: str, base: int) -> KVArgs:
                  else Shard(kind="split", outer=1, totals=(heads,), unit_nbytes=tokens * row))
     else:
         item, shard = tokens * row, Shard()
-    regions = [Region(name=f"{role}{layer}", addr=base + (2 * layer + kv) * (1 << 30) + (8 if layer == 1 else 256 * layer),
+    regions = [Region(name=f"{role}{layer}", addr=base + (2 * layer + kv) * (1 << 30) + (0, 4, 8)[layer],
                       nbytes=item * pages, stride=item, role=role, index_space="kv_page", layer=layer, shard=shard,
                       mem="vram")
                for layer in range(3) for kv, role in enumerate("kv")]

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..control import protocol as P
 from ..control.channel import Channel, quiet
 from ..control.ioloop import IOLoop
@@ -40,13 +42,34 @@ log = logging.getLogger(__name__)
 def warm_plans(route: Route, layers: LayerIndex) -> list[TransferPlan]:
     """What a peer's lanes prepare for (``Backend.warm``): the route's sample plans
     (:meth:`~kvbridge.core.planning.pairing.Route.samples`) of every index space but the metadata row's
-    (planned apart, once per peer: ``DecodePeer.row_plans``), each whole (a chunk sent at once) and each
-    layer's part of it (layer-wise sending posts a layer's rows)."""
+    (planned apart, once per peer: ``DecodePeer.row_plans``), each whole (a chunk sent at once) and layer
+    by layer (layer-wise sending posts a layer's rows). A layer's part differs from another's only in where
+    its rows are, so one layer of each alignment of its rows (to :data:`ROW_ALIGN` bytes) stands for all:
+    61 layers planned and handed over one by one cost a handshake 0.4 s of CPU on this VM."""
     out: list[TransferPlan] = []
     for plan in route.samples([space for space in route.spaces if space != METADATA_SPACE]):
         out.append(plan)
-        out += [part for part in layers.split(plan).parts if len(part)]
+        seen: set[tuple[int, ...]] = set()
+        for part in layers.split(plan).parts:
+            key = _row_alignment(part)
+            if len(part) and key not in seen:
+                seen.add(key)
+                out.append(part)
     return out
+
+
+#: Alignments of a layer's rows up to this many bytes tell layers apart in :func:`warm_plans`.
+ROW_ALIGN = 16
+
+
+def _row_alignment(plan: TransferPlan) -> tuple[int, ...]:
+    """Per part of ``plan``, the largest power of two up to :data:`ROW_ALIGN` dividing every row's address."""
+    out = []
+    for src_rows, dst_rows, *_ in plan.factors(in_units=True):
+        bits = int(np.bitwise_or.reduce(src_rows)) | int(np.bitwise_or.reduce(dst_rows)) if len(src_rows) else 0
+        out.append(min(ROW_ALIGN, bits & -bits) if bits else ROW_ALIGN)
+    return tuple(out)
+
 
 class Handshakes:
     """The handshakes of :class:`~.prefill.PrefillManager` (a part of it: it keeps the state below and
