@@ -29,7 +29,7 @@ from kvbridge.core.control.metrics import metrics
 from kvbridge.core.planning.plan import TransferPlan
 from kvbridge.core.transfer.relay import choose, runs
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
-from kvbridge.core.planning.stage_index import gather_into, pack, scatter_from
+from kvbridge.core.planning.stage_index import gather_into, pack, scatter_from, unit_copy
 from kvbridge.core.transfer import staging as staging_mod
 from kvbridge.testing.e2e import Pools, Scenario, prefill_pools
 from kvbridge.testing.faulty import FlipsByte
@@ -92,6 +92,29 @@ def test_a_scatter_puts_them_back_where_they_came_from() -> None:
     touched_b[np.r_[0:512, 1536:2048]] = True
     np.testing.assert_array_equal(a, np.where(touched_a, a2, 0))
     np.testing.assert_array_equal(b, np.where(touched_b, b2, 0))
+
+
+def test_units_lying_back_to_back_in_the_slice_or_not_are_gathered_and_scattered_to_their_places() -> None:
+    # Pieces of one unit each lie back to back in a slice (a window as pack() makes it): copied straight
+    # between memory and the slice; with gaps between them (another region's pieces in between, as a
+    # scatter's interleaved regions), through the index of the slice's units. Both against numpy slicing.
+    rng = np.random.default_rng(11)
+    mem = rng.integers(0, 256, 16 * 4096, dtype=np.uint8)
+    pages = np.array([5, 2, 9, 14], np.int64)
+    addr, nbytes = mem.ctypes.data + pages * 4096, np.full(4, 4096, np.int64)
+    want = np.concatenate([mem[p * 4096:(p + 1) * 4096] for p in pages.tolist()])
+    for gap in (0, 4096):
+        packed = np.arange(4, dtype=np.int64) * (4096 + gap)
+        copy = unit_copy(addr, packed, nbytes)
+        assert copy is not None
+        out = np.zeros(4 * (4096 + gap), np.uint8)
+        gather_into(out, [copy])
+        np.testing.assert_array_equal(out.reshape(4, -1)[:, :4096].ravel(), want)
+        assert not out.reshape(4, -1)[:, 4096:].any()  # the gaps untouched
+    back = np.zeros_like(mem)
+    scatter_from(want, back.ctypes.data + pages * 4096, nbytes, np.zeros(4, np.int64))
+    np.testing.assert_array_equal(back.reshape(16, 4096)[pages], mem.reshape(16, 4096)[pages])
+    assert not np.delete(back.reshape(16, 4096), pages, axis=0).any()
 
 
 def test_pieces_at_odd_offsets_are_not_gathered_by_units() -> None:

@@ -11,7 +11,7 @@ assignment per region (host memory) or one kernel launch over the index arrays
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -109,11 +109,24 @@ def pack(addr: IntArray, nbytes: IntArray, groups: IntArray,
     return (np.concatenate(kept) if kept else np.zeros(0, np.int64)), copies
 
 
+def _packed(slice_: npt.NDArray[np.uint8], c: UnitCopy) -> npt.NDArray[Any] | None:
+    """The units ``c`` packs, as a view of ``slice_``, when they lie back to back there (pieces of one unit
+    each, the usual window: ``packed`` ascends, so its ends say it); else None."""
+    first, n = int(c.packed[0]), len(c.packed)
+    if int(c.packed[-1]) - first != n - 1:
+        return None
+    return slice_[first * c.unit:(first + n) * c.unit].view(f"V{c.unit}")
+
+
 def gather_into(out: npt.NDArray[np.uint8], copies: list[UnitCopy]) -> None:
     """Copy the pieces of ``copies`` (:func:`pack`) into ``out`` (host memory), back to back as packed."""
     for c in copies:
-        near = out[:c.end * c.unit].view(f"V{c.unit}")
-        near[c.packed] = np.asarray(_Raw(c.base, c.span, c.unit))[c.far]
+        far = np.asarray(_Raw(c.base, c.span, c.unit))
+        near = _packed(out, c)
+        if near is not None:  # straight into the slice: one copy, no temporary of the window's size
+            np.take(far, c.far, out=near, mode="clip")  # indices known in range: "raise" would buffer
+        else:
+            out[:c.end * c.unit].view(f"V{c.unit}")[c.packed] = far[c.far]
 
 
 def scatter_from(src: npt.NDArray[np.uint8], addr: IntArray, nbytes: IntArray, groups: IntArray) -> None:
@@ -121,4 +134,7 @@ def scatter_from(src: npt.NDArray[np.uint8], addr: IntArray, nbytes: IntArray, g
     copies = _copies(addr, nbytes, groups, 1 << 30)
     assert copies is not None  # no limit on units: every non-empty piece has a unit
     for c in copies:
-        np.asarray(_Raw(c.base, c.span, c.unit))[c.far] = src[:c.end * c.unit].view(f"V{c.unit}")[c.packed]
+        near = _packed(src, c)
+        if near is None:
+            near = src[:c.end * c.unit].view(f"V{c.unit}")[c.packed]
+        np.asarray(_Raw(c.base, c.span, c.unit))[c.far] = near  # from the slice as it lies: one copy
