@@ -108,13 +108,14 @@ def test_parsed_arguments_build_the_session_config():
         "--transfer-backend", "mooncake", "--transfer-option", "protocol=tcp", "--transfer-bootstrap", "10.0.0.5:8998",
         "--transfer-host", "10.0.0.7", "--transfer-timeout", "12.5", "--transfer-heartbeat-interval", "0.5",
         "--transfer-heartbeat-timeout", "3", "--transfer-sender-grace", "2", "--transfer-fence-timeout", "9",
-        "--transfer-strict-index-lengths", "--model", "x",
+        "--transfer-warm-timeout", "0", "--transfer-strict-index-lengths", "--model", "x",
     ])
     cfg = TransferConfig.from_args(args)
     assert cfg.bootstrap == "10.0.0.5:8998" and args.model == "x"
     assert cfg.session_config() == SessionConfig(
         transfer_timeout=12.5, heartbeat_interval=0.5, heartbeat_timeout=3.0, host="10.0.0.7",
         backend_options={"protocol": "tcp"}, strict_index_lengths=True, sender_grace=2.0, fence_timeout=9.0,
+        warm_timeout=0.0,
     )
 
 
@@ -421,3 +422,15 @@ def test_inline_row_bytes_out_of_range_is_refused_naming_the_value(value: object
 def test_a_bad_control_port_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match=r"control_port must be an int in 0\.\.65535"):
         SessionConfig(control_port=bad)
+
+
+def test_warm_timeout_may_be_zero_but_not_negative_nor_text():
+    assert TransferConfig.from_dict({"backend": "mooncake", "warm_timeout": 0}).session_config().warm_timeout == 0.0
+    assert TransferConfig.from_dict({"backend": "mooncake", "warm_timeout": "2.5"}).warm_timeout == 2.5
+    with pytest.raises(ConfigError, match="warm_timeout must be a number of seconds, got 'soon'"):
+        TransferConfig.from_dict({"backend": "mooncake", "warm_timeout": "soon"})
+    for bad in (-1, True):
+        with pytest.raises(ConfigError, match="warm_timeout must be a number of seconds >= 0"):
+            TransferConfig.from_dict({"backend": "mooncake", "warm_timeout": bad})
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--transfer-backend", "mooncake", "--transfer-warm-timeout", "-1"])

@@ -58,6 +58,7 @@ _FLAGS = {
     "heartbeat_interval": "--transfer-heartbeat-interval",
     "heartbeat_timeout": "--transfer-heartbeat-timeout",
     "sender_grace": "--transfer-sender-grace",
+    "warm_timeout": "--transfer-warm-timeout",
     "fence_timeout": "--transfer-fence-timeout",
     "strict_index_lengths": "--transfer-strict-index-lengths",
     "checksum": "--transfer-checksum",
@@ -137,6 +138,9 @@ class TransferConfig:
     heartbeat_interval: float = _SESSION.heartbeat_interval
     heartbeat_timeout: float = _SESSION.heartbeat_timeout
     sender_grace: float = _SESSION.sender_grace
+    #: Prefill: how long a handshake's answer waits for the lanes to prepare for the peer (0: answer at
+    #: once; see SessionConfig.warm_timeout).
+    warm_timeout: float = _SESSION.warm_timeout
     #: None: ``transfer_timeout + heartbeat_timeout`` (see SessionConfig.fence_timeout).
     fence_timeout: float | None = _SESSION.fence_timeout
     strict_index_lengths: bool = _SESSION.strict_index_lengths
@@ -188,6 +192,9 @@ class TransferConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{name} must be a number of seconds, got {value!r}", name)
             object.__setattr__(self, name, float(value))
+        if isinstance(self.warm_timeout, bool) or not isinstance(self.warm_timeout, (int, float)) or not self.warm_timeout >= 0:
+            raise ConfigError(f"warm_timeout must be a number of seconds >= 0, got {self.warm_timeout!r}", "warm_timeout")
+        object.__setattr__(self, "warm_timeout", float(self.warm_timeout))
         if self.fence_timeout is not None:
             if isinstance(self.fence_timeout, bool) or not isinstance(self.fence_timeout, (int, float)):
                 raise ConfigError(f"fence_timeout must be a number of seconds or None, got {self.fence_timeout!r}",
@@ -229,7 +236,7 @@ class TransferConfig:
                 values.pop(name)
         if "backend_options" in values:
             values["backend_options"] = _options_from(values["backend_options"])
-        for name in _TIMEOUTS:
+        for name in (*_TIMEOUTS, "warm_timeout"):
             if isinstance(values.get(name), str):
                 try:
                     values[name] = float(values[name])
@@ -287,6 +294,7 @@ _ARG_DESTS = {
     "heartbeat_interval": "transfer_heartbeat_interval",
     "heartbeat_timeout": "transfer_heartbeat_timeout",
     "sender_grace": "transfer_sender_grace",
+    "warm_timeout": "transfer_warm_timeout",
     "fence_timeout": "transfer_fence_timeout",
     "strict_index_lengths": "transfer_strict_index_lengths",
     "checksum": "transfer_checksum",
@@ -406,6 +414,12 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         _FLAGS["fence_timeout"], dest=_ARG_DESTS["fence_timeout"], type=_seconds_type, default=None, metavar="SECONDS",
         help="decode waits this long for prefill to confirm it stopped writing a given-up room before reporting "
              "FAILED (default: transfer timeout + heartbeat timeout)",
+    )
+    group.add_argument(
+        _FLAGS["warm_timeout"], dest=_ARG_DESTS["warm_timeout"], type=ui.non_negative_number("seconds"),
+        default=_SESSION.warm_timeout, metavar="SECONDS",
+        help="prefill answers a decode rank's handshake once its lanes prepared for that peer's writes (compiled "
+             f"the GPU copy's kernels, connected), at most this long; 0: at once (default: {_SESSION.warm_timeout:g})",
     )
     group.add_argument("--transfer-strict-index-lengths", dest="transfer_strict_index_lengths", action="store_true",
                        help="treat every index-length mismatch as an error (default: trim page lists with a warning)")

@@ -323,16 +323,26 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 def positive_number(unit: str = "") -> Callable[[str], float]:
     """An argparse ``type``: a number > 0 (of ``unit``, named in the error: ``"seconds"``)."""
+    return _number(unit, zero=False)
+
+
+def non_negative_number(unit: str = "") -> Callable[[str], float]:
+    """An argparse ``type``: a number >= 0 (of ``unit``, named in the error: ``"seconds"``)."""
+    return _number(unit, zero=True)
+
+
+def _number(unit: str, zero: bool) -> Callable[[str], float]:
     of_unit, after = (f" of {unit}", f" {unit}") if unit else ("", "")
+    bound = ">= 0" if zero else "> 0"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number{of_unit}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0{after}, got {text!r}")
+        if not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"must be {bound}{after}, got {text!r}")
         return value
 
-    parse.__name__ = f"number > 0{after}"
+    parse.__name__ = f"number {bound}{after}"
     return parse
