@@ -351,8 +351,7 @@ def test_the_kernels_prepared_at_the_handshake_are_every_one_the_peers_requests_
     route, layers = pair_layouts(src, dst), LayerIndex(src)
     t.warm("d", warm_plans(route, layers))
     assert gpu.warmed and not gpu.written and not host.warmed  # nothing written; the host lane prepares nothing
-    prepared = split.kernel_shapes([f for b in gpu.warmed for f in b.factors(in_units=True)],  # as the backend
-                                   [h for b in gpu.warmed for h in b.hints()], [u for b in gpu.warmed for u in b.units()])
+    prepared = split.plan_shapes(gpu.warmed)
     rng = np.random.default_rng(tp_p * 10 + tp_d)
     requests: list = []
     for pages in (1, 2, 3, 5, 17, 64, 300):
@@ -370,8 +369,7 @@ def test_the_kernels_prepared_at_the_handshake_are_every_one_the_peers_requests_
             if len(part):
                 t.write("d", part, time.monotonic() + 10)
     assert gpu.written
-    used = split.kernel_shapes([f for b in gpu.written for f in b.factors(in_units=True)],
-                               [h for b in gpu.written for h in b.hints()], [u for b in gpu.written for u in b.units()])
+    used = split.plan_shapes(gpu.written)
     assert set(used) <= set(prepared), sorted(set(used) - set(prepared))
 
 

@@ -194,11 +194,11 @@ class Handshakes:
         timer = threading.Timer(timeout, lambda: self.loop.call(
             lambda: answer(f"while its lanes still prepare for it ({timeout:g} s: SessionConfig.warm_timeout)")))
         timer.daemon = True
+        threading.Thread(target=prepare, name="kvbridge-warm", daemon=True).start()
         if timeout:
             timer.start()
-        threading.Thread(target=prepare, name="kvbridge-warm", daemon=True).start()
-        if not timeout:
-            answer("")
+        else:
+            answer("")  # at once; the lanes still prepare beside the first writes
 
     def _release_slot(self, peer: DecodePeer) -> None:
         """``peer`` is gone: its slot, if it holds one, is free."""

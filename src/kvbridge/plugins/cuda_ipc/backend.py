@@ -89,9 +89,8 @@ class CudaIpcBackend(Backend):
         mapped = self._peers.get(peer)
         if mapped is not None and batches:
             mapped.on_device(self._device)  # the peer's translation table copied to the GPU now, not in a copy
-            shapes = split.kernel_shapes([p for b in batches for p in b.factors(in_units=True)],
-                                         [h for b in batches for h in b.hints()], [u for b in batches for u in b.units()])
-            self._warm(f"peer {peer!r}", list(shapes.values()), split.search_steps(len(mapped.starts))).join(WARM_WAIT_S)
+            shapes = list(split.plan_shapes(batches).values())
+            self._warm(f"peer {peer!r}", shapes, split.search_steps(len(mapped.starts))).join(WARM_WAIT_S)
 
     def _warm(self, what: str, shapes: Sequence[tuple[split.Shape, int]], steps: int) -> threading.Thread:
         """Compile, beside the caller, the kernels of ``shapes`` (each with its sizes mode), so that requests do

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Mapped", "Part", "Shape", "arrays_part", "execute_on_host", "kernel_shapes", "kernel_translate", "launches",
+if TYPE_CHECKING:
+    from kvbridge.core.planning.transferplan import TransferPlan
+
+__all__ = ["Mapped", "Part", "Shape", "arrays_part", "execute_on_host", "kernel_shapes", "kernel_translate", "launches", "plan_shapes",
            "row_sizes", "search_steps", "shape", "sizes_mode", "slices"]
 
 
@@ -89,6 +92,12 @@ def kernel_shapes(parts: Sequence[Part], hints: Sequence[tuple[int, int]] | None
         sizes = sizes_mode(piece, sh)
         out.setdefault((sh.rows, sh.chunk, sh.width, sh.align16, sh.even, sizes), (sh, sizes))
     return out
+
+
+def plan_shapes(plans: Sequence[TransferPlan]) -> dict[tuple[int, ...], tuple[Shape, int]]:
+    """:func:`kernel_shapes` of every launch copies of ``plans`` make (as the backend hands them over)."""
+    return kernel_shapes([f for p in plans for f in p.factors(in_units=True)], [h for p in plans for h in p.hints()],
+                         [u for p in plans for u in p.units()])
 
 
 def _or(a: IntArray) -> int:
