@@ -57,8 +57,16 @@ from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, 
 CELL = Cell(pages=1, inflight=1, requests=0)
 
 
+#: From Python 3.12 cProfile sits on ``sys.monitoring``: one profiler at a time in a process, seeing every
+#: thread (a second ``enable()`` raises "Another profiling tool is already active", which killed each thread
+#: the per-thread hook started in, the bootstrap server's first). Calls are counted the same; the per-thread
+#: split is lost and CPU with callees mixes threads' stacks.
+ONE_PROFILER = sys.version_info >= (3, 12)
+
+
 class Profiles:
-    """One ``cProfile.Profile`` per thread, each enabled on the thread's first call; summed on demand."""
+    """One ``cProfile.Profile`` per thread, each enabled on the thread's first call (before Python 3.12; from
+    3.12 one for the process: :data:`ONE_PROFILER`); summed on demand."""
 
     def __init__(self) -> None:
         self.all: list[cProfile.Profile] = []
@@ -80,11 +88,15 @@ class Profiles:
             self._start()
 
     def install(self) -> None:
-        threading.setprofile(self.hook)
+        if not ONE_PROFILER:
+            threading.setprofile(self.hook)
         self._start()
+        if ONE_PROFILER:
+            self.names[-1] = "every thread"
 
     def stop(self) -> None:
-        threading.setprofile(None)  # type: ignore[arg-type]
+        if not ONE_PROFILER:
+            threading.setprofile(None)  # type: ignore[arg-type]
         for p in self.all:
             p.disable()
 
@@ -190,10 +202,15 @@ def measure(backend: str, n: int, repeat: int, top: int) -> dict[str, Any]:
     if top:
         print(f"{backend}: Python calls per request by thread: " + ", ".join(
             f"{k} {(v - threads0.get(k, 0)) / n:.0f}" for k, v in sorted(threads1.items()) if v > threads0.get(k, 0)))
-        print(f"{backend}: the {top} functions with the most own CPU per request (profiled)")
-        print(f"  {'calls':>7} {'own us':>7} {'cum us':>7}")
-        for k, (c, own, cum) in sorted(delta.items(), key=lambda kv: -kv[1][1])[:top]:
-            print(f"  {c / n:7.1f} {own / n * 1e6:7.1f} {cum / n * 1e6:7.1f}  {_name(k)}")
+        if ONE_PROFILER:  # one clock across threads' stacks: its times mean nothing, its counts hold
+            print(f"{backend}: the {top} functions called most per request (Python >= 3.12: no CPU per function)")
+            for k, (c, _, _) in sorted(delta.items(), key=lambda kv: -kv[1][0])[:top]:
+                print(f"  {c / n:7.1f}  {_name(k)}")
+        else:
+            print(f"{backend}: the {top} functions with the most own CPU per request (profiled)")
+            print(f"  {'calls':>7} {'own us':>7} {'cum us':>7}")
+            for k, (c, own, cum) in sorted(delta.items(), key=lambda kv: -kv[1][1])[:top]:
+                print(f"  {c / n:7.1f} {own / n * 1e6:7.1f} {cum / n * 1e6:7.1f}  {_name(k)}")
     # CPU: another pair, no profiler.
     pair = Pair(backend)
     cpu: list[float] = []
