@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import os
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -73,6 +74,41 @@ def test_the_device_seam_gathers_and_scatters_scattered_pieces_byte_exact(monkey
         touched[a:a + n] = True
     np.testing.assert_array_equal(got, np.where(touched, host, 0))
     assert launches == (["gather", "scatter"] if odd else [])
+
+
+@needs_gpu
+@pytest.mark.parametrize("apart", [16 << 20, (16 << 20) + 256], ids=["one-view", "a-view-a-region"])
+def test_the_device_seam_gathers_and_scatters_unit_runs_of_two_regions_byte_exact(apart: int) -> None:
+    """Pages of two regions (K and V of a layer) said as unit offsets, as ``Staged`` says them: one indexed copy over
+    a view from the lower region where both lie whole units apart, one a region otherwise."""
+    import torch
+
+    from kvbridge import staging_torch
+    from kvbridge.core.description.layout import Region
+    from kvbridge.core.planning.regions import RegionTable
+    from kvbridge.core.planning.stage_index import region_pieces, unit_runs
+
+    memory = torch.randint(0, 256, (apart + (16 << 20),), dtype=torch.uint8, device="cuda")
+    regions = [Region(name=name, addr=memory.data_ptr() + at, nbytes=16 << 20, stride=4096, role=name,
+                      index_space="kv_page", mem="vram") for name, at in (("k", 0), ("v", apart))]
+    pages = np.random.default_rng(4).permutation(4096)[:96].astype(np.int64)
+    addr = np.concatenate([regions[0].addr + pages[:48] * 4096, regions[1].addr + pages[48:] * 4096])
+    nbytes = np.full(96, 4096, np.int64)
+    pieces = region_pieces(addr, nbytes, RegionTable(regions))
+    assert pieces is not None and [p.region for p in pieces] == [0, 1]
+    slice_addr, keep = staging_torch.alloc(96 * 4096, 0)
+    staging_torch.gather_units(unit_runs(pieces, regions), slice_addr, 0)  # complete on return
+    host = memory.cpu().numpy()
+    offs = (addr - memory.data_ptr()).tolist()
+    want = np.concatenate([host[a:a + 4096] for a in offs])
+    np.testing.assert_array_equal(keep.cpu().numpy(), want)
+    back = torch.zeros_like(memory)
+    moved = [msgspec.structs.replace(r, addr=r.addr - memory.data_ptr() + back.data_ptr()) for r in regions]
+    staging_torch.scatter_units(slice_addr, unit_runs(pieces, moved), 0)
+    touched = np.zeros(host.size, bool)
+    for a in offs:  # the oracle: plain slicing
+        touched[a:a + 4096] = True
+    np.testing.assert_array_equal(back.cpu().numpy(), np.where(touched, host, 0))
 
 
 @needs_gpu

@@ -11,9 +11,11 @@ in the conformance suite (``staging="on"`` tests) and in ``kvbridge bench transf
 from __future__ import annotations
 
 import importlib.metadata as md
+import re
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -23,13 +25,14 @@ from kvbridge.core.transfer.backend import BackendConfig, TransferCancelled
 from kvbridge.core.transfer.transport import Transport
 from kvbridge.core.control.bootstrap import BootstrapServer
 from kvbridge.core.transfer.landing import SLOTS_PER_PEER, Landing, ScatterError
-from kvbridge.core.description.layout import Region
+from kvbridge.core.description.layout import Region, StagingOffer
 from kvbridge.core.description.records import BackendCapabilities
 from kvbridge.core.control.metrics import metrics
 from kvbridge.core.planning.plan import TransferPlan
-from kvbridge.core.transfer.relay import choose, runs
+from kvbridge.core.transfer.relay import RemoteSlots, choose
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
-from kvbridge.core.planning.stage_index import gather_into, pack, scatter_from, unit_copy
+from kvbridge.core.planning.regions import RegionTable
+from kvbridge.core.planning.stage_index import MAX_RUNS, gather_into, pack, put_units, region_pieces, unit_copy, unit_runs
 from kvbridge.core.transfer import staging as staging_mod
 from kvbridge.testing.e2e import Pools, Scenario, prefill_pools
 from kvbridge.testing.faulty import FlipsByte
@@ -79,13 +82,22 @@ def test_a_region_of_odd_pieces_is_left_out_of_the_gather_and_the_others_still_p
     np.testing.assert_array_equal(out, np.concatenate([rows[0:8], rows[16:24], rows[32:40]]))
 
 
+def _regions(*arrays: np.ndarray) -> list[Region]:
+    return [Region(name=f"r{i}", addr=x.ctypes.data, nbytes=x.nbytes, stride=x.nbytes, role="state", index_space="s")
+            for i, x in enumerate(arrays)]
+
+
 def test_a_scatter_puts_them_back_where_they_came_from() -> None:
+    # Pieces of two regions interleaved in the slice: a run per piece, each in its region's own unit.
     a, b, addr, nbytes, groups = _two_regions()
     packed = np.concatenate([a[1024:1280], b[0:512], a[0:128], b[1536:2048], a[2048:2560]])
     a2, b2 = a.copy(), b.copy()
     a[:] = 0
     b[:] = 0
-    scatter_from(packed, addr, nbytes, groups)
+    regions = _regions(a, b)
+    pieces = region_pieces(addr, nbytes, RegionTable(regions))
+    assert pieces is not None and [p.region for p in pieces] == groups.tolist()
+    put_units(packed, unit_runs(pieces, regions))
     touched_a = np.zeros(a.size, bool)
     touched_a[np.r_[1024:1280, 0:128, 2048:2560]] = True
     touched_b = np.zeros(b.size, bool)
@@ -112,7 +124,10 @@ def test_units_lying_back_to_back_in_the_slice_or_not_are_gathered_and_scattered
         np.testing.assert_array_equal(out.reshape(4, -1)[:, :4096].ravel(), want)
         assert not out.reshape(4, -1)[:, 4096:].any()  # the gaps untouched
     back = np.zeros_like(mem)
-    scatter_from(want, back.ctypes.data + pages * 4096, nbytes, np.zeros(4, np.int64))
+    regions = _regions(back)
+    pieces = region_pieces(back.ctypes.data + pages * 4096, nbytes, RegionTable(regions))
+    assert pieces is not None
+    put_units(want, unit_runs(pieces, regions))
     np.testing.assert_array_equal(back.reshape(16, 4096)[pages], mem.reshape(16, 4096)[pages])
     assert not np.delete(back.reshape(16, 4096), pages, axis=0).any()
 
@@ -146,17 +161,57 @@ def test_each_window_is_staged_by_its_own_descriptors(mode, dst, size, same_host
     assert choose(_window(dst, size), mode, same_host, remote) == want
 
 
-def test_scatter_runs_merge_neighbours_that_follow_each_other_in_the_destination() -> None:
-    r = runs(_window([4, 5, 6, 1, 9, 10], 100))
-    assert r.dst_addr.tolist() == [400, 100, 900] and r.nbytes.tolist() == [300, 100, 200]
-    assert r.src_addr.tolist() == [0, 300, 400]  # where each run starts in the gathered slice
+def _offer(slice_bytes: int = 4096) -> StagingOffer:
+    slots = Region(name="kvbridge-landing", addr=1 << 40, nbytes=2 * slice_bytes, stride=slice_bytes, role="state",
+                   index_space="kvbridge_staging")
+    return StagingOffer(region=slots, slots=(0, 1), slice_bytes=slice_bytes)
+
+
+def test_staged_pieces_are_unit_offsets_in_the_peers_regions_numbered_as_its_hello_lists_them() -> None:
+    # The peer lists v (at the higher address) before k: Staged names regions by that order, not by address.
+    k = Region(name="k", addr=1 << 20, nbytes=64 << 10, stride=4096, role="k", index_space="kv_page")
+    v = Region(name="v", addr=2 << 20, nbytes=64 << 10, stride=4096, role="v", index_space="kv_page")
+    slots = RemoteSlots(_offer(), [v, k])
+    pages = TransferPlan(np.zeros(4, np.int64), np.array([k.addr + 5 * 4096, k.addr + 2 * 4096, v.addr + 15 * 4096,
+                                                          v.addr], np.int64), np.full(4, 4096, np.int64))
+    pieces = slots.pieces(pages)
+    assert pieces is not None
+    assert [(p.region, p.unit, p.offsets.tolist(), p.counts) for p in pieces] == [(1, 4096, [5, 2], None),
+                                                                                  (0, 4096, [15, 0], None)]
+    # Pieces of several sizes: the gcd of sizes and offsets as the unit, and a count a piece.
+    mixed = TransferPlan(np.zeros(2, np.int64), np.array([k.addr + 1024, k.addr + 8192], np.int64),
+                         np.array([3072, 512], np.int64))
+    (one,) = slots.pieces(mixed) or []
+    assert (one.region, one.unit, one.offsets.tolist(), one.counts.tolist()) == (1, 512, [2, 16], [6, 1])
+    # A piece past its region's end, or outside every region: not said (the window is written as planned).
+    assert slots.pieces(TransferPlan(np.zeros(1, np.int64), np.array([k.end - 2048], np.int64),
+                                     np.array([4096], np.int64))) is None
+    assert slots.pieces(TransferPlan(np.zeros(1, np.int64), np.array([3 << 20], np.int64),
+                                     np.array([4096], np.int64))) is None
+
+
+def test_a_window_of_more_runs_than_a_staged_message_holds_is_not_said_in_units() -> None:
+    regions = [Region(name=f"r{i}", addr=(i + 1) << 20, nbytes=4096, stride=4096, role="state", index_space="s")
+               for i in range(2)]
+    alternating = np.array([r.addr for r in regions] * (MAX_RUNS // 2 + 1), np.int64)
+    nbytes = np.full(len(alternating), 64, np.int64)
+    assert region_pieces(alternating, nbytes, RegionTable(regions)) is None
+    assert region_pieces(alternating[:MAX_RUNS], nbytes[:MAX_RUNS], RegionTable(regions)) is not None
 
 
 # -- decode's landing slots -------------------------------------------------------------------------
 def _landing() -> tuple[Landing, np.ndarray]:
+    """16 pages of 256 B in region 1 of the rank's two (region 0: GPU memory, not this buffer's)."""
     pages = np.zeros((16, 256), np.uint8)
     region = Region(name="k", addr=pages.ctypes.data, nbytes=pages.nbytes, stride=256, role="k", index_space="kv_page")
-    return Landing([region], slots=4, slice_bytes=4096), pages
+    gpu = Region(name="g", addr=1 << 44, nbytes=1 << 20, stride=256, role="k", index_space="kv_page", mem="vram")
+    return Landing([region, gpu], slots=4, slice_bytes=4096, order=[gpu, region]), pages
+
+
+def _staged(slot: int, *runs: tuple[int, int, list[int], list[int] | None]) -> P.Staged:
+    return P.Staged(rooms=(1,), slot=slot, pieces=tuple(
+        P.StagedRegion(region=r, unit=u, offsets=np.array(o, "<u4").tobytes(),
+                       counts=b"" if c is None else np.array(c, "<u4").tobytes()) for r, u, o, c in runs))
 
 
 def test_each_prefill_rank_is_lent_two_slots_and_the_pool_is_bounded() -> None:
@@ -167,17 +222,65 @@ def test_each_prefill_rank_is_lent_two_slots_and_the_pool_is_bounded() -> None:
     assert landing.offer("c") is None, "4 slots: two prefill ranks, then every slot is lent"
 
 
-def test_a_scatter_outside_this_ranks_memory_or_from_a_slot_not_lent_writes_nothing() -> None:
+def test_a_staged_window_is_scattered_by_unit_offsets_in_the_region_it_names() -> None:
     landing, pages = _landing()
     offer = landing.offer("a")
     assert offer is not None
-    outside = P.Staged(rooms=(1,), slot=offer.slots[0], dst=np.array([pages.ctypes.data + pages.nbytes], "<i8").tobytes(),
-                       nbytes=np.array([256], "<i8").tobytes())
-    with pytest.raises(ScatterError, match="outside this rank's registered host regions"):
-        landing.scatter("a", outside)
+    slot = offer.slots[1]
+    landing._buf[slot * 4096:(slot + 1) * 4096] = np.arange(4096) % 251
+    # Pages 9 and 3 of 256 B, then 512 B (two pages) at page 12, then one 128 B half-page at 1.5 pages.
+    landing.scatter("a", _staged(slot, (1, 256, [9, 3], None), (1, 256, [12], [2]), (1, 128, [3], None)))
+    want = np.zeros_like(pages).ravel()
+    packed = np.arange(4096) % 251
+    for at, n, off in ((9 * 256, 256, 0), (3 * 256, 256, 256), (12 * 256, 512, 512), (384, 128, 1024)):
+        want[at:at + n] = packed[off:off + n]
+    np.testing.assert_array_equal(pages.ravel(), want)
+    assert landing.stats()["pieces"] == 4 and landing.stats()["bytes"] == 1152
+
+
+@pytest.mark.parametrize("runs, problem", [
+    ([(1, 256, [16], None)], "reaches unit 17 of 256 B in region 'k', past its end"),          # one page past the end
+    ([(1, 256, [14], [3])], "reaches unit 17 of 256 B in region 'k', past its end"),           # its count reaches past
+    ([(1, 4096, [1], None)], "reaches unit 2 of 4096 B in region 'k', past its end"),          # a unit larger than thought
+    ([(1, 256, [0xFFFFFFFF], None)], "past its end"),                                          # the largest offset
+    ([(2, 256, [0], None)], "names region 2, not one of this rank's registered host regions"),  # no such region
+    ([(-1, 256, [0], None)], "names region -1, not one of"),
+    ([(0, 256, [0], None)], "names region 0, not one of this rank's registered host regions"),  # GPU memory
+    ([(1, 0, [0], None)], "has unit 0"),
+    ([(1, 256, [], None)], "at least one piece"),
+    ([(1, 256, [0, 1], [1])], "one count a piece"),
+    ([(1, 256, [0], [0])], "a piece of 0 units"),
+    ([(1, 256, list(range(16)), None), (1, 256, [0], None)], "from a slot of 4096 B"),         # 17 pages: over the slot
+    ([(1, 256, [0] * 17, None)], "from a slot of 4096 B"),                                     # one page 17 times
+    ([(1, 1, [0, 0], [4096, 4096])], "from a slot of 4096 B"),                                 # counted before expanded
+    ([], "names no pieces"),
+])
+def test_a_bad_staged_window_is_refused_naming_the_problem_and_nothing_is_written(runs, problem) -> None:
+    landing, pages = _landing()
+    offer = landing.offer("a")
+    assert offer is not None
+    landing._buf[:] = 0xAB
+    with pytest.raises(ScatterError, match=re.escape(problem)):
+        landing.scatter("a", _staged(offer.slots[0], *runs))
+    assert not pages.any() and landing.stats()["windows"] == 0
+
+
+def test_a_scatter_from_a_slot_not_lent_writes_nothing() -> None:
+    landing, pages = _landing()
+    offer = landing.offer("a")
+    assert offer is not None
+    landing._buf[:] = 0xAB
     with pytest.raises(ScatterError, match="not one lent to this prefill rank"):
-        landing.scatter("b", outside)
+        landing.scatter("b", _staged(offer.slots[0], (1, 256, [0], None)))
     assert not pages.any()
+
+
+def test_a_staged_message_from_a_peer_of_the_previous_protocol_is_refused_naming_the_versions() -> None:
+    old = msgspec.msgpack.encode({"type": "staged", "v": 4, "rooms": [1], "slot": 0, "dst": b"\0" * 8,
+                                  "nbytes": b"\0" * 8})
+    with pytest.raises(P.ProtocolError, match="protocol version 4 is not supported .this side speaks 5."):
+        P.decode(old)
+    assert P.MAX_STAGED_RUNS == MAX_RUNS
 
 
 # -- rooms end to end (in-process managers, the real control plane) ---------------------------------
@@ -268,8 +371,9 @@ def test_a_room_given_up_on_decode_has_nothing_scattered_into_its_pages(pair) ->
     landing._buf[slot * landing.slice_bytes:(slot + 1) * landing.slice_bytes] = 0xAB  # what a late window holds
     page = dst.kv[0][DST[0]]
     before = page.copy()
-    msg = P.Staged(rooms=(7,), slot=slot, dst=np.array([page.ctypes.data], "<i8").tobytes(),
-                   nbytes=np.array([page.nbytes], "<i8").tobytes())
+    region = [r.addr for r in dst.kvargs.regions].index(dst.kv[0].ctypes.data)
+    msg = P.Staged(rooms=(7,), slot=slot, pieces=(P.StagedRegion(region=region, unit=page.nbytes,
+                                                                 offsets=np.array([DST[0]], "<u4").tobytes()),))
     dm.loop.call(lambda: dm._on_staged(server, rank, msg))
     deadline = time.monotonic() + 10
     while landing.stats()["dropped"] == 0 and time.monotonic() < deadline:

@@ -23,11 +23,14 @@ import pytest
 
 from kvbridge.core.control import protocol as P
 from kvbridge.core.control.bootstrap import BootstrapServer
+from kvbridge.core.description.layout import Region
 from kvbridge.core.description.records import BackendCapabilities
 from kvbridge.core.planning.plan import TransferPlan
 from kvbridge.core.sessions.session import DecodeManager, Poll, PrefillManager, Receiver, SessionConfig, Sender
 from kvbridge.core.transfer import device, staging
 from kvbridge.core.transfer.backend import BackendConfig
+from kvbridge.core.transfer.device import OnDevice
+from kvbridge.core.transfer.landing import ScatterError
 from kvbridge.core.transfer.relay import MAX_PIECE_DEVICE, choose_device
 from kvbridge.testing import host_device
 from kvbridge.testing.e2e import Pools, Scenario, prefill_pools
@@ -126,7 +129,8 @@ def test_scattered_gpu_pages_are_gathered_and_scattered_by_the_device_seam_byte_
     assert staged["pieces"] == 2 * 2 * PAGES, "every K and V page of both layers went through a window"
     landing = dm.transport.describe()["landing"]
     assert landing["mem"] == "vram" and landing["windows"] == staged["windows"] and landing["dropped"] == 0
-    assert host_device.calls["gather"] == host_device.calls["scatter"] == staged["windows"]
+    assert host_device.calls["gather_units"] == host_device.calls["scatter_units"] == staged["windows"]
+    assert host_device.calls["gather"] == 0, "pages of a pool are gathered by their unit index"
     # Bounded: 2 slots of the one GPU slice size lent to the one prefill rank.
     assert landing["lent"] == 2 and landing["slice_bytes"] == staged["slice_bytes"]
     assert "staging" not in dm.transport.describe() or dm.transport.describe()["landing"]["mem"] == "vram"
@@ -188,14 +192,15 @@ def test_a_room_given_up_on_decode_has_nothing_scattered_into_its_gpu_pages(pair
     buf[slot * landing.slice_bytes:(slot + 1) * landing.slice_bytes] = 0xAB  # what a late window holds
     page = dst.kv[0][DST[0]]
     before = page.copy()
-    msg = P.Staged(rooms=(7,), slot=slot, dst=np.array([page.ctypes.data], "<i8").tobytes(),
-                   nbytes=np.array([page.nbytes], "<i8").tobytes())
+    region = [r.addr for r in dst.kvargs.regions].index(dst.kv[0].ctypes.data)
+    msg = P.Staged(rooms=(7,), slot=slot, pieces=(P.StagedRegion(region=region, unit=page.nbytes,
+                                                                 offsets=np.array([DST[0]], "<u4").tobytes()),))
     dm.loop.call(lambda: dm._on_staged(server, rank, msg))
     deadline = time.monotonic() + 10
     while landing.stats()["dropped"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert landing.stats()["dropped"] == 1 and landing.stats()["windows"] == 0
-    assert host_device.calls["scatter"] == 0
+    assert host_device.calls["scatter_units"] == 0
     np.testing.assert_array_equal(page, before)
 
 
@@ -205,12 +210,12 @@ def test_a_gpu_scatter_outside_the_ranks_gpu_regions_writes_nothing(pair) -> Non
     assert landing is not None
     offer = landing.offer("someone")
     assert offer is not None
-    meta = dst.meta  # host memory: not a GPU region of this rank
-    msg = P.Staged(rooms=(7,), slot=offer.slots[0], dst=np.array([meta.ctypes.data], "<i8").tobytes(),
-                   nbytes=np.array([64], "<i8").tobytes())
-    with pytest.raises(Exception, match="outside this rank's registered regions on GPU 0"):
+    meta = [r.role for r in dst.kvargs.regions].index("metadata")  # host memory: not a GPU region of this rank
+    msg = P.Staged(rooms=(7,), slot=offer.slots[0], pieces=(P.StagedRegion(region=meta, unit=64,
+                                                                           offsets=np.zeros(1, "<u4").tobytes()),))
+    with pytest.raises(ScatterError, match=f"names region {meta}, not one of this rank's registered regions on GPU 0"):
         landing.scatter("someone", msg)
-    assert host_device.calls["scatter"] == 0
+    assert host_device.calls["scatter_units"] == 0
 
 
 def test_a_layerwise_chunk_after_a_staged_one_lands_byte_exact(pair) -> None:
@@ -237,4 +242,27 @@ def test_many_gpu_windows_two_in_flight_land_byte_exact_within_two_slices(pair, 
     staged = pm.transport.describe()["device_staging"]
     assert staged["windows_by_choice"]["both"] >= 12 and staged["windows_by_choice"]["direct"] == 0
     assert staged["peak_slices"] == 2 and peak[0] >= 2
-    assert host_device.calls["gather"] == host_device.calls["scatter"] == staged["windows"]
+    assert host_device.calls["gather_units"] == host_device.calls["scatter_units"] == staged["windows"]
+    assert host_device.calls["gather"] == 0, "pages of a pool are gathered by their unit index"
+
+
+def test_a_gpu_gather_of_pages_goes_by_unit_index_and_of_odd_pieces_by_address_byte_exact() -> None:
+    # Pages of one pool (one unit each at unit multiples): the seam's indexed copy over rows of the region;
+    # pieces of several units (4 KiB and 8 KiB) at 1 KiB offsets: the seam's copy by piece addresses.
+    host_device.calls.clear()
+    mem = np.random.default_rng(5).integers(0, 256, 64 << 10, dtype=np.uint8)
+    region = Region(name="k", addr=mem.ctypes.data, nbytes=mem.nbytes, stride=4096, role="k", index_space="kv_page",
+                    mem="vram")
+    seam = OnDevice(host_device, 0)  # type: ignore[arg-type]
+    stager = staging.Staging([region], slices=2, slice_bytes=32 << 10, device=seam)
+    for offsets, sizes, how in (([20, 4, 48, 12], [4] * 4, "gather_units"), ([1, 20, 40], [4, 8, 4], "gather")):
+        off, nbytes = np.array(offsets, np.int64) * 1024, np.array(sizes, np.int64) * 1024  # KiB
+        window = TransferPlan(region.addr + off, np.arange(len(off), dtype=np.int64), nbytes)
+        before = dict(host_device.calls)
+        staged_window = stager.stage_to(window, 1 << 40)
+        assert staged_window is not None
+        assert dict(host_device.calls) == {**before, how: before.get(how, 0) + 1}
+        slice_ = stager._mem.keep[staged_window._slot * (32 << 10):]
+        want = np.concatenate([mem[o:o + n] for o, n in zip(off.tolist(), nbytes.tolist())])
+        np.testing.assert_array_equal(slice_[:want.size], want)
+        staged_window.release()

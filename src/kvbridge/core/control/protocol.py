@@ -41,6 +41,7 @@ __all__ = [
     "Heartbeat",
     "Reject",
     "Staged",
+    "StagedRegion",
     "StagingOffer",
     "Unstaged",
     "Message",
@@ -50,8 +51,10 @@ __all__ = [
     "unpack_indices",
 ]
 
-PROTOCOL_VERSION = 4  # 2: per-lane backend metadata in Hello; 3: incarnations; 4: staging (Hello.staging, Staged, Unstaged)
+PROTOCOL_VERSION = 5  # 2: per-lane backend metadata in Hello; 3: incarnations; 4: staging (Hello.staging, Staged, Unstaged);
+# 5: Staged names its pieces as unit offsets in decode's regions (StagedRegion), not as addresses and sizes
 MAX_LANES = 16  # backends a Hello may list
+MAX_STAGED_RUNS = 4096  # runs of pieces a Staged may list (kvbridge.core.planning.stage_index.MAX_RUNS)
 
 
 class ProtocolError(ValueError):
@@ -240,16 +243,29 @@ class Reject(_Msg, tag="reject", frozen=True):
     room: int | None = None
 
 
+class StagedRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Consecutive pieces of a staged window that go to one of decode's regions, packed in order in the slot.
+
+    ``region``: the region's position in decode's ``KVArgs.regions`` (as its ``Hello`` sent them). Piece
+    ``k`` is ``counts[k]`` units (one where ``counts`` is empty) of ``unit`` bytes from unit ``offsets[k]``
+    of the region; ``offsets`` and ``counts`` are little-endian uint32 arrays (4 bytes a piece).
+    """
+
+    region: int
+    unit: int
+    offsets: bytes
+    counts: bytes = b""
+
+
 class Staged(_Msg, tag="staged", frozen=True):
     """Prefill -> decode: a window of these rooms' pieces landed, gathered back to back, in decode's
-    staging ``slot``; decode scatters it to ``dst`` (int64 little-endian addresses, ``nbytes`` each)
-    only while every room is live there, then answers :class:`Unstaged`. Sent before those rooms'
-    ``Done``, on the same connection: decode scatters before it can count a room's SUCCESS."""
+    staging ``slot``; decode scatters it to ``pieces`` (runs of pieces in one region each, in slot
+    order) only while every room is live there, then answers :class:`Unstaged`. Sent before those
+    rooms' ``Done``, on the same connection: decode scatters before it can count a room's SUCCESS."""
 
     rooms: tuple[int, ...]
     slot: int
-    dst: bytes
-    nbytes: bytes
+    pieces: Annotated[tuple[StagedRegion, ...], msgspec.Meta(max_length=MAX_STAGED_RUNS)]
 
 
 class Unstaged(_Msg, tag="unstaged", frozen=True):

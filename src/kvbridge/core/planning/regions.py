@@ -27,7 +27,11 @@ class RegionTable:
     """
 
     def __init__(self, regions: Sequence[Region]) -> None:
-        ordered = sorted(regions, key=lambda r: r.addr)
+        order = sorted(range(len(regions)), key=lambda i: regions[i].addr)
+        ordered = [regions[i] for i in order]
+        #: Each (sorted) region's position in ``regions`` as given (a region index both sides agree on:
+        #: ``Staged`` names decode's regions by their place in its ``KVArgs.regions``).
+        self.index = np.array(order, np.int64)
         self.starts = np.array([r.addr for r in ordered], np.int64)
         self.ends = np.array([r.end for r in ordered], np.int64)
         self.vram = np.array([r.mem == "vram" for r in ordered], bool)

@@ -3,26 +3,43 @@
 A staged window is a list of pieces (address, bytes) packed back to back in a
 staging slice. Both the gather on prefill (pieces -> slice) and the scatter on
 decode (slice -> pieces) move whole *units*: per region, the greatest size
-dividing every piece's size, its offset from the region's lowest piece and its
-offset in the slice, so that a copy is one ``numpy.take`` and one fancy
-assignment per region (host memory) or one kernel launch over the index arrays
-(GPU memory: ``kvbridge.plugins.cuda_ipc.staging``), never a loop per piece.
+dividing every piece's size and offset, so that a copy is one ``numpy.take`` or
+one fancy assignment per region (host memory) or one indexed copy (GPU memory:
+the device seam, ``kvbridge.core.transfer.device``), never a loop per piece.
+
+Where a window's pieces go travels in these terms (``Staged``): :func:`region_pieces`
+says a window's pieces as runs of pieces in one region each, a unit and every
+piece's unit offset from the region's start (4 bytes a piece); decode checks them
+by bounds and copies them as :class:`UnitRun` (:func:`put_units`). A prefill
+gather of host memory packs by :func:`pack` (:class:`UnitCopy`), one of GPU pages
+by unit runs too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MAX_UNITS_PER_PIECE", "UnitCopy", "gather_into", "pack", "scatter_from", "unit_copy"]
+from ..description.layout import Region
+from .regions import RegionTable
+
+__all__ = ["MAX_OFFSET", "MAX_RUNS", "MAX_UNITS_PER_PIECE", "RegionPieces", "UnitCopy", "UnitRun", "expand", "gather_into",
+           "pack", "put_units", "region_pieces", "unit_copy", "unit_runs"]
 
 #: A window whose pieces hold more units than this on average is not staged: its index arrays would
 #: outgrow the descriptors they replace (odd sizes or offsets, so the unit is a few bytes).
 MAX_UNITS_PER_PIECE = 4
 
 IntArray = npt.NDArray[np.int64]
+#: Most runs of pieces (consecutive pieces in one region) a window described by :func:`region_pieces` may hold: a
+#: plan lists its descriptors region pair by region pair, so a window holds about one run per region it touches.
+MAX_RUNS = 4096
+#: Unit offsets and counts travel as uint32 (``Staged``): a piece whose end lies further from its region's
+#: start, in units, is not described (its window is written as planned).
+MAX_OFFSET = (1 << 32) - 1
 
 
 class UnitCopy(NamedTuple):
@@ -58,8 +75,7 @@ def unit_copy(addr: IntArray, packed: IntArray, nbytes: IntArray,
     if units == n:
         far, near = rel // unit, packed // unit
     else:  # pieces of several units: every unit of every piece, in order
-        step = np.arange(units, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-        far, near = np.repeat(rel // unit, count) + step, np.repeat(packed // unit, count) + step
+        far, near = expand(rel // unit, count), expand(packed // unit, count)
     return UnitCopy(base, unit, far, near, (int((addr + nbytes).max()) - base) // unit,
                     int((packed + nbytes).max()) // unit)
 
@@ -71,19 +87,6 @@ class _Raw:
         self.__array_interface__ = {
             "shape": (count,), "typestr": f"|V{itemsize}", "data": (addr, False), "version": 3,
         }
-
-
-def _copies(addr: IntArray, nbytes: IntArray, groups: IntArray, max_units_per_piece: int) -> list[UnitCopy] | None:
-    """One :class:`UnitCopy` per group (region) of pieces, packed back to back in their order."""
-    packed = np.cumsum(nbytes) - nbytes
-    out = []
-    for g in np.unique(groups).tolist():  # per region (a few per rank), never per piece
-        pick = groups == g
-        copy = unit_copy(addr[pick], packed[pick], nbytes[pick], max_units_per_piece)
-        if copy is None:
-            return None
-        out.append(copy)
-    return out
 
 
 def pack(addr: IntArray, nbytes: IntArray, groups: IntArray,
@@ -129,12 +132,99 @@ def gather_into(out: npt.NDArray[np.uint8], copies: list[UnitCopy]) -> None:
             out[:c.end * c.unit].view(f"V{c.unit}")[c.packed] = far[c.far]
 
 
-def scatter_from(src: npt.NDArray[np.uint8], addr: IntArray, nbytes: IntArray, groups: IntArray) -> None:
-    """Copy ``src``, the pieces back to back, to ``addr`` (host memory); ``groups``: each piece's region."""
-    copies = _copies(addr, nbytes, groups, 1 << 30)
-    assert copies is not None  # no limit on units: every non-empty piece has a unit
-    for c in copies:
-        near = _packed(src, c)
-        if near is None:
-            near = src[:c.end * c.unit].view(f"V{c.unit}")[c.packed]
-        np.asarray(_Raw(c.base, c.span, c.unit))[c.far] = near  # from the slice as it lies: one copy
+class RegionPieces(NamedTuple):
+    """A run of a window's pieces lying in one region, as unit offsets: piece ``k`` is ``counts[k]`` units
+    (one each where ``counts`` is None) of ``unit`` bytes from unit ``offsets[k]`` of region ``region``
+    (its position in the regions the :class:`RegionTable` was built from). What ``Staged`` carries."""
+
+    region: int
+    unit: int
+    offsets: npt.NDArray[np.uint32]
+    counts: npt.NDArray[np.uint32] | None
+
+
+def region_pieces(addr: IntArray, nbytes: IntArray, table: RegionTable,
+                  max_runs: int = MAX_RUNS) -> list[RegionPieces] | None:
+    """Pieces at ``addr`` (``nbytes`` each), in order, as runs of consecutive pieces in one region of ``table``,
+    each in units of the gcd of its pieces' sizes and offsets from the region's start; None when a piece lies
+    outside every region, the runs would be more than ``max_runs``, or an offset passes :data:`MAX_OFFSET` units.
+    A few passes over the arrays: pieces of one size at multiples of it (pages of a pool) need no gcd, and of a
+    power-of-two size no division either."""
+    n = len(addr)
+    if n == 0 or not len(table):
+        return None
+    size = int(nbytes[0])
+    same = bool((nbytes == size).all())
+    hi = int(addr.max()) + size if same else int((addr + nbytes).max())
+    first = int(np.searchsorted(table.starts, int(addr.min()), side="right")) - 1
+    if first >= 0 and hi <= int(table.ends[first]):  # one region holds them all: no search per piece
+        cuts, found = [0, n], [first]
+    else:
+        pos, inside = table.locate(addr, nbytes)
+        if not inside.all():
+            return None
+        change = np.flatnonzero(pos[1:] != pos[:-1]) + 1
+        if len(change) >= max_runs:
+            return None
+        cuts = [0, *change.tolist(), n]
+        found = pos[cuts[:-1]].tolist()
+    out = []
+    for a, b, k in zip(cuts, cuts[1:], found):
+        rel = addr[a:b] - table.starts[k]
+        sizes = nbytes[a:b]
+        if same and size & (size - 1) == 0 and not (rel & (size - 1)).any():
+            unit, offsets, counts = size, rel >> (size.bit_length() - 1), None
+        elif same and size & (size - 1) and not (rel % size).any():
+            unit, offsets, counts = size, rel // size, None
+        else:
+            unit = int(np.gcd.reduce(np.concatenate((sizes, rel))))
+            offsets = rel // unit
+            counts = None if same and unit == size else sizes // unit
+        top = int(offsets[-1] if len(offsets) == 1 else offsets.max()) + (1 if counts is None else int(counts.max()))
+        if top > MAX_OFFSET:
+            return None
+        out.append(RegionPieces(int(table.index[k]), unit, offsets.astype("<u4"),
+                                None if counts is None else counts.astype("<u4")))
+    return out
+
+
+def expand(offsets: npt.NDArray[Any], counts: npt.NDArray[Any] | None) -> npt.NDArray[Any]:
+    """The unit indices of pieces of ``counts`` units (one each where None) from unit ``offsets``, in order."""
+    if counts is None:
+        return offsets
+    count = counts.astype(np.int64)
+    units = int(count.sum())
+    step = np.arange(units, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    return np.repeat(offsets.astype(np.int64), count) + step
+
+
+class UnitRun(NamedTuple):
+    """Pieces of one region packed back to back in a slice from byte ``start``: unit ``k`` of the slice from
+    there is unit ``index[k]`` (``unit`` bytes each) of the memory at ``base``, which holds ``span`` units.
+    A gather or scatter of such runs is one copy per run over a view of the region (host: :func:`put_units`;
+    GPU: the device seam, ``kvbridge.core.transfer.device``)."""
+
+    base: int
+    unit: int
+    index: npt.NDArray[Any]
+    start: int
+    span: int
+
+
+def unit_runs(pieces: Sequence[RegionPieces], regions: Sequence[Region]) -> list[UnitRun]:
+    """``pieces`` (of ``regions``: :func:`region_pieces`) as unit runs packed back to back from a slice's start."""
+    runs, start = [], 0
+    for p in pieces:
+        r = regions[p.region]
+        index = expand(p.offsets, p.counts)
+        runs.append(UnitRun(r.addr, p.unit, index, start, r.nbytes // p.unit))
+        start += len(index) * p.unit
+    return runs
+
+
+def put_units(slice_: npt.NDArray[np.uint8], runs: Sequence[UnitRun]) -> None:
+    """Copy each run's units from ``slice_`` (host memory) into place: one fancy assignment per run, from the
+    slice as it lies."""
+    for r in runs:
+        near = slice_[r.start:r.start + len(r.index) * r.unit].view(f"V{r.unit}")
+        np.asarray(_Raw(r.base, r.span, r.unit))[r.index] = near

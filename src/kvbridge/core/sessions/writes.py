@@ -19,6 +19,7 @@ from ..control.metrics import metrics
 from ..planning.indices import PlanError
 from ..planning.layers import LayeredPlan
 from ..planning.pairing import Totals
+from ..planning.stage_index import RegionPieces
 from ..planning.transferplan import TransferPlan
 from ..transfer.backend import TransferCancelled, TransferTimeout
 from .checksum import ChecksumError, choose, summarise
@@ -395,11 +396,12 @@ def write_live(
     raise AssertionError("unreachable: every redo drops a room")  # pragma: no cover
 
 
-def announce(m: PrefillSide, peer: DecodePeer, rooms: tuple[int, ...], slot: int, pieces: TransferPlan) -> None:
-    """Tell decode a window of these rooms' pieces landed in its staging ``slot`` (sessions/landing.py):
-    sent before their ``Done``, on the same connection, so decode scatters it first."""
-    m.notify(peer, P.Staged(rooms=rooms, slot=slot,
-                            dst=pieces.dst_addr.astype("<i8").tobytes(), nbytes=pieces.nbytes.astype("<i8").tobytes()))
+def announce(m: PrefillSide, peer: DecodePeer, rooms: tuple[int, ...], slot: int, pieces: list[RegionPieces]) -> None:
+    """Tell decode a window of these rooms' pieces landed in its staging ``slot`` (core/transfer/landing.py), and where
+    they go: sent before their ``Done``, on the same connection, so decode scatters it first."""
+    m.notify(peer, P.Staged(rooms=rooms, slot=slot, pieces=tuple(
+        P.StagedRegion(region=p.region, unit=p.unit, offsets=p.offsets.tobytes(),
+                       counts=b"" if p.counts is None else p.counts.tobytes()) for p in pieces)))
 
 
 def all_live(m: PrefillSide, peer: DecodePeer, writes: list[ChunkWrite]) -> bool:

@@ -5,8 +5,12 @@ pages needs a kernel, and core imports no torch. So the device half comes from
 :data:`DEVICE_MODULE`, imported by name only when a rank would stage GPU memory
 (``SessionConfig.staging`` auto or on, and GPU regions on a lane that reaches other
 hosts: ``Transport.register``), as the checksum's ``DEVICE_MODULE``
-(:mod:`kvbridge.core.sessions.wmix`) is. The module provides the three functions of
-:class:`DeviceCopy`; :mod:`kvbridge.staging_torch` is the one shipped (the
+(:mod:`kvbridge.core.sessions.wmix`) is. The module provides the functions of
+:class:`DeviceCopy`: the copies take a window as unit runs
+(:class:`~kvbridge.core.planning.stage_index.UnitRun`: a region's base, a unit and
+the index of each unit, so the copy is an indexed copy over rows of the region)
+where the window is such runs (a decode scatter always, a prefill gather of pages
+of a pool), or as piece addresses and sizes (a gather of anything else); :mod:`kvbridge.staging_torch` is the one shipped (the
 ``cuda_ipc`` plugin's Triton kernels), :mod:`kvbridge.testing.host_device` a numpy
 stand-in the CPU tests put in its place.
 
@@ -27,13 +31,16 @@ import numpy.typing as npt
 
 from ..description.layout import Region
 from ..planning.regions import RegionTable
+from ..planning.stage_index import UnitRun
 
-__all__ = ["DEVICE_MODULE", "Buffer", "DeviceCopy", "OnDevice", "load"]
+__all__ = ["DEVICE_MODULE", "FUNCTIONS", "Buffer", "DeviceCopy", "OnDevice", "load"]
 
 log = logging.getLogger(__name__)
 
 #: The module copying GPU memory for staging: outside core, imported on first use.
 DEVICE_MODULE = "kvbridge.staging_torch"
+#: What it provides (:class:`DeviceCopy`).
+FUNCTIONS = ("alloc", "gather", "gather_units", "scatter_units")
 
 IntArray = npt.NDArray[np.int64]
 
@@ -47,8 +54,11 @@ class DeviceCopy(Protocol):
     def gather(self, src: IntArray, nbytes: IntArray, slice_addr: int, device: int) -> None:
         """Copy the pieces at ``src`` (``nbytes`` each) back to back to ``slice_addr``, on GPU ``device``."""
 
-    def scatter(self, slice_addr: int, dst: IntArray, nbytes: IntArray, device: int) -> None:
-        """Copy the pieces packed back to back at ``slice_addr`` to ``dst`` (``nbytes`` each), on GPU ``device``."""
+    def gather_units(self, runs: Sequence[UnitRun], slice_addr: int, device: int) -> None:
+        """Copy each run's units into the slice at ``slice_addr`` (from byte ``start``), on GPU ``device``."""
+
+    def scatter_units(self, slice_addr: int, runs: Sequence[UnitRun], device: int) -> None:
+        """Copy each run's units from the slice at ``slice_addr`` (from byte ``start``) into place, on GPU ``device``."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,8 @@ class OnDevice:
 class Buffer:
     """A staging or landing buffer of ``count`` slices in host memory (zeroed, so its pages are mapped before
     an engine registers, i.e. pins, them) or on ``device``'s GPU, as the registered ``Region`` ``name``; and
-    the registered regions of that memory (``table``: where gathers read from or scatters write to)."""
+    the registered regions of that memory (``regions``, and ``table`` of them: where gathers read from or
+    scatters write to)."""
 
     def __init__(self, name: str, count: int, slice_bytes: int, regions: Sequence[Region],
                  device: OnDevice | None) -> None:
@@ -71,10 +82,11 @@ class Buffer:
         if device is None:
             self.host = np.zeros(nbytes, np.uint8)
             addr, self.keep = self.host.ctypes.data, None
-            self.table = RegionTable([r for r in regions if r.mem == "dram"])
+            self.regions = [r for r in regions if r.mem == "dram"]
         else:
             addr, self.keep = device.copy.alloc(nbytes, device.index)  # what holds the device memory
-            self.table = RegionTable([r for r in regions if r.mem == "vram" and r.device == device.index])
+            self.regions = [r for r in regions if r.mem == "vram" and r.device == device.index]
+        self.table = RegionTable(self.regions)
         self.region = Region(name=name, addr=addr, nbytes=nbytes, stride=slice_bytes, role="state",
                              index_space="kvbridge_staging", mem="dram" if device is None else "vram",
                              device=0 if device is None else device.index)
@@ -85,8 +97,8 @@ def load() -> DeviceCopy | None:
     are then written as planned, one descriptor per piece."""
     try:
         module: Any = importlib.import_module(DEVICE_MODULE)
-        if not all(callable(getattr(module, name, None)) for name in ("alloc", "gather", "scatter")):
-            raise ImportError(f"{DEVICE_MODULE} lacks alloc, gather or scatter")
+        if not all(callable(getattr(module, name, None)) for name in FUNCTIONS):
+            raise ImportError(f"{DEVICE_MODULE} lacks one of {', '.join(FUNCTIONS)}")
     except Exception as exc:  # ImportError (no torch or Triton), or torch failing to load its libraries
         log.info("staging: GPU windows are written as planned: %s cannot be used (%s: %s)",
                  DEVICE_MODULE, type(exc).__name__, exc)

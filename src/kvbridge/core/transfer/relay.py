@@ -31,15 +31,17 @@ are pages, and ``both`` is one descriptor whatever they are).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..description.layout import StagingOffer
+from ..description.layout import Region, StagingOffer
+from ..planning.regions import RegionTable
+from ..planning.stage_index import RegionPieces, region_pieces
 from ..planning.transferplan import TransferPlan
 
 __all__ = ["MODES", "MAX_PIECE", "MAX_PIECE_DEVICE", "MAX_PIECE_REMOTE", "REMOTE_WINDOW_DESCRIPTORS", "RemoteSlots",
-           "choose", "choose_device", "runs"]
+           "choose", "choose_device"]
 
 #: ``SessionConfig.staging`` values.
 MODES = ("gather", "auto", "on", "off")
@@ -54,9 +56,10 @@ MAX_PIECE_REMOTE = 256 << 10
 #: across: NIXL VRAM -> VRAM with the same-host fast path off moved 1 GiB of scattered 64 KiB pages at
 #: 6.5-7.6 GB/s against 180-300 GB/s contiguous on an H200 (docs/performance.md); larger pieces not measured.
 MAX_PIECE_DEVICE = 256 << 10
-#: Most pieces in one window staged on both sides: its ``Staged`` message carries 16 bytes a run (1 MiB
-#: at most). Host slices hold fewer 4 KiB pieces; a 256 MiB GPU slice holds this many (at 16,384 its 4 KiB
-#: pages went in 64 MiB windows, 26-30 GB/s on an H200 whatever the slice).
+#: Most pieces in one window staged on both sides: its ``Staged`` message carries 4 bytes a piece (a unit
+#: offset; 8 where pieces are of several units), 256 KiB at most. Host slices hold fewer 4 KiB pieces; a
+#: 256 MiB GPU slice holds this many (at 16,384 its 4 KiB pages went in 64 MiB windows, 26-30 GB/s on an
+#: H200 whatever the slice).
 REMOTE_WINDOW_DESCRIPTORS = 65536
 #: ``auto`` gathers on prefill alone (no round trip to decode per window) when the runs merging neighbours in
 #: the destination leaves average at least this many bytes; below that, with slots lent, both sides
@@ -97,28 +100,26 @@ def choose_device(window: TransferPlan, mode: str) -> str:
     return "both"
 
 
-def runs(window: TransferPlan) -> TransferPlan:
-    """Where a window gathered back to back goes: its pieces in order, neighbours contiguous in the
-    destination merged (``src_addr``: each run's offset in the slice; ``dst_addr``, ``nbytes``)."""
-    dst, nbytes = window.dst_addr, window.nbytes
-    joins = dst[:-1] + nbytes[:-1] == dst[1:]
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    offsets = np.cumsum(nbytes) - nbytes
-    return TransferPlan(offsets[starts], dst[starts].copy(), np.add.reduceat(nbytes, starts))
-
-
 class RemoteSlots:
     """Decode's staging slots lent to this prefill rank for one peer: free ones, taken by writes and
-    given back by decode's ``Unstaged`` (the I/O thread)."""
+    given back by decode's ``Unstaged`` (the I/O thread); and the peer's regions, in the order its
+    ``Hello`` listed them, which ``Staged`` names them by (:meth:`pieces`)."""
 
-    def __init__(self, offer: StagingOffer) -> None:
+    def __init__(self, offer: StagingOffer, regions: Sequence[Region]) -> None:
         self.offer = offer
+        self.table = RegionTable(regions)
         self._free = list(offer.slots)
         self._retired = 0
         self._cond = threading.Condition()
 
     def address(self, slot: int) -> int:
         return self.offer.region.addr + slot * self.offer.slice_bytes
+
+    def pieces(self, window: TransferPlan) -> list[RegionPieces] | None:
+        """Where the pieces of a window gathered back to back go, as ``Staged`` says it: runs of pieces in one of
+        the peer's regions, in unit offsets (:func:`~kvbridge.core.planning.stage_index.region_pieces`); None when
+        they cannot be said so (a piece outside the peer's regions, too many runs, offsets past uint32)."""
+        return region_pieces(window.dst_addr, window.nbytes, self.table)
 
     def take(self, check: Callable[[str], None]) -> int:
         """A free slot, waiting for decode to give one back; ``check(where)`` raises when the write's

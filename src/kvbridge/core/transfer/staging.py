@@ -30,7 +30,8 @@ gathers the window into one descriptor aimed at a staging slot decode lent,
 ``core/transfer/landing.py`` scatters it, ``core/transfer/relay.py`` chooses per window).
 
 GPU memory (``device=``): the same slices in a buffer on the GPU, gathered by the device seam
-(:mod:`kvbridge.core.transfer.device`: one kernel launch a window) and only ever staged on both
+(:mod:`kvbridge.core.transfer.device`: one copy a window, from the sources' unit offsets in their
+regions where they are pages of a pool, else from their addresses) and only ever staged on both
 sides (:meth:`Staging.stage_to`), into a GPU landing buffer decode lent; slices of
 :data:`DEVICE_SLICE_BYTES` (a window is two fence batches, ``FENCE_BATCH_BYTES``, each checked by the fence).
 """
@@ -45,7 +46,7 @@ import numpy as np
 
 from ..description.layout import Region
 from ..planning.transferplan import TransferPlan
-from ..planning.stage_index import gather_into, pack
+from ..planning.stage_index import gather_into, pack, region_pieces, unit_runs
 from .device import Buffer, OnDevice
 
 __all__ = ["Staging", "Staged", "wanted", "device_slices", "SLICES", "SLICE_BYTES", "DEVICE_SLICES", "DEVICE_SLICE_BYTES",
@@ -149,11 +150,17 @@ class Staging:
         says what to post. On host memory the pieces of a region too odd to gather by units are left out
         (:func:`~kvbridge.core.planning.stage_index.pack`), for the caller to write as planned (``Staged.rest``)."""
         src, nbytes = window.src_addr, window.nbytes
-        regions, inside = self._sources.locate(src, nbytes)
-        if not inside.all():
-            return None  # a source outside the memory this buffer stages (another kind or GPU, or a plan built elsewhere)
-        packed, rest, copies = window, None, None
-        if self.device is None:
+        packed, rest, copies, units = window, None, None, None
+        if self.device is not None:  # pages of a pool: unit runs (the indexed copy), else by addresses
+            pieces = region_pieces(src, nbytes, self._sources)
+            if pieces is not None and all(p.counts is None for p in pieces):
+                units = unit_runs(pieces, self._mem.regions)
+            elif not self._sources.locate(src, nbytes)[1].all():
+                return None  # a source outside the GPU memory this buffer stages (a plan built elsewhere)
+        else:
+            regions, inside = self._sources.locate(src, nbytes)
+            if not inside.all():
+                return None  # a source outside the memory this buffer stages (another kind or GPU, or a plan built elsewhere)
             order, copies = pack(src, nbytes, regions)
             if len(order) < 2:
                 return None  # odd sizes or offsets: the index arrays would outgrow the descriptors
@@ -170,9 +177,12 @@ class Staging:
             self.peak = max(self.peak, self.region.nbytes // self.slice_bytes - len(self._free))
         try:
             start = slot * self.slice_bytes
-            if copies is None:  # one launch, complete on return (core/transfer/device.py)
+            if copies is None:  # one indexed copy or launch, complete on return (core/transfer/device.py)
                 assert self.device is not None
-                self.device.copy.gather(src, nbytes, self.region.addr + start, self.device.index)
+                if units is not None:
+                    self.device.copy.gather_units(units, self.region.addr + start, self.device.index)
+                else:
+                    self.device.copy.gather(src, nbytes, self.region.addr + start, self.device.index)
             else:
                 gather_into(self._buf[start:start + packed.total_bytes], copies)
             runs = runs_of(self.region.addr + start, packed)

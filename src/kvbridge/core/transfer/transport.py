@@ -32,6 +32,7 @@ from .lanes import FENCE_BATCH_BYTES, FENCE_BATCH_DESCRIPTORS, Lane, Route, back
 from .backend import _checkpoint, _live, Backend, BackendConfig, TransferError, host_id
 from ..description.layout import Region, StagingOffer
 from ..planning.regions import RegionTable
+from ..planning.stage_index import RegionPieces
 from ..planning.transferplan import Memory, TransferPlan
 from ..description.plugins import PluginError, get_registry, import_object
 from ..description.records import BackendCapabilities, BackendSpec, assign_options
@@ -124,14 +125,14 @@ class Transport(LaneWrites):
                     extra.append(device_stage.region)
                 else:  # decode's one offer lends GPU slots: its host regions' windows go as planned
                     size = self.device_slice_bytes
-                    self.landing = Landing(mine, device_slots(size), size, device=gpu[1])
+                    self.landing = Landing(mine, device_slots(size), size, device=gpu[1], order=regions)
                     extra.append(self.landing.region)
             if not staged and "dram" in caps.memory_kinds and caps.host_staging:
                 if sends:
                     stage = staging.Staging(mine, staging.SLICES, staging.SLICE_BYTES)
                     extra.append(stage.region)
                 elif self.staging_mode in ("auto", "on") and gpu is None:  # gather: prefill's side only
-                    self.landing = Landing(mine, slice_bytes=staging.SLICE_BYTES)
+                    self.landing = Landing(mine, slice_bytes=staging.SLICE_BYTES, order=regions)
                     extra.append(self.landing.region)
             staged = staged or "dram" in caps.memory_kinds
             lane.backend.register([*mine, *extra])
@@ -195,8 +196,8 @@ class Transport(LaneWrites):
         state.same_host = host == self.host
         state.slots = None
         if staging_offer is not None and self._usable(staging_offer, state.same_host):  # used where staging_mode allows
+            state.slots = relay.RemoteSlots(staging_offer, regions)  # regions as Staged names them
             regions = [*regions, staging_offer.region]
-            state.slots = relay.RemoteSlots(staging_offer)
         if len(self.lanes) == 1:  # nothing to share out: the backend takes the peer or refuses it
             self.lanes[0].backend.add_peer(peer, metadata.get(self.lanes[0].name, b""), regions)
             self._state(peer).route = make_route(np.zeros((len(self._regions), len(regions)), np.int64), self._local,
@@ -282,13 +283,14 @@ class Transport(LaneWrites):
         return state is not None and state.slots is not None and state.slots.give_back(slot)
 
     def write(self, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None = None,
-              announce: Callable[[int, TransferPlan], None] | None = None) -> None:
+              announce: Callable[[int, list[RegionPieces]], None] | None = None) -> None:
         """Write a validated ``plan`` into ``peer``, each part through its lane, batch by batch; the
         deadline and ``live()`` are checked before each batch.
 
         ``announce(slot, pieces)``: tells the peer a window landed in its staging ``slot``, to be
-        scattered to ``pieces`` (destination addresses and sizes); staging on both sides is used only
-        when given (the caller names the rooms: ``P.Staged``).
+        scattered to ``pieces`` (runs of pieces in its regions, numbered as ``add_peer`` was given them,
+        in unit offsets: ``stage_index.RegionPieces``); staging on both sides is used only when given
+        (the caller names the rooms: ``P.Staged``).
 
         Raises :class:`TransferTimeout` once the deadline has passed and
         :class:`TransferCancelled` once ``live()`` is false (no further batch

@@ -20,6 +20,7 @@ from . import relay, staging
 from .backend import TransferCancelled, TransferError, TransferTimeout
 from .lanes import Lane, Route
 from .pipeline import Pipeline, Wait
+from ..planning.stage_index import RegionPieces
 from ..planning.transferplan import Memory, TransferPlan
 
 __all__ = ["RESET_GRACE", "STAGED_IN_FLIGHT", "LaneWrites"]
@@ -72,7 +73,7 @@ class LaneWrites:
     reset: Callable[..., None]
 
     def _write_lane(self, lane: Lane, peer: str, plan: TransferPlan, deadline: float, live: Callable[[], bool] | None,
-                    memory: Memory | None, announce: Callable[[int, TransferPlan], None] | None = None) -> None:
+                    memory: Memory | None, announce: Callable[[int, list[RegionPieces]], None] | None = None) -> None:
         """``plan`` through ``lane``, batch by batch, each batch told where its descriptors are (``memory``);
         up to ``lane.in_flight`` batches posted at once (``core/transfer/pipeline.py``), the fence checked before each.
         Up to :data:`STAGED_IN_FLIGHT` staged windows in flight: the next window is gathered and posted while
@@ -83,8 +84,9 @@ class LaneWrites:
             return
         pipe = Pipeline(lane.in_flight, lane.capabilities.max_descriptors_in_flight)
         posted = 0
-        #: Staged windows posted and not landed yet, oldest first: (window, the decode slot it went to).
-        flying: deque[tuple[staging.Staged, int | None]] = deque()
+        #: Staged windows posted and not landed yet, oldest first: (window, the decode slot it went to, where
+        #: decode scatters it: ``Staged``'s pieces).
+        flying: deque[tuple[staging.Staged, int | None, list[RegionPieces] | None]] = deque()
         #: The write stopped at a check (deadline, room) and every batch in flight then landed: the decode slots
         #: of the windows in flight hold nothing the engine may still write, so they are given back, not retired.
         stopped = clean = False
@@ -139,12 +141,12 @@ class LaneWrites:
 
         def landed() -> None:
             """The oldest staged window landed: its slice is free, and decode is told to scatter its slot."""
-            staged, slot = flying.popleft()
+            staged, slot, pieces = flying.popleft()
             staged.release()
             if slot is not None:
-                assert slots is not None and announce is not None
+                assert slots is not None and announce is not None and pieces is not None
                 try:
-                    announce(slot, relay.runs(staged.window))
+                    announce(slot, pieces)
                 except BaseException:
                     slots.give_back(slot)
                     raise
@@ -153,7 +155,7 @@ class LaneWrites:
             """Before bytes are posted into place: every window staged to this peer before them is scattered
             (a layer-wise write rewriting a page an earlier chunk's staged window ended in must not land under
             that window's later scatter), this write's own included."""
-            if earlier is not None and (any(slot is not None for _, slot in flying) or not earlier.idle()):
+            if earlier is not None and (any(slot is not None for _, slot, _ in flying) or not earlier.idle()):
                 settle()
                 earlier.settle(check)
 
@@ -186,7 +188,7 @@ class LaneWrites:
                 mode = "auto" if self.staging_mode == "gather" else self.staging_mode  # gather: auto without slots
                 how = ("direct" if not stages else relay.choose_device(window, mode) if gpu
                        else relay.choose(window, mode, state.same_host, slots is not None))
-                staged = slot = None
+                staged = slot = pieces = None
                 if how != "direct":
                     assert stager is not None
                     # At most STAGED_IN_FLIGHT windows (slices) in flight; one more waits for the oldest to land.
@@ -195,7 +197,7 @@ class LaneWrites:
                 if how == "both":
                     assert slots is not None and stager is not None
                     # A slot is free again once decode scattered it: the windows in flight keep one free to wait for.
-                    while flying and sum(s is not None for _, s in flying) >= slots.usable():
+                    while flying and sum(s is not None for _, s, _ in flying) >= slots.usable():
                         guarded(lambda: pipe.wait_oldest(deadline))
                     # No slot free: one comes back only after decode scattered a window, and a window is announced
                     # once this thread sees it land. Waiting for those in flight first tells decode as they land;
@@ -214,7 +216,13 @@ class LaneWrites:
                             raise
                         staged = (early.aim(slots.address(slot)) if early is not None
                                   else stager.stage_to(window, slots.address(slot)))
-                        if staged is None:
+                        # Where decode scatters it, said in its regions' units; a window that cannot be said
+                        # so (a piece past uint32 units, too many runs) is written as planned.
+                        pieces = slots.pieces(staged.window) if staged is not None else None
+                        if pieces is None:
+                            if staged is not None:
+                                staged.release()
+                                staged = None
                             slots.give_back(slot)
                             slot = None
                 elif how == "gather":
@@ -234,7 +242,7 @@ class LaneWrites:
                     where = where._replace(dst_kind=landing.mem, dst_device=landing.device)
                 else:
                     into_place()
-                flying.append((staged, slot))
+                flying.append((staged, slot, pieces))
                 batches = lane.batches(staged.runs)  # a window of two fence batches (GPU) is posted as two
                 for i, batch in enumerate(batches):  # the slice is reused once the engine reads it no more
                     post(batch, where, then=landed if i == len(batches) - 1 else None)
@@ -247,7 +255,7 @@ class LaneWrites:
             if pipe.pending:  # the engine reads no staged slice any more once every batch was waited for
                 clean = pipe.abandon(deadline) and stopped
             while flying:
-                staged, slot = flying.popleft()
+                staged, slot, _ = flying.popleft()
                 staged.release()
                 if slot is not None:  # a failed write keeps it (bytes may still land there) unless all landed
                     slots.give_back(slot) if clean else slots.retire()  # type: ignore[union-attr]
