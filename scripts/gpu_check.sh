@@ -117,9 +117,11 @@ if want cold; then
       | grep -E "latency|TTFT|result|Error|error" | tee -a "$OUT/cold.txt" || rc=1
   done
 fi
-# GPU staging kernels (kvbridge.plugins.cuda_ipc.staging): the byte-exact test on the device, then one gather and
-# one scatter launch per 64 MiB window of 4 KiB .. 1 MiB pieces beside a contiguous D2D copy.
-want staging && { python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_staging.py 2>&1 | tee "$OUT/staging-tests.log" || rc=1
+# GPU staging kernels (kvbridge.plugins.cuda_ipc.staging) and the device seam (kvbridge.staging_torch: unit runs, as
+# Staged says a window, and piece addresses): the byte-exact tests on the device, then one gather and one scatter per
+# window of 4 KiB .. 1 MiB pieces (32 and 256 MiB) beside a contiguous D2D copy, the seam by unit runs beside by address.
+want staging && { python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_staging.py tests/test_gpu_staging_wired.py \
+  -k "not sweep and not nixl" 2>&1 | tee "$OUT/staging-tests.log" || rc=1
 for w in 32 256; do  # the kernels and the write path's whole call per window (seam), per window size
   python3 benchmarks/gpu_staging_bench.py --window-mib "$w" --json > "$OUT/staging-$w.json" 2>> "$OUT/staging.txt" || rc=1
 done
