@@ -92,8 +92,8 @@ def window_row(n: int) -> dict[str, Any]:
         "encode_ms": cpu_ms(lambda: P.encode(msg), reps), "seal_open_ms": cpu_ms(seal_open, reps),
         "decode_ms": cpu_ms(lambda: P.decode(data), reps), "check_ms": cpu_ms(lambda: landing._runs(msg.pieces), reps),
         "scatter_ms": cpu_ms(lambda: landing.scatter("p", msg), reps), "bare_copy_ms": cpu_ms(bare, reps),
-        "seam_prep_ms": cpu_ms(lambda: [r.index.astype(np.int64, copy=False) for r in runs], reps),
-        "gather_prep_ms": cpu_ms(lambda: [r.index.astype(np.int64, copy=False) for r in unit_runs(
+        "seam_prep_ms": cpu_ms(lambda: [r.offsets.astype(np.int64, copy=False) for r in runs], reps),
+        "gather_prep_ms": cpu_ms(lambda: [r.offsets.astype(np.int64, copy=False) for r in unit_runs(
             region_pieces(window.dst_addr, window.nbytes, table) or [], [region])], reps),
     }
     row["verified"] = bool(np.array_equal(pages[where].ravel(), held))

@@ -7,8 +7,8 @@ window was scattered may reach SUCCESS right after.
 
 A window given as unit runs (:func:`gather_units`, :func:`scatter_units`: a decode scatter,
 a prefill gather of pages of a pool) is copied with torch's own ``index_select`` /
-``index_copy_`` over a view of each run's region as rows of one unit, its index straight
-from the run (no table). A window given as piece addresses (:func:`gather`, :func:`scatter`)
+``index_copy_`` over a view of each run's region as rows of one unit, indexed straight
+by the run's unit offsets (no table). A window given as piece addresses (:func:`gather`, :func:`scatter`)
 is turned into a unit table (:func:`kvbridge.plugins.cuda_ipc.staging.unit_table`) and
 copied the same way when every unit lies a whole number of units from the lowest one, else
 with the Triton kernel over the table's addresses: on an H200 the Triton launch alone cost
@@ -86,9 +86,9 @@ def _one_view(runs: Sequence[UnitRun]) -> list[UnitRun]:
     unit, lo = runs[0].unit, min(r.base for r in runs)
     if any(r.unit != unit or (r.base - lo) % unit for r in runs):
         return list(runs)
-    index = np.concatenate([r.index.astype(np.int64) + (r.base - lo) // unit for r in runs])
+    offsets = np.concatenate([r.offsets.astype(np.int64) + (r.base - lo) // unit for r in runs])
     span = max((r.base - lo) // unit + r.span for r in runs)
-    return [UnitRun(lo, unit, index, runs[0].start, span)]
+    return [UnitRun(lo, unit, offsets, runs[0].start, span)]
 
 
 def _units(runs: Sequence[UnitRun], slice_addr: int, device: int, to_slice: bool) -> None:
@@ -100,8 +100,8 @@ def _units(runs: Sequence[UnitRun], slice_addr: int, device: int, to_slice: bool
             low = r.base | r.unit | at | 8
             width = low & -low  # the widest element (up to 8 bytes) every row's start is aligned to
             memory = _rows(r.base, r.span, r.unit, width, where)
-            packed = _rows(at, len(r.index), r.unit, width, where)
-            index = torch.from_numpy(r.index.astype(np.int64, copy=False)).to(where, non_blocking=True)
+            packed = _rows(at, len(r.offsets), r.unit, width, where)
+            index = torch.from_numpy(r.offsets.astype(np.int64, copy=False)).to(where, non_blocking=True)
             if to_slice:
                 torch.index_select(memory, 0, index, out=packed)
             else:

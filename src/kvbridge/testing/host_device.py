@@ -70,11 +70,11 @@ def scatter(slice_addr: int, dst: IntArray, nbytes: IntArray, device: int) -> No
 def _units(runs: Sequence[UnitRun], slice_addr: int, to_slice: bool) -> None:
     for r in runs:
         memory = np.asarray(_Raw(r.base, r.span * r.unit, r.unit))
-        packed = np.asarray(_Raw(slice_addr + r.start, len(r.index) * r.unit, r.unit))
+        packed = np.asarray(_Raw(slice_addr + r.start, len(r.offsets) * r.unit, r.unit))
         if to_slice:
-            packed[:] = memory[r.index]
+            packed[:] = memory[r.offsets]
         else:
-            memory[r.index] = packed
+            memory[r.offsets] = packed
 
 
 def gather_units(runs: Sequence[UnitRun], slice_addr: int, device: int) -> None:

@@ -200,13 +200,13 @@ def expand(offsets: npt.NDArray[Any], counts: npt.NDArray[Any] | None) -> npt.ND
 
 class UnitRun(NamedTuple):
     """Pieces of one region packed back to back in a slice from byte ``start``: unit ``k`` of the slice from
-    there is unit ``index[k]`` (``unit`` bytes each) of the memory at ``base``, which holds ``span`` units.
+    there is unit ``offsets[k]`` (``unit`` bytes each) of the memory at ``base``, which holds ``span`` units.
     A gather or scatter of such runs is one copy per run over a view of the region (host: :func:`put_units`;
     GPU: the device seam, ``kvbridge.core.transfer.device``)."""
 
     base: int
     unit: int
-    index: npt.NDArray[Any]
+    offsets: npt.NDArray[Any]
     start: int
     span: int
 
@@ -216,9 +216,9 @@ def unit_runs(pieces: Sequence[RegionPieces], regions: Sequence[Region]) -> list
     runs, start = [], 0
     for p in pieces:
         r = regions[p.region]
-        index = expand(p.offsets, p.counts)
-        runs.append(UnitRun(r.addr, p.unit, index, start, r.nbytes // p.unit))
-        start += len(index) * p.unit
+        offsets = expand(p.offsets, p.counts)
+        runs.append(UnitRun(r.addr, p.unit, offsets, start, r.nbytes // p.unit))
+        start += len(offsets) * p.unit
     return runs
 
 
@@ -226,5 +226,5 @@ def put_units(slice_: npt.NDArray[np.uint8], runs: Sequence[UnitRun]) -> None:
     """Copy each run's units from ``slice_`` (host memory) into place: one fancy assignment per run, from the
     slice as it lies."""
     for r in runs:
-        near = slice_[r.start:r.start + len(r.index) * r.unit].view(f"V{r.unit}")
-        np.asarray(_Raw(r.base, r.span, r.unit))[r.index] = near
+        near = slice_[r.start:r.start + len(r.offsets) * r.unit].view(f"V{r.unit}")
+        np.asarray(_Raw(r.base, r.span, r.unit))[r.offsets] = near

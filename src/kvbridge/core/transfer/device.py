@@ -8,10 +8,11 @@ hosts: ``Transport.register``), as the checksum's ``DEVICE_MODULE``
 (:mod:`kvbridge.core.sessions.wmix`) is. The module provides the functions of
 :class:`DeviceCopy`: the copies take a window as unit runs
 (:class:`~kvbridge.core.planning.stage_index.UnitRun`: a region's base, a unit and
-the index of each unit, so the copy is an indexed copy over rows of the region)
+each unit's offset in units, so the copy is an indexed copy over rows of the region)
 where the window is such runs (a decode scatter always, a prefill gather of pages
-of a pool), or as piece addresses and sizes (a gather of anything else); :mod:`kvbridge.staging_torch` is the one shipped (the
-``cuda_ipc`` plugin's Triton kernels), :mod:`kvbridge.testing.host_device` a numpy
+of a pool), or as piece addresses and sizes (a gather of anything else).
+:mod:`kvbridge.staging_torch` is the one shipped (torch's indexed copies, the
+``cuda_ipc`` plugin's Triton kernel), :mod:`kvbridge.testing.host_device` a numpy
 stand-in the CPU tests put in its place.
 
 Every call returns once the copy is complete on the device: a gathered slice is read
