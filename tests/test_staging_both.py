@@ -344,6 +344,20 @@ def test_scattered_small_pages_are_staged_on_both_sides_and_land_byte_exact(pair
     assert landing["lent"] * landing["slice_bytes"] <= 2 * landing["slice_bytes"], "2 slices for the one prefill rank"
 
 
+def test_a_window_whose_pieces_cannot_be_said_in_units_is_written_as_planned_and_frees_its_slice_and_slot(
+        pair, monkeypatch) -> None:
+    # What region_pieces refuses (a piece past 2**32 units, more runs than Staged holds): as planned instead.
+    monkeypatch.setattr(RemoteSlots, "pieces", lambda self, window: None)
+    sender, recv, src, dst, pm, dm = pair("on")
+    assert recv.poll() == Poll.SUCCESS and sender.poll() == Poll.SUCCESS, recv.failure()
+    assert landed(src, dst)
+    staged = pm.transport.describe()["staging"]
+    assert staged["windows_by_choice"]["both"] == 0 and staged["windows_by_choice"]["direct"] > 0
+    assert dm.transport.describe()["landing"]["windows"] == 0
+    assert all(lane.staging is None or lane.staging.free() == staging_mod.SLICES for lane in pm.transport.lanes)
+    assert all(p.slots is None or p.slots.free() == SLOTS_PER_PEER for p in pm.transport._peers.values())
+
+
 def test_staging_off_writes_every_page_as_planned_and_registers_no_staging_memory(pair) -> None:
     sender, recv, src, dst, pm, dm = pair("off")
     assert recv.poll() == Poll.SUCCESS and landed(src, dst)
