@@ -4,7 +4,7 @@ The CPU tests set ``kvbridge.core.transfer.device.DEVICE_MODULE`` to this module
 regions ``vram``: core then takes the GPU staging path (its decision, windows, ``Staged``
 announcements, the scatter under decode's lock) with numpy doing what the kernels do. Unit runs
 are copied as :mod:`kvbridge.staging_torch` copies them (rows of one unit of a view of the
-region, indexed by the run's index); pieces given by address through the kernels' own index
+region, indexed by the run's unit offsets); a gather by piece address through the kernels' own index
 arithmetic (:func:`kvbridge.plugins.cuda_ipc.staging.unit_table`), applied with whole-array numpy
 over raw views. ``calls`` counts the copies, so a test can tell which ran.
 """
@@ -21,11 +21,11 @@ import numpy.typing as npt
 from kvbridge.core.planning.stage_index import UnitRun
 from kvbridge.plugins.cuda_ipc.staging import unit_table
 
-__all__ = ["alloc", "calls", "gather", "gather_units", "scatter", "scatter_units"]
+__all__ = ["alloc", "calls", "gather", "gather_units", "scatter_units"]
 
 IntArray = npt.NDArray[np.int64]
 
-#: Copies made, by name ("alloc", "gather", "gather_units", "scatter", "scatter_units").
+#: Copies made, by name ("alloc", "gather", "gather_units", "scatter_units").
 calls: Counter[str] = Counter()
 
 
@@ -42,29 +42,15 @@ def alloc(nbytes: int, device: int) -> tuple[int, Any]:
     return buf.ctypes.data, buf
 
 
-def _copy(addr: IntArray, nbytes: IntArray, slice_addr: int, to_slice: bool) -> None:
-    table = unit_table(addr, np.cumsum(nbytes) - nbytes, nbytes)
+def gather(src: IntArray, nbytes: IntArray, slice_addr: int, device: int) -> None:
+    calls["gather"] += 1
+    table = unit_table(src, np.cumsum(nbytes) - nbytes, nbytes)
     lo = int(min(int(table.far.min()), slice_addr))
     hi = int(max(int(table.far.max()), slice_addr + int(table.near.max()))) + table.unit
     # One view over the span holding every piece and the slice; each unit's bytes as one row.
     mem = np.asarray(_Raw(lo, hi - lo)).ravel()
     cols = np.arange(table.unit, dtype=np.int64)
-    far = (table.far - lo)[:, None] + cols
-    near = (slice_addr - lo + table.near)[:, None] + cols
-    if to_slice:
-        mem[near] = mem[far]
-    else:
-        mem[far] = mem[near]
-
-
-def gather(src: IntArray, nbytes: IntArray, slice_addr: int, device: int) -> None:
-    calls["gather"] += 1
-    _copy(src, nbytes, slice_addr, True)
-
-
-def scatter(slice_addr: int, dst: IntArray, nbytes: IntArray, device: int) -> None:
-    calls["scatter"] += 1
-    _copy(dst, nbytes, slice_addr, False)
+    mem[(slice_addr - lo + table.near)[:, None] + cols] = mem[(table.far - lo)[:, None] + cols]
 
 
 def _units(runs: Sequence[UnitRun], slice_addr: int, to_slice: bool) -> None:
