@@ -190,6 +190,19 @@ def test_staged_pieces_are_unit_offsets_in_the_peers_regions_numbered_as_its_hel
                                      np.array([4096], np.int64))) is None
 
 
+def test_a_window_decode_would_scatter_in_tiny_units_is_not_said_but_one_of_runs_of_pages_is() -> None:
+    # 4 KiB pieces 2 bytes off their pages: a 2-byte unit, 2,048 a piece (written as planned); runs of 1 to 16
+    # pages: a page's unit, several a piece (said, with a count a piece).
+    k = Region(name="k", addr=1 << 20, nbytes=1 << 20, stride=4096, role="k", index_space="kv_page")
+    slots = RemoteSlots(_offer(), [k])
+    odd = k.addr + np.array([3, 9, 1, 40], np.int64) * 4096 + 2
+    assert slots.pieces(TransferPlan(np.zeros(4, np.int64), odd, np.full(4, 4096, np.int64))) is None
+    runs = TransferPlan(np.zeros(3, np.int64), k.addr + np.array([0, 100, 20], np.int64) * 4096,
+                        np.array([16, 1, 8], np.int64) * 4096)
+    (one,) = slots.pieces(runs) or []
+    assert (one.unit, one.offsets.tolist(), one.counts.tolist()) == (4096, [0, 100, 20], [16, 1, 8])
+
+
 def test_a_window_of_more_runs_than_a_staged_message_holds_is_not_said_in_units() -> None:
     regions = [Region(name=f"r{i}", addr=(i + 1) << 20, nbytes=4096, stride=4096, role="state", index_space="s")
                for i in range(2)]

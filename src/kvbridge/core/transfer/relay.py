@@ -37,10 +37,10 @@ import numpy as np
 
 from ..description.layout import Region, StagingOffer
 from ..planning.regions import RegionTable
-from ..planning.stage_index import RegionPieces, region_pieces
+from ..planning.stage_index import MAX_UNITS_PER_PIECE, RegionPieces, region_pieces
 from ..planning.transferplan import TransferPlan
 
-__all__ = ["MODES", "MAX_PIECE", "MAX_PIECE_DEVICE", "MAX_PIECE_REMOTE", "REMOTE_WINDOW_DESCRIPTORS", "RemoteSlots",
+__all__ = ["MODES", "MAX_PIECE", "MAX_PIECE_DEVICE", "MAX_PIECE_REMOTE", "MIN_UNIT", "REMOTE_WINDOW_DESCRIPTORS", "RemoteSlots",
            "choose", "choose_device"]
 
 #: ``SessionConfig.staging`` values.
@@ -65,6 +65,8 @@ REMOTE_WINDOW_DESCRIPTORS = 65536
 #: the destination leaves average at least this many bytes; below that, with slots lent, both sides
 #: (measured, ucx, head slices TP 1 -> 2 of 64 KiB pages: 32 KiB runs gathered 0.38 GB/s, both sides 0.72).
 GATHER_RUN = 64 << 10
+#: Smallest mean unit (bytes) decode scatters a window of several units a piece in (:meth:`RemoteSlots.pieces`).
+MIN_UNIT = 256
 #: How often a write waiting for a free decode slot checks its deadline and room.
 SLOT_POLL = 0.01
 
@@ -118,8 +120,16 @@ class RemoteSlots:
     def pieces(self, window: TransferPlan) -> list[RegionPieces] | None:
         """Where the pieces of a window gathered back to back go, as ``Staged`` says it: runs of pieces in one of
         the peer's regions, in unit offsets (:func:`~kvbridge.core.planning.stage_index.region_pieces`); None when
-        they cannot be said so (a piece outside the peer's regions, too many runs, offsets past uint32)."""
-        return region_pieces(window.dst_addr, window.nbytes, self.table)
+        they cannot be said so (a piece outside the peer's regions, too many runs, offsets past uint32) or decode
+        would scatter units smaller than :data:`MIN_UNIT` on average, more than ``MAX_UNITS_PER_PIECE`` a piece
+        (destinations at odd offsets: its index of units would outgrow the bytes it moves)."""
+        pieces = region_pieces(window.dst_addr, window.nbytes, self.table)
+        if pieces is None:
+            return None
+        units = sum(len(p.offsets) if p.counts is None else int(p.counts.sum(dtype=np.int64)) for p in pieces)
+        if units > MAX_UNITS_PER_PIECE * len(window) and window.total_bytes < units * MIN_UNIT:
+            return None
+        return pieces
 
     def take(self, check: Callable[[str], None]) -> int:
         """A free slot, waiting for decode to give one back; ``check(where)`` raises when the write's
