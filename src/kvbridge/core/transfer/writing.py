@@ -217,7 +217,7 @@ class LaneWrites:
                         staged = (early.aim(slots.address(slot)) if early is not None
                                   else stager.stage_to(window, slots.address(slot)))
                         # Where decode scatters it, said in its regions' units; a window that cannot be said
-                        # so (a piece past uint32 units, too many runs) is written as planned.
+                        # so (RemoteSlots.pieces) is written as planned.
                         pieces = slots.pieces(staged.window) if staged is not None else None
                         if pieces is None:
                             if staged is not None:
