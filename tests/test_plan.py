@@ -247,7 +247,12 @@ def test_unexpanded_plans_batch_exactly_like_their_expanded_arrays(pair, entries
     ref = [list(zip(b.src_addr.tolist(), b.dst_addr.tolist(), b.nbytes.tolist()))
            for b in expanded.batches(max_desc, max_bytes)]
     assert got == ref
+    # Read as Python tuples (small plans: a backend's descriptor lists, a metadata row), unexpanded, and each
+    # batch too: the same descriptors as the expanded arrays, in order.
+    assert lazy.descriptors() == want
+    assert [b.descriptors() for b in lazy.batches(max_desc, max_bytes)] == ref
     assert list(zip(lazy.src_addr.tolist(), lazy.dst_addr.tolist(), lazy.nbytes.tolist())) == want
+    assert lazy.descriptors() == want and expanded.descriptors() == want
 
 
 @pytest.mark.parametrize("fragmented", [True, False])
@@ -439,3 +444,25 @@ def test_a_destination_list_counted_on_arrival_plans_as_one_counted_when_plannin
     bases = [r.addr for r in route.src.regions], [r.addr for r in route.dst.regions]
     assert list(zip(a.src_addr.tolist(), a.dst_addr.tolist(), a.nbytes.tolist())) == oracle_descriptors(
         *bases, [128, 128], src.tolist(), dst.tolist())
+
+
+@pytest.mark.parametrize("items", [[4096], [512, 512], [48, 48, 48]])
+def test_a_one_index_plan_is_planned_like_a_scattered_one_and_gives_the_runs_planners_descriptors(items):
+    # One index coalesces nothing: its plan's columns are the index lists in items, as a scattered plan's,
+    # with no run columns computed (a 1-page request's fast path, #27). It must give the descriptors, bytes
+    # and hints the runs planner gives a list of one (its own columns in bytes), and the oracle's.
+    src_bases, dst_bases = [(1 << 30) * (e + 1) for e in range(len(items))], [(1 << 40) * (e + 1) for e in range(len(items))]
+    plan = plan_pages(src_bases, dst_bases, items, [7], [3])
+    it = items[0]
+    assert plan.units() == [it] and plan.hints() == [(it & -it, it)]
+    (_, _, cols_s, cols_d, sizes), = plan.factors(in_units=True)
+    assert (cols_s.tolist(), cols_d.tolist(), sizes.tolist()) == ([7], [3], [it])
+    runs_s, runs_d, runs_n = coalesce_runs([7], [3])  # the runs planner's columns, in items
+    (_, _, b_cols_s, b_cols_d, b_sizes), = plan.factors()
+    assert (b_cols_s.tolist(), b_cols_d.tolist(), b_sizes.tolist()) == (
+        (runs_s * it).tolist(), (runs_d * it).tolist(), (runs_n * it).tolist())
+    want = oracle_descriptors(src_bases, dst_bases, items, [7], [3])
+    assert plan.descriptors() == want and plan.total_bytes == sum(items)
+    assert list(zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.nbytes.tolist())) == want
+    with pytest.raises(ValueError):  # the size column is shared by every such plan: nobody may change it
+        sizes[0] = 1

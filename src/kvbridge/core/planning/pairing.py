@@ -116,7 +116,7 @@ class Route:
         descriptors are added to it per state type (``state_type -> (bytes,
         descriptors)``), only once the plan is valid.
         """
-        if set(src_indices) != set(dst_indices):
+        if src_indices.keys() != dst_indices.keys():
             raise PlanError(
                 f"source index spaces {sorted(src_indices)} differ from destination {sorted(dst_indices)}"
             )
@@ -128,12 +128,14 @@ class Route:
                 raise PlanError(f"no paired regions use index space {space!r} (paired: {sorted(self.spaces)})")
             s = Indices.check(f"source {space} index", src_idx, sr.src_count)
             d = Indices.check(f"destination {space} index", dst_indices[space], sr.dst_count, unique=True)
-            if len(s) != len(d):
-                raise PlanError(f"{space}: {len(s)} source indices but {len(d)} destination indices")
+            n = len(s)
+            if n != len(d):
+                raise PlanError(f"{space}: {n} source indices but {len(d)} destination indices")
             for g in sr.groups:
-                plans.append(g.plan(s, d))
+                p = g.plan(s, d)
+                plans.append(p)
                 if totals is not None:
-                    counted.append((g.state_type, len(s) * g.index_nbytes, len(plans[-1])))
+                    counted.append((g.state_type, n * g.index_nbytes, len(p)))
         # Every descriptor is inside its regions: its indices were checked against the
         # index spaces just above, and pair_layouts proved that every index of those
         # spaces, with every segment, lies inside every region of its group. That

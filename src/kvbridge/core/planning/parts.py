@@ -100,6 +100,14 @@ class OuterPart:
             return pieces[0]
         return tuple(np.concatenate(p) for p in zip(*pieces))  # type: ignore[return-value]
 
+    def descriptors(self) -> list[tuple[int, int, int]]:
+        """Every descriptor as ``(src, dst, nbytes)`` Python ints, row-major as :meth:`arrays`: a small
+        plan's in one Python pass, without the ten numpy calls of expanding it (#27)."""
+        u = self.unit
+        cols = list(zip(self.src_cols.tolist(), self.dst_cols.tolist(), self.col_nbytes.tolist()))
+        return [(a + c * u, b + d * u, n) for a, b in zip(self.src_rows.tolist(), self.dst_rows.tolist())
+                for c, d, n in cols]
+
     def _block(self, r0: int, r1: int, c0: int, c1: int) -> tuple[IntArray, IntArray, IntArray]:
         # One pass per output array: each is written once, no temporaries of its size.
         shape = (r1 - r0, c1 - c0)
@@ -149,6 +157,9 @@ class ArrayPart:
 
     def arrays(self, lo: int, hi: int) -> tuple[IntArray, IntArray, IntArray]:
         return self.src[lo:hi], self.dst[lo:hi], self.nbytes[lo:hi]
+
+    def descriptors(self) -> list[tuple[int, int, int]]:
+        return list(zip(self.src.tolist(), self.dst.tolist(), self.nbytes.tolist()))
 
 
 Part = Union[ArrayPart, OuterPart]

@@ -82,14 +82,20 @@ class TransferPlan:
         # what they hold (_arrays swaps them for the same descriptors as arrays).
         self._len = int(n[0])
         self._bytes: int | None = None
+        self._tuples: list[tuple[int, int, int]] | None = None
 
     @classmethod
     def _of(cls, parts: Sequence[Part]) -> TransferPlan:
         plan = cls.__new__(cls)
-        plan._parts = tuple(p for p in parts if len(p))
+        if len(parts) == 1:  # a planner's one part (most plans): no generators
+            n = len(parts[0])
+            plan._parts, plan._len = (tuple(parts) if n else ()), n
+        else:
+            plan._parts = tuple(p for p in parts if len(p))
+            plan._len = sum(len(p) for p in plan._parts)
         plan._expanded = None
-        plan._len = sum(len(p) for p in plan._parts)
         plan._bytes = None
+        plan._tuples = None
         return plan
 
     @classmethod
@@ -154,6 +160,14 @@ class TransferPlan:
         if self._bytes is None:
             self._bytes = sum(p.total_bytes for p in self._parts)
         return self._bytes
+
+    def descriptors(self) -> list[tuple[int, int, int]]:
+        """Every descriptor as ``(src_addr, dst_addr, nbytes)`` Python ints, in order; kept (a plan never
+        changes). For small plans read by Python (a backend's descriptor tuples, a metadata row read on the
+        CPU): an outer-sum plan is not expanded into arrays first (a 1-page request's ten numpy calls, #27)."""
+        if self._tuples is None:
+            self._tuples = [d for p in self._parts for d in p.descriptors()]
+        return self._tuples
 
     @property
     def max_nbytes(self) -> int:

@@ -54,8 +54,7 @@ def inline_row(route: Route, limit: int) -> bool:
 
 def read_row(plan: TransferPlan, row: int) -> P.MetadataRow:
     """Prefill: the source bytes of ``plan`` (one metadata row, host memory), each with its destination address."""
-    pieces = tuple((int(d), ctypes.string_at(int(s), int(n)))
-                   for s, d, n in zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.nbytes.tolist()))
+    pieces = tuple((d, ctypes.string_at(s, n)) for s, d, n in plan.descriptors())
     return P.MetadataRow(row=row, pieces=pieces)
 
 

@@ -215,10 +215,10 @@ class NixlBackend(NixlPeers, Backend):
                 return agent.make_prepped_xfer("WRITE", self._local.handle, indices[0], p.table.handle, indices[1])
         n = len(plan)
         if 0 < n <= SMALL_BATCH:  # a chunk of a small request or a metadata row: tuples cost half of two arrays
-            nbytes = plan.nbytes.tolist()
+            descs = plan.descriptors()
             return agent.initialize_xfer(
-                "WRITE", agent.get_xfer_descs([(a, k, src[1]) for a, k in zip(plan.src_addr.tolist(), nbytes)], mem_type(src[0])),
-                agent.get_xfer_descs([(a, k, dst[1]) for a, k in zip(plan.dst_addr.tolist(), nbytes)], mem_type(dst[0])), p.agent
+                "WRITE", agent.get_xfer_descs([(a, k, src[1]) for a, _, k in descs], mem_type(src[0])),
+                agent.get_xfer_descs([(b, k, dst[1]) for _, b, k in descs], mem_type(dst[0])), p.agent
             )
         local, remote = np.zeros((n, 3), np.uint64), np.zeros((n, 3), np.uint64)
         local[:, 0], remote[:, 0] = plan.src_addr, plan.dst_addr
