@@ -49,11 +49,15 @@ class Changes(threading.Condition):
         super().__init__(threading.Lock())
 
     def wake(self) -> None:
-        """``notify_all()`` under the lock, if a thread waits. A waiter joins the list under the lock, after
-        it found the state unchanged: checked under the lock, none is missed."""
+        """``notify_all()`` under the lock: each waiter's lock released and taken off the list, without
+        ``notify``'s checks and per-waiter ``remove`` (run on the I/O thread just before the woken host
+        needs the GIL it holds: #27). A waiter joins the list under the lock, after it found the state
+        unchanged: checked under the lock, none is missed. One that timed out meanwhile finds itself off
+        the list (``Condition.wait`` allows for that)."""
         with self._lock:  # type: ignore[attr-defined]
-            if self._waiters:  # type: ignore[attr-defined]
-                self.notify_all()
+            waiters = self._waiters  # type: ignore[attr-defined]
+            while waiters:
+                waiters.popleft().release()
 
 
 class Room:
