@@ -215,11 +215,19 @@ class Channel:
         self.sock.close(linger=0)
 
 
+_NOBLOCK = int(zmq.NOBLOCK)  # plain ints: zmq's are enum flags, and each | builds a member
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+
+
 def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
     if sock is None:
         return
     try:
-        sock.send_multipart(frames, zmq.NOBLOCK)
+        # Frame by frame, as send_multipart sends them, without its per-frame checks (each message of a
+        # request's critical path: #27). A ROUTER's first frame routes: Again there drops the message whole.
+        for frame in frames[:-1]:
+            sock.send(frame, _MORE)
+        sock.send(frames[-1], _NOBLOCK)
     except zmq.Again:
         quiet.warning("full", "kvbridge control socket is full; dropped a message")
     except zmq.ZMQError as exc:
