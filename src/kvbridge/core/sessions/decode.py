@@ -16,7 +16,7 @@ from ..control.auth import PREDATES
 from ..control.bootstrap import MAX_RANKS, check_rank
 from ..control.channel import Channel
 from .checksum import verify
-from ..description.layout import KVArgs
+from ..description.layout import METADATA_SPACE, KVArgs
 from ..transfer.landing import ScatterError
 from .manager import SessionConfig, TransferManager
 from .receiver import Receiver
@@ -46,6 +46,8 @@ class DecodeManager(TransferManager[Receiver], RankWatch):
         super().__init__(kvargs, backend, config)
         self.peer_id = f"decode-tp{kvargs.tp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._meta = self.transport.metadata()
+        #: The metadata regions, a row carried in ``Done`` is checked against (not every region, per request: #27).
+        self._row_regions = [r for r in kvargs.regions if r.index_space == METADATA_SPACE]
         self._servers: dict[str, PrefillServer] = {}
         #: Servers given up on whose sockets stay open while their rooms wait for ``Fenced``.
         self._retired: list[PrefillServer] = []
@@ -295,7 +297,7 @@ class DecodeManager(TransferManager[Receiver], RankWatch):
             if target is None or target.server.address != server.address or target.fencing or target.asked is None:
                 return None  # finished or given up here already: Done is ignored below
             try:
-                place_row(check_row(row, self.kvargs.regions, target.asked.metadata_row))
+                place_row(check_row(row, self._row_regions, target.asked.metadata_row))
             except RowError as exc:
                 return str(exc)
         return None
