@@ -357,13 +357,16 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
                 metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
         # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
         # wake-up of decode's host fewer per request).
+        landed = [w.sender for w in live if w.last and w.sender.peer_landed()]
+        sent = m.notify(peer, *[P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w)))
+                                if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live])
+        # This rank's rooms end after their Done left (still under the lock: nothing fails them between):
+        # decode waits for Done, nobody for this bookkeeping (a 1-page request's critical path, #27).
         finished = False
-        for w in live:
-            if w.last:
-                if w.sender.peer_landed():
-                    finished = m.finish(w.sender, Poll.SUCCESS, wake=False) or finished
-        m.notify(peer, *(P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w))) if w.last
-                         else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live), wake=finished)
+        for s in landed:
+            finished = m.finish(s, Poll.SUCCESS, wake=False) or finished
+        if finished:
+            m.wake_after(sent)
 
 
 def write_live(
