@@ -158,7 +158,8 @@ class TransferPlan:
     @property
     def total_bytes(self) -> int:
         if self._bytes is None:
-            self._bytes = sum(p.total_bytes for p in self._parts)
+            parts = self._parts
+            self._bytes = parts[0].total_bytes if len(parts) == 1 else sum(p.total_bytes for p in parts)
         return self._bytes
 
     def descriptors(self) -> list[tuple[int, int, int]]:

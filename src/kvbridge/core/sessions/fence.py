@@ -94,8 +94,9 @@ class WriteFence:
         """Count a write of ``sender`` to ``peer`` as running; False (nothing counted) if the room is not live.
 
         Waits out a short lapse of the lease first (without the lock: the I/O
-        thread must be free to take the renewal)."""
-        if not self.live(sender, peer, wait=True):
+        thread must be free to take the renewal); a valid lease has none to wait
+        out, and everything else is checked under the lock."""
+        if time.monotonic() >= peer.lease_until and not self.live(sender, peer, wait=True):
             return False
         with self.lock:
             if not self.live(sender, peer):

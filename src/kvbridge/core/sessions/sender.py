@@ -215,13 +215,13 @@ class Sender(Room):
             inline: list[ChunkWrite] = []
             for job in jobs:
                 write = ChunkWrite(self, job, chunk, last, job.plan)
+                earlier = self._layer_jobs.get(job.peer.peer_id)
+                if (earlier is None or not earlier.queued) and inline_write(self.manager, job):
+                    inline.append(write)  # nothing held behind a layer-wise chunk (after_layers): this thread writes
+                    continue
                 # Grouped: chunks of other rooms queued for this peer meanwhile go out in the same writes.
                 submit = functools.partial(job.peer.worker.submit, Group(write_chunks, write))
-                if after_layers(self._layer_jobs.get(job.peer.peer_id), submit):
-                    continue
-                if inline_write(self.manager, job):
-                    inline.append(write)
-                else:
+                if not after_layers(earlier, submit):
                     submit()
             return inline
 

@@ -352,16 +352,16 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
                 rows_in_done[id(w)] = read_row(w.job.meta_plan, req.metadata_row)
     with m.lock:  # failing a room takes the lock too: Done never follows Failed
         live = [w for w in live if m.live(w.sender, peer)]
-        for w in live:  # counted before SUCCESS or Done is visible: a snapshot of final rooms is whole
-            if w.job.totals:  # something was written
-                metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
         # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
         # wake-up of decode's host fewer per request).
         landed = [w.sender for w in live if w.last and w.sender.peer_landed()]
         sent = m.notify(peer, *[P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w)))
                                 if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live])
-        # This rank's rooms end after their Done left (still under the lock: nothing fails them between):
-        # decode waits for Done, nobody for this bookkeeping (a 1-page request's critical path, #27).
+        # This rank's bookkeeping of the rooms comes after their Done left (still under the lock: nothing fails
+        # them between): decode waits for Done, nobody for it (a 1-page request's critical path, #27).
+        for w in live:  # counted before this rank's SUCCESS is visible: a snapshot of its final rooms is whole
+            if w.job.totals:  # something was written
+                metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
         finished = False
         for s in landed:
             finished = m.finish(s, Poll.SUCCESS, wake=False) or finished
