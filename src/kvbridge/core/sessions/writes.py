@@ -389,9 +389,12 @@ def write_live(
             return writes
         try:
             rooms = {w.sender.room for w in writes}
+            # One room (a small request's write): its own check, without a generator over one (asked twice a write).
+            live = (functools.partial(m.live, writes[0].sender, peer, wait=True) if len(writes) == 1
+                    else functools.partial(all_live, m, peer, writes))
             # Staged on both sides only for one room: decode drops a window with any room it gave up in it, so a
             # window shared by rooms would fail the others with one given up (docs/architecture.md, "Staging").
-            m.transport.write(peer.peer_id, plan, deadline, functools.partial(all_live, m, peer, writes),
+            m.transport.write(peer.peer_id, plan, deadline, live,
                               functools.partial(announce, m, peer, tuple(rooms)) if len(rooms) == 1 else None)
             return writes
         except TransferCancelled:
