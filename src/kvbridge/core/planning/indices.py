@@ -185,7 +185,8 @@ class Indices:
 
     def __getitem__(self, key: slice) -> Indices:
         """A slice (a view; still checked); the whole list is the list itself."""
-        if key.indices(len(self)) == (0, len(self), 1):
+        n = int(self.array.shape[0])
+        if key.indices(n) == (0, n, 1):
             return self
         return Indices(self.array[key], self.count, self.unique, self.own)
 

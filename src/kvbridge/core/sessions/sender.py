@@ -333,14 +333,15 @@ class Sender(Room):
         ``row_plans``: the peer's metadata row plans planned before (``DecodePeer.row_plans``), reused."""
         dst_pages = req.indices.get(KV_PAGE_SPACE)
         allocated = len(dst_pages) if dst_pages is not None else 0
-        lo, hi = self._sent_pages, self._sent_pages + len(pages)
+        n = len(pages)
+        lo, hi = self._sent_pages, self._sent_pages + n
         if hi > allocated:
             raise PlanError(f"prefill sent {hi} pages in total but decode rank {req.decode_rank} allocated {allocated}")
         if last and hi != allocated:
             raise PlanError(f"the last chunk ends at page {hi} but decode rank {req.decode_rank} allocated {allocated} pages")
         src: dict[str, Indices] = {}
         dst: dict[str, Indices] = {}
-        if len(pages) and dst_pages is not None and route.spaces.get(KV_PAGE_SPACE) is not None:
+        if n and dst_pages is not None and route.spaces.get(KV_PAGE_SPACE) is not None:
             src[KV_PAGE_SPACE], dst[KV_PAGE_SPACE] = pages, dst_pages[lo:hi]
         if state and not last:
             raise PlanError("state indices are sent with the last chunk")
