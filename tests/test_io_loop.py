@@ -283,3 +283,26 @@ def test_send_says_whether_the_message_left_and_a_call_after_a_handed_over_send_
         release.set()
         loop.stop()
         router.close(linger=0)
+
+
+def test_a_socket_whose_descriptor_fired_without_a_message_is_read_again_when_one_comes() -> None:
+    """A socket whose ZMQ_FD fired is received from without asking ZMQ_EVENTS first; when the signal
+    was not a message (a command, or another thread's use took the message's), that receive finds none,
+    takes the signal as an ask would, and messages that come later are still read (no tick here)."""
+    loop = IOLoop("test-fired", tick=None, tick_interval=3600)
+    got: list[bytes] = []
+    loop.start()
+    router, dealer, ident = _pair(loop, lambda _s, frames: got.extend(frames))
+    try:
+        for r in range(5):
+            def spurious() -> None:  # as if its descriptor fired with nothing to read
+                loop._fired.add(dealer)
+                loop._ask.append(dealer)
+            loop.call(spurious)
+            wait_until(lambda: not loop._fired and loop._idle, WAIT, f"round {r}: the empty read")
+            router.send_multipart([ident, b"%d" % r])
+            wait_until(lambda: len(got) == r + 1, WAIT, f"round {r}: the message after it")
+        assert got == [b"%d" % r for r in range(5)]
+    finally:
+        loop.stop()
+        router.close(linger=0)

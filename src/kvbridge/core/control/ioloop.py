@@ -72,6 +72,8 @@ class IOLoop:
         self._ask: list[zmq.Socket] = []
         #: Sockets a Channel sent on from this thread since they were last asked (``_io.sent`` there).
         self._sent: set[zmq.Socket] = set()
+        #: Sockets whose descriptor fired since they were last read: read without asking first (see _read).
+        self._fired: set[zmq.Socket] = set()
         #: Held by whoever uses the sockets: the I/O thread, except while it sleeps; a thread sending (send).
         #: zmq's rule for a socket used by several threads: a full memory barrier between them (a lock).
         self._lock = threading.Lock()
@@ -210,6 +212,7 @@ class IOLoop:
                     sock = fds.get(fd)
                     if sock is not None:
                         self._ask.append(sock)
+                        self._fired.add(sock)
                     elif fd == wake_r:
                         try:
                             os.read(wake_r, 65536)
@@ -255,10 +258,11 @@ class IOLoop:
     def _read_asked(self) -> None:
         """Read every socket in ``_ask`` that says POLLIN; leave in ``_ask`` those to ask again before sleeping."""
         asked, self._ask = list(dict.fromkeys(self._ask)), []
+        fired, self._fired = self._fired, set()
         last = -1  # the index in ``asked`` of the last socket whose handler ran
         for i, sock in enumerate(asked):
             handler = self._handlers.get(sock)  # None: removed, by a handler perhaps
-            if handler is not None and self._read(sock, handler):
+            if handler is not None and self._read(sock, handler, sock in fired):
                 last = i
         sent = self._sent
         if sent:
@@ -280,12 +284,15 @@ class IOLoop:
                 log.exception("kvbridge I/O call failed")
         return ran
 
-    def _read(self, sock: zmq.Socket, handler: Handler) -> bool:
-        """Read ``sock`` while ZMQ_EVENTS says POLLIN; whether a handler ran."""
+    def _read(self, sock: zmq.Socket, handler: Handler, fired: bool = False) -> bool:
+        """Read ``sock`` while ZMQ_EVENTS says POLLIN; whether a handler ran. ``fired``: its descriptor fired,
+        so a message most likely waits: received without asking first (a receive that finds none takes the
+        signal as the ask would, and ends the read). Each ask is a Python enum lookup in pyzmq and a syscall
+        or two in libzmq, before the handler of every message that wakes this thread (#27)."""
         # Bounded: at most 256 messages per socket per wake-up so one chatty peer
         # cannot starve the others or the tick.
         for i in range(256):
-            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            if (i or not fired) and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return i > 0
             try:
                 frames = _recv_frames(sock)
