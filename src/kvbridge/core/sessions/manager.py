@@ -244,8 +244,7 @@ class TransferManager(Generic[R]):
 
         if moved():
             return
-        with self.changed:
-            self.changed.wait_for(moved, timeout)
+        self.changed.wait_for(moved, timeout)
 
     def add_room(self, room: R) -> None:
         """Register a new room (a Sender or Receiver being created)."""

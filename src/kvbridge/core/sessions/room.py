@@ -8,10 +8,12 @@ ranks.
 
 from __future__ import annotations
 
+import _thread
 import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,24 +42,53 @@ class Poll(enum.IntEnum):
     SUCCESS = 4
 
 
-class Changes(threading.Condition):
-    """A manager's rooms' changes: a condition on a plain lock whose :meth:`wake` costs nothing
-    when no host waits (a room changes state several times per request; most changes find no host
-    waiting, and ``notify_all`` is a dozen Python calls: issue #27)."""
+class Changes:
+    """A manager's rooms' changes: hosts wait in :meth:`wait_for`, a room's change wakes them all (:meth:`wake`).
+
+    A condition variable cut to what rooms need (issue #27): a waiter sleeps on a lock of its own,
+    and :meth:`wake` releases those, costing nothing when no host waits (a room changes state
+    several times per request; most changes find no host waiting). A woken host returns after one
+    look at its rooms, where ``threading.Condition`` took another lock and a dozen Python calls
+    first, right when the host's wake-up is a request's critical path."""
 
     def __init__(self) -> None:
-        super().__init__(threading.Lock())
+        self._lock = threading.Lock()
+        self._waiters: list[_thread.LockType] = []
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Block until ``predicate()`` is true or ``timeout`` seconds (None: no limit) pass; its last answer.
+
+        It is asked under the lock before each sleep, and :meth:`wake` takes that lock: a change
+        made after it was asked (states change first, then wake) wakes this waiter, so none is missed."""
+        end = None if timeout is None else time.monotonic() + timeout
+        waiter = _thread.allocate_lock()
+        waiter.acquire()  # held: the next acquire sleeps until wake() releases it
+        while True:
+            with self._lock:
+                if predicate():
+                    return True
+                self._waiters.append(waiter)
+            if end is None:
+                woken = waiter.acquire()
+            else:
+                left = end - time.monotonic()
+                woken = left > 0 and waiter.acquire(True, left)
+            if not woken:
+                with self._lock:
+                    if waiter in self._waiters:  # not woken meanwhile
+                        self._waiters.remove(waiter)
+                return predicate()
+            if predicate():  # woken (wake() took it off the list), holding its lock again
+                return True
 
     def wake(self) -> None:
-        """``notify_all()`` under the lock: each waiter's lock released and taken off the list, without
-        ``notify``'s checks and per-waiter ``remove`` (run on the I/O thread just before the woken host
-        needs the GIL it holds: #27). A waiter joins the list under the lock, after it found the state
-        unchanged: checked under the lock, none is missed. One that timed out meanwhile finds itself off
-        the list (``Condition.wait`` allows for that)."""
-        with self._lock:  # type: ignore[attr-defined]
-            waiters = self._waiters  # type: ignore[attr-defined]
-            while waiters:
-                waiters.popleft().release()
+        """Wake every waiting host: each waiter's lock released and the list emptied, under the lock."""
+        with self._lock:
+            waiters = self._waiters
+            if waiters:
+                self._waiters = []
+                for waiter in waiters:
+                    waiter.release()
 
 
 class Room:
@@ -96,8 +127,7 @@ class Room:
             raise RuntimeError("this room belongs to no manager; poll() it instead")
         if reached():  # states only move forward: nothing to wait for (a sender whose write ran inline)
             return self._state
-        with cond:
-            cond.wait_for(reached, timeout)
+        cond.wait_for(reached, timeout)
         return self._state
 
     def failure(self) -> str | None:
