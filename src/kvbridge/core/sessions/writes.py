@@ -357,8 +357,7 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
         landed = [w.sender for w in live if w.last and w.sender.peer_landed()]
         sent = m.notify(peer, *[P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w)))
                                 if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live])
-        # This rank's bookkeeping of the rooms comes after their Done left (still under the lock: nothing fails
-        # them between): decode waits for Done, nobody for it (a 1-page request's critical path, #27).
+        # Then this rank's bookkeeping, still under the lock: decode waits for Done, nobody for it (#27).
         for w in live:  # counted before this rank's SUCCESS is visible: a snapshot of its final rooms is whole
             if w.job.totals:  # something was written
                 metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
@@ -389,8 +388,7 @@ def write_live(
             return writes
         try:
             rooms = {w.sender.room for w in writes}
-            # One room (a small request's write): its own check, without a generator over one (asked twice a write).
-            live = (functools.partial(m.live, writes[0].sender, peer, wait=True) if len(writes) == 1
+            live = (functools.partial(m.live, writes[0].sender, peer, wait=True) if len(writes) == 1  # no generator
                     else functools.partial(all_live, m, peer, writes))
             # Staged on both sides only for one room: decode drops a window with any room it gave up in it, so a
             # window shared by rooms would fail the others with one given up (docs/architecture.md, "Staging").
