@@ -247,44 +247,6 @@ def test_a_call_after_the_io_loop_stopped_writes_into_no_other_file() -> None:
             os.close(w)
 
 
-def test_send_says_whether_the_message_left_and_a_call_after_a_handed_over_send_runs_after_it() -> None:
-    """From another thread: while the loop sleeps, ``send`` sends at once and says so; while it is busy it
-    hands the send over and says so, and a call made after that runs after the send (a prefill host is woken
-    once its room's Done left, not before)."""
-    loop = IOLoop("test-sent", tick=None, tick_interval=3600)
-    chan = Channel(loop.ctx, zmq.DEALER, Auth(b"test"), endpoint="decode", max_bytes=1 << 20)
-    loop.start()
-    router, _, _ = _pair(loop, lambda _s, _f: None, chan.sock)
-    events: list[str] = []
-
-    class Recording:
-        sock = chan.sock
-
-        def send(self, payload: bytes, ident: bytes | None = None) -> None:
-            events.append(f"sent {payload.decode()}")
-            chan.send(payload, ident)
-
-    busy, release = threading.Event(), threading.Event()
-    try:
-        wait_until(lambda: loop._idle, WAIT, "the loop asleep")
-        assert loop.send(Recording, b"now") is True
-        assert events == ["sent now"]
-        loop.call(lambda: (busy.set(), release.wait(WAIT)))
-        assert busy.wait(WAIT)
-        assert loop.send(Recording, b"later") is False
-        loop.call(lambda: events.append("call"))
-        assert events == ["sent now"]  # nothing of it ran while the loop was busy
-        release.set()
-        wait_until(lambda: len(events) == 3, WAIT, "the handed-over send and the call")
-        assert events == ["sent now", "sent later", "call"]
-        for _ in range(2):
-            assert router.recv_multipart()[1:]  # both left
-    finally:
-        release.set()
-        loop.stop()
-        router.close(linger=0)
-
-
 def test_a_socket_whose_descriptor_fired_without_a_message_is_read_again_when_one_comes() -> None:
     """A socket whose ZMQ_FD fired is received from without asking ZMQ_EVENTS first; when the signal
     was not a message (a command, or another thread's use took the message's), that receive finds none,

@@ -110,14 +110,13 @@ class IOLoop:
 
     # -- thread-safe -------------------------------------------------------------------
     def send(self, channel: SocketGetter, *payloads: bytes, ident: bytes | None = None,
-             then: Callable[[], None] | None = None) -> bool:
+             then: Callable[[], None] | None = None) -> None:
         """Send ``payloads`` in order (to ``ident`` on a ROUTER) on the channel ``channel()`` returns; then call ``then``.
 
         From the calling thread when the I/O thread sleeps and nothing handed over waits for it (no hand-off:
         the thread's wake-up cost 20-60 us per message, #27); else on the I/O thread. Either way the sockets'
         lock is held, so sealing and sending follow one order per socket, and each thread's messages leave
-        in the order it sent them. Returns whether they left already (False: handed over; a :meth:`call`
-        made after this runs after them).
+        in the order it sent them.
         """
         if not self.on_io_thread() and self._outbox.empty() and self._lock.acquire(blocking=False):
             try:
@@ -132,7 +131,7 @@ class IOLoop:
             if now:
                 if then is not None:
                     then()
-                return True
+                return
 
         def send() -> None:
             self._send(channel, payloads, ident)
@@ -140,7 +139,6 @@ class IOLoop:
                 then()
 
         self.call(send)
-        return self.on_io_thread()  # there, call() ran it
 
     def _send(self, channel: SocketGetter, payloads: tuple[bytes, ...], ident: bytes | None) -> None:
         """Send on ``channel()`` (holding the lock); off the I/O thread, ask the socket for ZMQ_EVENTS after."""

@@ -142,19 +142,17 @@ class PrefillManager(TransferManager[Sender], WriteFence, Handshakes):
         """The host's source list for ``space``, checked against this rank's own index space."""
         return Indices.check(f"source {space} index", values, self.space_counts.get(space))
 
-    def notify(self, peer: DecodePeer, *msgs: P.Message) -> bool:
-        """Send ``msgs`` to decode ``peer``, in order, at once or with one hand-off to the I/O thread (any
-        thread); whether they left already (:meth:`wake_after` takes it)."""
-        return self.loop.send(lambda: self._chan, *[P.encode(m) for m in msgs], ident=peer.ident)
+    def notify(self, peer: DecodePeer, *msgs: P.Message, wake: bool = False) -> None:
+        """Send ``msgs`` to decode ``peer``, in order, at once or with one hand-off to the I/O thread (any thread).
 
-    def wake_after(self, sent: bool) -> None:
-        """Wake this rank's waiting hosts (:meth:`wake_hosts`) once what :meth:`notify` sent is on its way
-        (``sent``: its answer). Rooms that reached SUCCESS with ``wake=False`` wake their hosts after their
-        ``Done`` left, so a host's thread does not compete for the GIL with the thread sending it before that."""
-        if sent or self.closed:  # closed: the loop may have stopped, and nobody would wake the hosts
+        ``wake``: then wake this rank's waiting hosts (:meth:`wake_hosts`), once the messages are on
+        their way: a room that reached SUCCESS with ``wake=False`` wakes its host after its ``Done``
+        left, so the host's thread does not compete for the GIL with the thread sending it before that.
+        """
+        if wake and self.closed:  # the loop may have stopped: nobody would wake the hosts
             self.wake_hosts()
-        else:
-            self.loop.call(self.wake_hosts)  # after the hand-off notify() made: calls run in order
+        self.loop.send(lambda: self._chan, *(P.encode(m) for m in msgs), ident=peer.ident,
+                       then=self.wake_hosts if wake else None)
 
     def finish(self, room: Room, state: Poll, reason: str | None = None, kind: str = "transfer_error",
                wake: bool = True) -> bool:
