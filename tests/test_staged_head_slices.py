@@ -119,3 +119,68 @@ def test_the_one_region_holding_every_range_or_none(where, want) -> None:
     assert table.holding(addr, nbytes) == want
     if len(set(nbytes.tolist())) == 1:
         assert table.holding(addr, nbytes, int(nbytes[0])) == want
+
+
+def _offer(nbytes: int):
+    from kvbridge.core.description.layout import StagingOffer
+
+    slots = Region(name="kvbridge-landing", addr=1 << 40, nbytes=2 * nbytes, stride=nbytes, role="state",
+                   index_space="kvbridge_staging")
+    return StagingOffer(region=slots, slots=(0, 1), slice_bytes=nbytes)
+
+
+def test_head_slices_filling_decode_pages_are_said_a_page_a_piece_and_land_byte_exact() -> None:
+    # TP 1 -> 2: a decode page holds its rows' 4 heads back to back, so a page's 4 pieces are one run: said as
+    # one piece of the page's 512 B (a quarter of the offsets), scattered into place from the gathered slice.
+    from kvbridge.core.transfer.relay import RemoteSlots
+
+    src, dst = _pool(8), np.zeros((PAGES, ROWS, 4, HEAD), np.uint8)
+    pages = np.arange(40) * 3 % PAGES  # no page follows the one before (runs of pages: below)
+    plan = _slices(src, dst, 4, np.arange(40), pages)
+    regions = [_region(dst)]
+    pieces = RemoteSlots(_offer(1 << 16), regions).pieces(plan)
+    assert pieces is not None and [(p.unit, len(p.offsets), p.counts) for p in pieces] == [(dst[0].nbytes, 40, None)]
+    assert pieces[0].offsets.tolist() == pages.tolist()
+    put_units(np.ascontiguousarray(src[:40, :, 4:8]).ravel(), unit_runs(pieces, regions))
+    want = np.zeros_like(dst)
+    want[pages] = src[:40, :, 4:8]
+    np.testing.assert_array_equal(dst, want)
+    # Pages 5, 6 following each other: one piece of two pages, a count a piece.
+    (run,) = RemoteSlots(_offer(1 << 16), regions).pieces(_slices(src, dst, 4, np.arange(3), np.array([9, 5, 6]))) or []
+    assert (run.unit, run.offsets.tolist(), run.counts.tolist()) == (dst[0].nbytes, [9, 5], [1, 2])
+
+
+def test_a_run_across_two_adjacent_regions_is_said_piece_by_piece() -> None:
+    # One allocation described as two regions (a layer's K then V): pieces running from K's last page into V's
+    # first follow each other in memory, but no region holds the run: said per piece instead, in both regions.
+    from kvbridge.core.transfer.relay import RemoteSlots
+
+    mem = np.zeros((2, 4, 256), np.uint8)
+    k = Region(name="k", addr=mem.ctypes.data, nbytes=1024, stride=256, role="k", index_space="kv_page")
+    v = Region(name="v", addr=mem.ctypes.data + 1024, nbytes=1024, stride=256, role="v", index_space="kv_page")
+    addr = mem.ctypes.data + np.array([512, 640, 768, 896, 1024, 1152], np.int64)
+    window = _plan(addr)
+    pieces = RemoteSlots(_offer(1 << 12), [k, v]).pieces(window)
+    assert pieces is not None
+    assert [(p.region, p.unit, p.offsets.tolist()) for p in pieces] == [(0, 128, [4, 5, 6, 7]), (1, 128, [0, 1])]
+
+
+def _plan(dst: np.ndarray):
+    from kvbridge.core.planning.transferplan import TransferPlan
+
+    return TransferPlan(np.zeros(len(dst), np.int64), dst, np.full(len(dst), 128, np.int64))
+
+
+def test_head_slices_lying_back_to_back_in_the_source_are_gathered_in_runs_of_any_length() -> None:
+    # TP 2 -> 1 on prefill: a page's rows of its 4 heads are back to back; pages 0-2 and 7-11 follow each other.
+    # The runs (3 and 5 pages) are copied in the unit of a page, 8 units for 2 runs, which the 32 pieces they
+    # stand for allow (at most 4 units a piece).
+    src = _pool(10, 4)
+    pages = np.array([0, 1, 2, 7, 8, 9, 10, 11])
+    addr = (src.ctypes.data + pages[:, None] * src[0].nbytes + np.arange(ROWS)[None, :] * 4 * HEAD).ravel()
+    nbytes = np.full(addr.size, 4 * HEAD, np.int64)
+    order, copies = pack(addr, nbytes, None)
+    assert len(order) == addr.size and [(c.unit, len(c.far)) for c in copies] == [(src[0].nbytes, 8)]
+    out = np.zeros(int(nbytes.sum()), np.uint8)
+    gather_into(out, copies)
+    np.testing.assert_array_equal(out, src[pages].ravel())

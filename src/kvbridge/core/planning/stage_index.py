@@ -27,7 +27,7 @@ from ..description.layout import Region
 from .regions import RegionTable
 
 __all__ = ["MAX_OFFSET", "MAX_RUNS", "MAX_UNITS_PER_PIECE", "RegionPieces", "UnitCopy", "UnitRun", "expand", "gather_into",
-           "pack", "put_units", "region_pieces", "unit_copy", "unit_runs"]
+           "merged", "pack", "put_units", "region_pieces", "unit_copy", "unit_runs"]
 
 #: A window whose pieces hold more units than this on average is not staged: its index arrays would
 #: outgrow the descriptors they replace (odd sizes or offsets, so the unit is a few bytes).
@@ -78,10 +78,11 @@ def _unit(sizes: IntArray, *offsets: IntArray, same: bool | None = None) -> int:
     return int(np.gcd.reduce(np.concatenate((sizes, *offsets))))
 
 
-def unit_copy(addr: IntArray, packed: IntArray, nbytes: IntArray,
-              max_units_per_piece: int = MAX_UNITS_PER_PIECE) -> UnitCopy | None:
+def unit_copy(addr: IntArray, packed: IntArray, nbytes: IntArray, max_units_per_piece: int = MAX_UNITS_PER_PIECE,
+              pieces: int | None = None) -> UnitCopy | None:
     """The unit indices of pieces at ``addr`` packed at offsets ``packed`` of a slice, ``nbytes`` each;
-    None when there are none or their unit is too small (module docstring)."""
+    None when there are none or their unit is too small (module docstring): more than ``max_units_per_piece``
+    units for each of the ``pieces`` descriptors they stand for (default: one each)."""
     n = len(addr)
     if n == 0:
         return None
@@ -97,7 +98,7 @@ def unit_copy(addr: IntArray, packed: IntArray, nbytes: IntArray,
         return UnitCopy(base, unit, far, near, int(far.max()) + 1, int(near.max()) + 1)
     count = nbytes // unit
     units = int(count.sum())
-    if units > max_units_per_piece * n:
+    if units > max_units_per_piece * (n if pieces is None else pieces):
         return None
     if units == n:
         far, near = rel // unit, packed // unit
@@ -116,6 +117,32 @@ class _Raw:
         }
 
 
+def merged(addr: IntArray, nbytes: IntArray) -> tuple[IntArray, IntArray]:
+    """Pieces that continue each other in memory merged into one, in order (the arrays as given when none do).
+    Pieces packed back to back in a slice continue each other there too, so a gather or scatter may copy the
+    runs instead: a page's head slices where the slice holds its heads whole (TP 2 -> 1 on prefill, 1 -> 2 on
+    decode) are one unit of a page's share, not a unit of a few hundred bytes each (16x fewer indices and
+    ``Staged`` offsets at 16 rows a page)."""
+    if len(addr) < 2:
+        return addr, nbytes
+    cont = addr[:-1] + nbytes[:-1] == addr[1:]
+    if not cont.any():
+        return addr, nbytes
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return addr[starts], np.add.reduceat(nbytes, starts)
+
+
+def _copy(addr: IntArray, nbytes: IntArray, offset: int, max_units_per_piece: int) -> UnitCopy | None:
+    """:func:`unit_copy` of pieces packed back to back from ``offset``, the runs of them continuing each other in
+    memory copied as one piece each (:func:`merged`)."""
+    runs, sizes = merged(addr, nbytes)
+    packed = np.cumsum(sizes)
+    packed -= sizes
+    if offset:
+        packed += offset
+    return unit_copy(runs, packed, sizes, max_units_per_piece, len(addr))
+
+
 def pack(addr: IntArray, nbytes: IntArray, groups: IntArray | None,
          max_units_per_piece: int = MAX_UNITS_PER_PIECE) -> tuple[IntArray, list[UnitCopy]]:
     """Which pieces a gather packs, in the order it packs them, and its copies: the pieces grouped by region
@@ -126,9 +153,7 @@ def pack(addr: IntArray, nbytes: IntArray, groups: IntArray | None,
     window from being staged."""
     found = np.unique(groups) if groups is not None else None
     if found is None or len(found) <= 1:  # one region: its pieces in their order, no index of them
-        packed = np.cumsum(nbytes)
-        packed -= nbytes
-        copy = unit_copy(addr, packed, nbytes, max_units_per_piece)
+        copy = _copy(addr, nbytes, 0, max_units_per_piece)
         return (np.arange(len(addr)), [copy]) if copy is not None else (np.zeros(0, np.int64), [])
     picks = [np.flatnonzero(groups == g) for g in found.tolist()]
     own = [_unit(nbytes[i], addr[i] - addr[i].min()) for i in picks]
@@ -137,7 +162,7 @@ def pack(addr: IntArray, nbytes: IntArray, groups: IntArray | None,
     offset = 0
     for k in sorted(range(len(picks)), key=lambda k: -own[k]):  # stable: regions of one unit keep their order
         i = picks[k]
-        copy = unit_copy(addr[i], offset + np.cumsum(nbytes[i]) - nbytes[i], nbytes[i], max_units_per_piece)
+        copy = _copy(addr[i], nbytes[i], offset, max_units_per_piece)
         if copy is not None:
             kept.append(i)
             copies.append(copy)
