@@ -6,6 +6,11 @@ decode (slice -> pieces) move whole *units*: per region, the greatest size
 dividing every piece's size and offset, so that a copy is one ``numpy.take`` or
 one fancy assignment per region (host memory) or one indexed copy (GPU memory:
 the device seam, ``kvbridge.core.transfer.device``), never a loop per piece.
+Pieces continuing each other in memory are one piece to both (:func:`merged`),
+and pieces of one size at multiples of it have that size as their unit without a
+gcd over every value (:func:`_unit`): head slices of heterogeneous TP are tens of
+thousands of pieces of a few hundred bytes a window, and these passes, not the
+copy, were their cost.
 
 Where a window's pieces go travels in these terms (``Staged``): :func:`region_pieces`
 says a window's pieces as runs of pieces in one region each, a unit and every
