@@ -38,10 +38,36 @@ def test_trace_gives_every_step_of_each_staged_window_in_both_processes_and_keep
     assert spent["gathering (incl. sync)"] > 0 and spent["scattering (incl. sync)"] > 0
     assert summary["windows_per_s"] > 0 and summary["GBps"] > 0
     assert next(r for r in rows if r["case"] == "scattered" and r["staging"] == "off")["trace"]["windows"] == 0
-    assert "trace" not in next(r for r in rows if r["tp"] == "1->2"), "a slot names a window for one peer only"
+    # Head slices too: one prefill rank writing to two decode ranks (1 -> 2), two prefill ranks in one process
+    # writing to one (2 -> 1); a window is named by its decode slot's address, threads by their ident.
+    for tp in ("1->2", "2->1"):
+        sliced = next(r for r in rows if r["tp"] == tp and r["staging"] == "on")
+        assert sliced["trace"]["windows"] == sliced["trace"]["staged"] == sliced["windows"]["both"] > 0, tp
+        # Every step of the chain; those of every window in its order (Staged may leave from the worker's thread
+        # or the I/O thread: a step each, in part of the windows, whose medians need not keep the order).
+        steps = sliced["trace"]["steps"]
+        assert {s["step"] for s in steps} == set(CHAIN), tp
+        everywhere = [s["step"] for s in steps if s["windows"] == sliced["trace"]["windows"]]
+        assert everywhere == [c for c in CHAIN if c in everywhere], tp
     # The tables go to stderr beside the JSON: the chain and each thread's time per window.
     assert "4 KiB scattered, staging on: a staged window's cycle" in out.stderr
     assert "each thread's time per window" in out.stderr and "scattering (incl. sync)" in out.stderr
+
+
+def test_two_workers_of_one_name_gathering_at_once_keep_their_own_windows():
+    # Two prefill ranks in one process (TP 2 -> 1): both workers are named after the peer; recorded with their
+    # ident, each one's gather while it waited stays with the window it then took the slot for.
+    prefill = [(0, "kvbridge-xfer-d@1", "gather >"), (1, "kvbridge-xfer-d@2", "slot wait >"),
+               (2, "kvbridge-xfer-d@1", "gather <"), (3, "kvbridge-xfer-d@1", "slot wait >"),
+               (4, "kvbridge-xfer-d@2", "slot taken", 200), (5, "kvbridge-xfer-d@1", "slot taken", 100),
+               (6, "kvbridge-xfer-d@2", "gather >"), (7, "kvbridge-xfer-d@2", "gather <"),
+               (8, "kvbridge-prefill@3", "slot freed >", 100), (9, "kvbridge-prefill@4", "slot freed >", 200)]
+    decode = [(5.5, "kvbridge-decode@9", "received Staged", 100), (6.5, "kvbridge-decode@9", "received Staged", 200)]
+    found = {c[-1][4]: [(e[2], e[3]) for e in c] for c in windows.cycles({"prefill": prefill, "decode": decode}, [(0, 9)])}
+    assert found[100][:4] == [("transfer worker", "gather while waiting >"), ("transfer worker", "gather while waiting <"),
+                              ("transfer worker", "slot wait >"), ("transfer worker", "slot taken")]
+    assert [s for _, s in found[200]] == ["slot wait >", "slot taken", "gather >", "received Staged", "gather <",
+                                          "slot freed >"]
 
 
 def test_a_decode_event_recorded_after_prefill_already_freed_the_slot_stays_with_its_window():

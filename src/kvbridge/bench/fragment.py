@@ -135,7 +135,7 @@ def run_decode(backend: str, config: SessionConfig, bootstrap: str, argv: dict[s
 
 def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: int, tp_p: int, tp_d: int, case: str,
                  staging: list[str], reps: int, trace_file: str | None = None) -> list[dict[str, Any]]:
-    """One row per staging setting for one (page size, TP pair, case). ``trace_file`` (TP 1 -> 1 only): trace
+    """One row per staging setting for one (page size, TP pair, case). ``trace_file``: trace
     every staged window's steps in both processes (the child writes its events there); each row gets the
     summary of its timed rooms' windows as ``trace`` (:mod:`kvbridge.bench.windows`)."""
     from kvbridge.bench.common import finish_child
@@ -149,7 +149,6 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
     server = BootstrapServer("127.0.0.1")
     mgrs = [PrefillManager(kvargs(r, tp_p, page, pages, pools[r], metas[r]), backend, bootstrap=server.address,
                            config=config) for r in range(tp_p)]
-    trace_file = trace_file if tp_p == tp_d == 1 else None  # a slot names a window for one peer only
     if trace_file:
         windows.install()
         trace.reset()
@@ -233,7 +232,7 @@ def run_geometry(backend: str, config: SessionConfig, page_kib: int, total_mib: 
 def run(backend: str, config: SessionConfig, page_kib: list[int], total_mib: int, staging: list[str], reps: int,
         tracker: Any = None, trace_dir: str | None = None) -> list[dict[str, Any]]:
     """Every geometry at every page size; each row gets the contiguous case's rate beside it (same staging).
-    ``trace_dir``: the TP 1 -> 1 rows also get their staged windows' trace (:func:`run_geometry`)."""
+    ``trace_dir``: every row also gets its staged windows' trace (:func:`run_geometry`)."""
     rows: list[dict[str, Any]] = []
     for kib in page_kib:
         for g, (tp_p, tp_d, case) in enumerate(GEOMETRIES):

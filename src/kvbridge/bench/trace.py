@@ -29,10 +29,15 @@ Event = tuple[int, str, str] | tuple[int, str, str, int]
 
 _events: list[Event] = []
 _wrapped: set[object] = set()
+#: Whether each event's thread name also says which thread (``name@ident``): several threads of one name (two
+#: prefill ranks' workers and I/O threads in one process: :mod:`kvbridge.bench.windows`) stay apart.
+_idents = False
 
 
-def _record(step: str, key: int | None = None) -> None:
-    now, thread = time.perf_counter_ns(), threading.current_thread().name
+def _record(step: str, key: int | None = None, at: int | None = None) -> None:
+    """Record ``step`` (``at``: when, in ``perf_counter_ns``; default now) on this thread, with ``key``."""
+    now, current = time.perf_counter_ns() if at is None else at, threading.current_thread()
+    thread = f"{current.name}@{current.ident}" if _idents else current.name
     _events.append((now, thread, step) if key is None else (now, thread, step, key))
 
 
@@ -108,6 +113,8 @@ def reset() -> None:
 
 
 def _thread(name: str) -> str:
+    """The role of the thread an event names (its ``@ident``, if recorded, left out)."""
+    name = name.partition("@")[0]
     if name == "MainThread":
         return "host"
     if name.startswith("kvbridge-xfer"):

@@ -308,7 +308,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu with --page-kib: each --staging mode on or auto also as MODE/1, with one batch and "
                              "one staged window in flight at a time (as before pipelining), alternating room by room")
     parser.add_argument("--trace", action="store_true",
-                        help="cpu with --page-kib (TP 1->1 cases) or cuda (staged paths): also trace every staged "
+                        help="cpu with --page-kib (every case) or cuda (staged paths): also trace every staged "
                              "window's steps in both processes and print, per row, where a window's time goes "
                              "(kvbridge.bench.windows)")
     parser.add_argument("--slice-mib", type=ui.int_at_least(1), nargs="+", default=None, metavar="MIB",

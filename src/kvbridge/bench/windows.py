@@ -4,8 +4,11 @@
 installs :func:`install` in the prefill process and in its decode child before either starts a
 manager. It wraps the steps of a window staged on both sides (``core/transfer/writing.py``
 ``_write_lane``) with :mod:`kvbridge.bench.trace`'s mechanism, recording ``(time, thread, step,
-slot)``: the decode slot names the window, as a slot holds one window from the moment prefill's
-worker takes it until prefill's I/O thread frees it. One cycle of a slot:
+window)``: the decode slot's address names the window (``RemoteSlots.address`` on prefill, the same
+in decode's ``Landing``), as a slot holds one window from the moment prefill's worker takes it until
+prefill's I/O thread frees it, and the address tells apart the slots of the decode ranks in one
+process (head slices, TP 1 -> 2). Threads are recorded with their ident (two prefill ranks in one
+process, TP 2 -> 1, have workers and I/O threads of one name). One cycle of a slot:
 
 - prefill's transfer worker: ``slot wait >`` (it asks for a decode slot; waits while both are
   being scattered), ``slot taken``, ``gather >``/``<`` (into its slice; on a GPU one kernel, then
@@ -13,7 +16,7 @@ worker takes it until prefill's I/O thread frees it. One cycle of a slot:
   ``post >``/``<`` and, when the worker next waits for it, ``landing wait >`` then ``landed``;
   ``Staged handed to I/O >``/``<`` (``writes.announce``);
 - prefill's I/O thread: ``Staged sent``;
-- decode's I/O thread: ``received Staged``, ``on Staged >`` (then decode's lock), ``scatter >``/``<``
+- decode's I/O thread: ``received Staged`` (when its channel took it in), ``on Staged >`` (then decode's lock), ``scatter >``/``<``
   (on a GPU, synchronised), ``Unstaged sent``, ``on Staged <``;
 - prefill's I/O thread: ``received Unstaged``, ``slot freed >``.
 
@@ -21,8 +24,7 @@ Both processes read the same clock (``time.perf_counter_ns``), so the events mer
 timeline; only events inside the traced rooms' spans count. :func:`cycles` cuts each slot's
 events into cycles, :func:`summarise` gives per step the median time from the cycle's start, the
 median and p90 gap from the step before, and, per window, the time each thread spent in each
-activity. One prefill rank writing to one decode rank (TP 1 -> 1): the slot alone names a window.
-Each wrapper adds ~1 us; the trace explains, the untraced columns measure.
+activity. Each wrapper adds ~1 us; the trace explains, the untraced columns measure.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import collections
 import statistics
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +44,14 @@ _local = threading.local()
 
 
 def _slot(args: tuple[Any, ...], result: Any) -> int | None:
-    """The decode slot this worker thread took last: the window it is gathering and posting."""
+    """The window this worker thread took a decode slot for last: the window it is gathering and posting."""
     return getattr(_local, "slot", None)
+
+
+def _landing_key(landing: Any, slot: int) -> int:
+    """The window in decode's ``slot`` of ``landing``: the slot's address, which prefill knows too
+    (``RemoteSlots.address``), unique over the decode ranks of one process."""
+    return int(landing.region.addr + slot * landing.slice_bytes)
 
 
 def install() -> None:
@@ -50,6 +59,7 @@ def install() -> None:
     if "windows" in trace._wrapped:
         return
     trace._wrapped.add("windows")
+    trace._idents = True  # two prefill ranks in one process: their workers and I/O threads share names
     from kvbridge.core.control import channel, protocol
     from kvbridge.core.sessions import decode, writes
     from kvbridge.core.transfer import landing, relay, staging, transport, writing
@@ -59,8 +69,10 @@ def install() -> None:
     def traced_take(self: relay.RemoteSlots, check: Any) -> int:
         trace._record("slot wait >")
         slot = take(self, check)
-        _local.slot = slot
-        trace._record("slot taken", slot)
+        _local.slot = self.address(slot)
+        # A worker writes to one peer: its slots' windows by slot number, for announce() below.
+        _local.windows = {**getattr(_local, "windows", {}), slot: _local.slot}
+        trace._record("slot taken", _local.slot)
         return slot
 
     relay.RemoteSlots.take = traced_take  # type: ignore[method-assign]
@@ -81,18 +93,51 @@ def install() -> None:
 
     writing.LaneWrites._post_async = traced_post  # type: ignore[method-assign]
     trace._wrap(writing.LaneWrites, "_post", "post and land", key=_slot)  # one batch in flight: posted and waited
-    trace._wrap(writes, "announce", "Staged handed to I/O", key=lambda args, result: args[3])
-    trace._wrap(decode.DecodeManager, "_on_staged", "on Staged", key=lambda args, result: args[3].slot)
-    trace._wrap(landing.Landing, "scatter", "scatter", key=lambda args, result: args[2].slot)
-    trace._wrap(transport.Transport, "unstaged", "slot freed", leave=False, key=lambda args, result: args[2])
+    announce = writes.announce
 
-    # Which payloads are Staged or Unstaged (and their slot): known where they are encoded, recorded when sent.
+    def traced_announce(m: Any, peer: Any, rooms: Any, slot: int, pieces: Any) -> None:
+        _local.sending = getattr(_local, "windows", {}).get(slot)  # encoded on this thread: "Staged sent" is keyed by it
+        trace._record("Staged handed to I/O >", _local.sending)
+        try:
+            announce(m, peer, rooms, slot, pieces)
+        finally:
+            trace._record("Staged handed to I/O <", _local.sending)
+            _local.sending = None
+
+    writes.announce = traced_announce
+    on_staged = decode.DecodeManager._on_staged
+
+    def traced_on_staged(self: decode.DecodeManager, server: Any, rank: Any, msg: Any) -> None:
+        key = _landing_key(self.transport.landing, msg.slot) if self.transport.landing is not None else None
+        trace._record("received Staged", key, getattr(_local, "received", None))  # when the channel took it
+        _local.sending = key  # the Unstaged it answers is encoded on this thread
+        trace._record("on Staged >", key)
+        try:
+            on_staged(self, server, rank, msg)
+        finally:
+            trace._record("on Staged <", key)
+            _local.sending = None
+
+    decode.DecodeManager._on_staged = traced_on_staged  # type: ignore[method-assign]
+    trace._wrap(landing.Landing, "scatter", "scatter", key=lambda args, result: _landing_key(args[0], args[2].slot))
+    unstaged = transport.Transport.unstaged
+
+    def traced_unstaged(self: transport.Transport, peer: str, slot: int) -> bool:
+        state = self._peers.get(peer)
+        key = state.slots.address(slot) if state is not None and state.slots is not None else None
+        trace._record("received Unstaged", key, getattr(_local, "received", None))
+        trace._record("slot freed >", key)
+        return unstaged(self, peer, slot)
+
+    transport.Transport.unstaged = traced_unstaged  # type: ignore[method-assign]
+
+    # Which payloads are Staged or Unstaged (and their window): known where they are encoded, recorded when sent.
     encode, encoded = protocol.encode, {}
 
     def traced_encode(msg: protocol.Message) -> bytes:
         data = encode(msg)
         if isinstance(msg, (protocol.Staged, protocol.Unstaged)):
-            encoded[id(data)] = (type(msg).__name__, msg.slot)
+            encoded[id(data)] = (type(msg).__name__, getattr(_local, "sending", None))
         return data
 
     protocol.encode = traced_encode
@@ -107,7 +152,7 @@ def install() -> None:
     def traced_receive(self: channel.Channel, frames: list[bytes]) -> Any:
         got = receive(self, frames)
         if got is not None and isinstance(got[1], (protocol.Staged, protocol.Unstaged)):
-            trace._record(f"received {type(got[1]).__name__}", got[1].slot)
+            _local.received = time.perf_counter_ns()  # recorded, keyed, where it is handled (above)
         return got
 
     channel.Channel.send = traced_send  # type: ignore[method-assign]
@@ -132,7 +177,8 @@ def cycles(sides: dict[str, Sequence[Sequence[Any]]], spans: Sequence[tuple[int,
     def inside(t: int) -> bool:
         return any(a <= t <= b for a, b in spans)
 
-    merged = sorted((e[0], side, trace._thread(e[1]), e[2], e[3] if len(e) > 3 else None)
+    # Each thread as recorded (two prefill ranks' workers apart), named by its role once cut into cycles.
+    merged = sorted((e[0], side, e[1], e[2], e[3] if len(e) > 3 else None)
                     for side, evs in sides.items() for e in evs if inside(e[0]))
     # A worker's events before it took the slot of their window ("slot wait >", and a gather made while every slot
     # was being scattered: before it even asked), and the slot it took last (its gather, unkeyed, comes after).
@@ -169,7 +215,7 @@ def cycles(sides: dict[str, Sequence[Sequence[Any]]], spans: Sequence[tuple[int,
         for i, c in enumerate(mine):
             steps = {e[3] for e in c}
             if "slot freed >" in steps and "slot taken" in steps and i < len(theirs):
-                done.append(sorted(c + theirs[i]))
+                done.append(sorted(e[:2] + (trace._thread(e[2]),) + e[3:] for e in c + theirs[i]))
     return sorted(done, key=lambda c: c[0][0])
 
 

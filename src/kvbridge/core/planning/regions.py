@@ -53,6 +53,16 @@ class RegionTable:
         pos = np.where(ok, pos, 0)
         return pos, ok & (addrs + nbytes <= self.ends[pos])
 
+    def holding(self, addrs: IntArray, nbytes: IntArray, size: int | None = None) -> int:
+        """The (sorted) position of the one region holding every range, or -1 when none does (they span
+        several regions, or lie outside): two reductions and one search of the bounds, no search per range.
+        ``size``: every range's size where the caller knows they are all one size (no array of ends)."""
+        if not len(self) or not len(addrs):
+            return -1
+        hi = int(addrs.max()) + size if size is not None else int((addrs + nbytes).max())
+        first = int(np.searchsorted(self.starts, int(addrs.min()), side="right")) - 1
+        return first if first >= 0 and hi <= int(self.ends[first]) else -1
+
     def split(self, addrs: IntArray, nbytes: IntArray) -> tuple[IntArray, IntArray]:
         """The ranges cut wherever a region starts inside one, in order.
 

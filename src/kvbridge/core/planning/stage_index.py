@@ -6,6 +6,11 @@ decode (slice -> pieces) move whole *units*: per region, the greatest size
 dividing every piece's size and offset, so that a copy is one ``numpy.take`` or
 one fancy assignment per region (host memory) or one indexed copy (GPU memory:
 the device seam, ``kvbridge.core.transfer.device``), never a loop per piece.
+Pieces continuing each other in memory are one piece to both (:func:`merged`),
+and pieces of one size at multiples of it have that size as their unit without a
+gcd over every value (:func:`_unit`): head slices of heterogeneous TP are tens of
+thousands of pieces of a few hundred bytes a window, and these passes, not the
+copy, were their cost.
 
 Where a window's pieces go travels in these terms (``Staged``): :func:`region_pieces`
 says a window's pieces as runs of pieces in one region each, a unit and every
@@ -27,7 +32,7 @@ from ..description.layout import Region
 from .regions import RegionTable
 
 __all__ = ["MAX_OFFSET", "MAX_RUNS", "MAX_UNITS_PER_PIECE", "RegionPieces", "UnitCopy", "UnitRun", "expand", "gather_into",
-           "pack", "put_units", "region_pieces", "unit_copy", "unit_runs"]
+           "merged", "pack", "put_units", "region_pieces", "unit_copy", "unit_runs"]
 
 #: A window whose pieces hold more units than this on average is not staged: its index arrays would
 #: outgrow the descriptors they replace (odd sizes or offsets, so the unit is a few bytes).
@@ -56,21 +61,49 @@ class UnitCopy(NamedTuple):
     end: int
 
 
-def unit_copy(addr: IntArray, packed: IntArray, nbytes: IntArray,
-              max_units_per_piece: int = MAX_UNITS_PER_PIECE) -> UnitCopy | None:
+def _rem(values: IntArray, unit: int) -> IntArray:
+    """``values % unit``; a mask where ``unit`` is a power of two."""
+    return values & (unit - 1) if unit & (unit - 1) == 0 else values % unit
+
+
+def _div(values: IntArray, unit: int) -> IntArray:
+    """``values // unit`` (``values`` >= 0); a shift where ``unit`` is a power of two."""
+    return values >> (unit.bit_length() - 1) if unit & (unit - 1) == 0 else values // unit
+
+
+def _unit(sizes: IntArray, *offsets: IntArray, same: bool | None = None) -> int:
+    """The greatest number dividing every size and offset (``same``: whether every size is the first one, where
+    the caller knows). Pieces of one size at multiples of it (pages of a pool, head slices) have that size:
+    one check an array, without a gcd over every value (the gcd of a window of 32,768 head slices, its sizes,
+    sources and slice offsets, cost more than gathering their bytes)."""
+    size = int(sizes[0])
+    if size > 0 and (bool((sizes == size).all()) if same is None else same):
+        if not any(_rem(o, size).any() for o in offsets):
+            return size
+    return int(np.gcd.reduce(np.concatenate((sizes, *offsets))))
+
+
+def unit_copy(addr: IntArray, packed: IntArray, nbytes: IntArray, max_units_per_piece: int = MAX_UNITS_PER_PIECE,
+              pieces: int | None = None) -> UnitCopy | None:
     """The unit indices of pieces at ``addr`` packed at offsets ``packed`` of a slice, ``nbytes`` each;
-    None when there are none or their unit is too small (module docstring)."""
+    None when there are none or their unit is too small (module docstring): more than ``max_units_per_piece``
+    units for each of the ``pieces`` descriptors they stand for (default: one each)."""
     n = len(addr)
     if n == 0:
         return None
     base = int(addr.min())
     rel = addr - base
-    unit = int(np.gcd.reduce(np.concatenate((nbytes, rel, packed))))
+    size = int(nbytes[0])
+    same = bool((nbytes == size).all())
+    unit = _unit(nbytes, rel, packed, same=same)
     if unit <= 0:
         return None
+    if same and unit == size:  # a unit a piece (pages, head slices): no counts, no expansion
+        far, near = _div(rel, unit), _div(packed, unit)
+        return UnitCopy(base, unit, far, near, int(far.max()) + 1, int(near.max()) + 1)
     count = nbytes // unit
     units = int(count.sum())
-    if units > max_units_per_piece * n:
+    if units > max_units_per_piece * (n if pieces is None else pieces):
         return None
     if units == n:
         far, near = rel // unit, packed // unit
@@ -89,22 +122,52 @@ class _Raw:
         }
 
 
-def pack(addr: IntArray, nbytes: IntArray, groups: IntArray,
+def merged(addr: IntArray, nbytes: IntArray) -> tuple[IntArray, IntArray]:
+    """Pieces that continue each other in memory merged into one, in order (the arrays as given when none do).
+    Pieces packed back to back in a slice continue each other there too, so a gather or scatter may copy the
+    runs instead: a page's head slices where the slice holds its heads whole (TP 2 -> 1 on prefill, 1 -> 2 on
+    decode) are one unit of a page's share, not a unit of a few hundred bytes each (16x fewer indices and
+    ``Staged`` offsets at 16 rows a page)."""
+    if len(addr) < 2:
+        return addr, nbytes
+    cont = addr[:-1] + nbytes[:-1] == addr[1:]
+    if not cont.any():
+        return addr, nbytes
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return addr[starts], np.add.reduceat(nbytes, starts)
+
+
+def _copy(addr: IntArray, nbytes: IntArray, offset: int, max_units_per_piece: int) -> UnitCopy | None:
+    """:func:`unit_copy` of pieces packed back to back from ``offset``, the runs of them continuing each other in
+    memory copied as one piece each (:func:`merged`)."""
+    runs, sizes = merged(addr, nbytes)
+    packed = np.cumsum(sizes)
+    packed -= sizes
+    if offset:
+        packed += offset
+    return unit_copy(runs, packed, sizes, max_units_per_piece, len(addr))
+
+
+def pack(addr: IntArray, nbytes: IntArray, groups: IntArray | None,
          max_units_per_piece: int = MAX_UNITS_PER_PIECE) -> tuple[IntArray, list[UnitCopy]]:
     """Which pieces a gather packs, in the order it packs them, and its copies: the pieces grouped by region
-    (each region's in their order; the region with the largest unit first, so that a region of odd sizes
-    does not shift the others' offsets off their unit), a region whose pieces are too odd to copy by units
-    left out. What is left out is written as planned: one odd region (a state of odd sizes written with
-    the pages) must not keep the rest of its window from being staged."""
-    found = np.unique(groups)
-    picks = [np.flatnonzero(groups == g) for g in found.tolist()] if len(found) > 1 else [np.arange(len(addr))]
-    own = [int(np.gcd.reduce(np.concatenate((nbytes[i], addr[i] - addr[i].min())))) for i in picks]
+    (``groups``: each piece's; None: one region holds them all), each region's in their order, the region
+    with the largest unit first (so that a region of odd sizes does not shift the others' offsets off their
+    unit), a region whose pieces are too odd to copy by units left out. What is left out is written as
+    planned: one odd region (a state of odd sizes written with the pages) must not keep the rest of its
+    window from being staged."""
+    found = np.unique(groups) if groups is not None else None
+    if found is None or len(found) <= 1:  # one region: its pieces in their order, no index of them
+        copy = _copy(addr, nbytes, 0, max_units_per_piece)
+        return (np.arange(len(addr)), [copy]) if copy is not None else (np.zeros(0, np.int64), [])
+    picks = [np.flatnonzero(groups == g) for g in found.tolist()]
+    own = [_unit(nbytes[i], addr[i] - addr[i].min()) for i in picks]
     kept: list[IntArray] = []
     copies: list[UnitCopy] = []
     offset = 0
     for k in sorted(range(len(picks)), key=lambda k: -own[k]):  # stable: regions of one unit keep their order
         i = picks[k]
-        copy = unit_copy(addr[i], offset + np.cumsum(nbytes[i]) - nbytes[i], nbytes[i], max_units_per_piece)
+        copy = _copy(addr[i], nbytes[i], offset, max_units_per_piece)
         if copy is not None:
             kept.append(i)
             copies.append(copy)
@@ -148,16 +211,15 @@ def region_pieces(addr: IntArray, nbytes: IntArray, table: RegionTable,
     """Pieces at ``addr`` (``nbytes`` each), in order, as runs of consecutive pieces in one region of ``table``,
     each in units of the gcd of its pieces' sizes and offsets from the region's start; None when a piece lies
     outside every region, the runs would be more than ``max_runs``, or an offset passes :data:`MAX_OFFSET` units.
-    A few passes over the arrays: pieces of one size at multiples of it (pages of a pool) need no gcd, and of a
-    power-of-two size no division either."""
+    A few passes over the arrays: pieces of one size at multiples of it (pages of a pool, head slices) need no
+    gcd (:func:`_unit`), and of a power-of-two size no division either."""
     n = len(addr)
     if n == 0 or not len(table):
         return None
     size = int(nbytes[0])
     same = bool((nbytes == size).all())
-    hi = int(addr.max()) + size if same else int((addr + nbytes).max())
-    first = int(np.searchsorted(table.starts, int(addr.min()), side="right")) - 1
-    if first >= 0 and hi <= int(table.ends[first]):  # one region holds them all: no search per piece
+    first = table.holding(addr, nbytes, size if same else None)
+    if first >= 0:  # one region holds them all: no search per piece
         cuts, found = [0, n], [first]
     else:
         pos, inside = table.locate(addr, nbytes)
@@ -172,14 +234,9 @@ def region_pieces(addr: IntArray, nbytes: IntArray, table: RegionTable,
     for a, b, k in zip(cuts, cuts[1:], found):
         rel = addr[a:b] - table.starts[k]
         sizes = nbytes[a:b]
-        if same and size & (size - 1) == 0 and not (rel & (size - 1)).any():
-            unit, offsets, counts = size, rel >> (size.bit_length() - 1), None
-        elif same and size & (size - 1) and not (rel % size).any():
-            unit, offsets, counts = size, rel // size, None
-        else:
-            unit = int(np.gcd.reduce(np.concatenate((sizes, rel))))
-            offsets = rel // unit
-            counts = None if same and unit == size else sizes // unit
+        unit = _unit(sizes, rel, same=same or None)
+        offsets = _div(rel, unit)
+        counts = None if same and unit == size else sizes // unit
         top = int(offsets[-1] if len(offsets) == 1 else offsets.max()) + (1 if counts is None else int(counts.max()))
         if top > MAX_OFFSET:
             return None

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..description.layout import Region, StagingOffer
 from ..planning.regions import RegionTable
-from ..planning.stage_index import MAX_UNITS_PER_PIECE, RegionPieces, region_pieces
+from ..planning.stage_index import MAX_UNITS_PER_PIECE, RegionPieces, merged, region_pieces
 from ..planning.transferplan import TransferPlan
 
 __all__ = ["MODES", "MAX_PIECE", "MAX_PIECE_DEVICE", "MAX_PIECE_REMOTE", "MIN_UNIT", "REMOTE_WINDOW_DESCRIPTORS", "RemoteSlots",
@@ -118,12 +118,18 @@ class RemoteSlots:
         return self.offer.region.addr + slot * self.offer.slice_bytes
 
     def pieces(self, window: TransferPlan) -> list[RegionPieces] | None:
-        """Where the pieces of a window gathered back to back go, as ``Staged`` says it: runs of pieces in one of
+        """Where the pieces of a window gathered back to back go, as ``Staged`` says it (pieces continuing each other
+        in the peer's memory said as one, :func:`~kvbridge.core.planning.stage_index.merged`): runs of pieces in one of
         the peer's regions, in unit offsets (:func:`~kvbridge.core.planning.stage_index.region_pieces`); None when
         they cannot be said so (a piece outside the peer's regions, too many runs, offsets past uint32) or decode
         would scatter units smaller than :data:`MIN_UNIT` on average, more than ``MAX_UNITS_PER_PIECE`` a piece
         (destinations at odd offsets: its index of units would outgrow the bytes it moves)."""
-        pieces = region_pieces(window.dst_addr, window.nbytes, self.table)
+        # Pieces continuing each other in decode's memory follow each other in the slot too: said as one (a page's
+        # head slices when decode holds its heads whole), unless that run crosses into an adjacent region.
+        addr, nbytes = merged(window.dst_addr, window.nbytes)
+        pieces = region_pieces(addr, nbytes, self.table)
+        if pieces is None and len(addr) < len(window):
+            pieces = region_pieces(window.dst_addr, window.nbytes, self.table)
         if pieces is None:
             return None
         units = sum(len(p.offsets) if p.counts is None else int(p.counts.sum(dtype=np.int64)) for p in pieces)

@@ -158,9 +158,11 @@ class Staging:
             elif not self._sources.locate(src, nbytes)[1].all():
                 return None  # a source outside the GPU memory this buffer stages (a plan built elsewhere)
         else:
-            regions, inside = self._sources.locate(src, nbytes)
-            if not inside.all():
-                return None  # a source outside the memory this buffer stages (another kind or GPU, or a plan built elsewhere)
+            regions = None  # one region holds every source (head slices of a layer, pages of a pool): no search a piece
+            if self._sources.holding(src, nbytes) < 0:
+                regions, inside = self._sources.locate(src, nbytes)
+                if not inside.all():
+                    return None  # a source outside the memory this buffer stages (another kind or GPU, or a plan built elsewhere)
             order, copies = pack(src, nbytes, regions)
             if len(order) < 2:
                 return None  # odd sizes or offsets: the index arrays would outgrow the descriptors
@@ -168,7 +170,7 @@ class Staging:
                 left = np.ones(len(window), bool)
                 left[order] = False
                 rest = TransferPlan(src[left], window.dst_addr[left], nbytes[left])
-            if len(order) < len(window) or (order[1:] < order[:-1]).any():
+            if len(order) < len(window) or (regions is not None and (order[1:] < order[:-1]).any()):
                 packed = TransferPlan(src[order], window.dst_addr[order], nbytes[order])
         with self._lock:
             if not self._free:
