@@ -268,3 +268,28 @@ def test_a_socket_whose_descriptor_fired_without_a_message_is_read_again_when_on
     finally:
         loop.stop()
         router.close(linger=0)
+
+
+@pytest.mark.parametrize("handed_over", [True, False])
+def test_a_send_that_fails_still_calls_then(handed_over: bool) -> None:
+    """``send(..., then=...)`` calls ``then`` once the send is over, also when the send raised (logged, as any
+    I/O call's error): prefill wakes its hosts there after a room's ``Done`` (``PrefillManager.notify``), so a
+    send that failed on the I/O thread left a host asleep on a room already SUCCESS, until its own timeout.
+    Sent from the calling thread, the failure was already logged and ``then`` called."""
+    loop = IOLoop("test-then", tick=None, tick_interval=3600)
+    woken = threading.Event()
+
+    def broken() -> Any:
+        raise RuntimeError("no channel here")
+
+    if handed_over:
+        loop.send(broken, b"x", then=woken.set)  # the loop does not run yet: handed over to its thread
+        loop.start()
+    else:
+        loop.start()
+        wait_until(lambda: loop._idle, WAIT, "the loop asleep")
+        loop.send(broken, b"x", then=woken.set)
+    try:
+        assert woken.wait(WAIT), "then was not called after the failed send"
+    finally:
+        loop.stop()

@@ -111,7 +111,8 @@ class IOLoop:
     # -- thread-safe -------------------------------------------------------------------
     def send(self, channel: SocketGetter, *payloads: bytes, ident: bytes | None = None,
              then: Callable[[], None] | None = None) -> None:
-        """Send ``payloads`` in order (to ``ident`` on a ROUTER) on the channel ``channel()`` returns; then call ``then``.
+        """Send ``payloads`` in order (to ``ident`` on a ROUTER) on the channel ``channel()`` returns; then call
+        ``then``, also after a send that failed (logged, never the caller's).
 
         From the calling thread when the I/O thread sleeps and nothing handed over waits for it (no hand-off:
         the thread's wake-up cost 20-60 us per message, #27); else on the I/O thread. Either way the sockets'
@@ -134,9 +135,11 @@ class IOLoop:
                 return
 
         def send() -> None:
-            self._send(channel, payloads, ident)
-            if then is not None:
-                then()
+            try:
+                self._send(channel, payloads, ident)
+            finally:  # as above: a failed send is logged (by the loop) and ``then`` still runs
+                if then is not None:
+                    then()
 
         self.call(send)
 
