@@ -10,6 +10,9 @@ Decode side: random ``StagedRegion`` runs (region indices in and out of range or
 2**63-1, offsets and counts near 2**32, counts of the wrong length) are either refused with ``ScatterError``,
 nothing written, or scattered exactly as an oracle reading the runs piece by piece says, when that oracle finds
 every piece inside the region named and the pieces within one slot.
+
+GPU scatter: runs of several regions merged into one view from the lowest (``staging_torch._one_view``, over
+gaps no region holds) write exactly the units the runs name, applied by the CPU stand-in of the copies.
 """
 
 from __future__ import annotations
@@ -196,3 +199,44 @@ def test_random_staged_runs_are_refused_writing_nothing_or_scattered_as_the_orac
             np.testing.assert_array_equal(mem[once], want[once], err_msg=f"case {i}")
             scattered += 1
     assert scattered >= 500  # the allowed cases ran too, not only refusals
+
+
+def test_unit_runs_of_regions_apart_copied_through_one_view_reach_the_bytes_the_runs_name() -> None:
+    """``staging_torch._one_view``: runs of several regions that share a unit and lie whole units apart from the
+    lowest (with gaps of memory no region holds between them) are copied as one run over a view from the lowest
+    region. Applied with numpy (``testing.host_device``, the CPU stand-in of the indexed copies), the one run
+    writes exactly the bytes the runs name, each from its place in the slice; runs it cannot merge are kept."""
+    pytest.importorskip("torch")
+    from kvbridge import staging_torch
+    from kvbridge.core.planning.stage_index import UnitRun
+    from kvbridge.testing import host_device
+
+    unit = 256
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        mem = np.zeros(1 << 16, np.uint8)
+        base = mem.ctypes.data + (-mem.ctypes.data) % unit
+        at, regions = 0, []
+        for i in range(int(rng.integers(2, 5))):
+            at += unit * int(rng.integers(0, 4)) + (int(rng.choice([0, 0, 0, 64])) if i else 0)  # 64: not whole units
+            size = unit * int(rng.integers(1, 9))
+            regions.append((base + at, size))
+            at += size
+        assert at <= mem.size - unit
+        runs, start = [], 0
+        for k in rng.permutation(len(regions)).tolist():  # in the slot, in any order of their addresses
+            where, size = regions[k]
+            offsets = rng.permutation(size // unit)[:int(rng.integers(1, 6))].astype(np.int64)  # each unit once
+            runs.append(UnitRun(where, unit, offsets, start, size // unit))
+            start += len(offsets) * unit
+        slot = rng.integers(0, 256, start, dtype=np.uint8)
+        want = mem.copy()
+        for r in runs:  # the oracle: each unit from its place in the slice, by plain slicing, in order
+            for k, off in enumerate(r.offsets.tolist()):
+                lo = r.base - mem.ctypes.data + off * unit
+                want[lo:lo + unit] = slot[r.start + k * unit:r.start + (k + 1) * unit]
+        merged = staging_torch._one_view(runs)
+        apart = any((r.base - base) % unit for r in runs)
+        assert len(merged) == (len(runs) if apart else 1), f"seed {seed}"
+        host_device.scatter_units(slot.ctypes.data, merged, 0)
+        np.testing.assert_array_equal(mem, want, err_msg=f"seed {seed}")
