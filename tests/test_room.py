@@ -69,3 +69,36 @@ def test_a_wait_that_times_out_returns_the_state_then_and_leaves_no_waiter():
     changes.wake()  # nobody waits: nothing to release
     room.advance(Poll.SUCCESS)
     assert room.wait(Poll.SUCCESS, 0.0) == Poll.SUCCESS
+
+
+def test_a_change_made_between_a_hosts_check_and_its_sleep_wakes_it():
+    # The host's check and its joining the waiters are one step under the lock, which wake() takes: a change whose
+    # wake() comes while the host is between the two (held there by a slow append) still wakes it. A host joining
+    # outside the lock would sleep through it (the list wake() emptied was the one it had not joined yet).
+    import threading
+    import time
+
+    changes, (room,) = _rooms(1)
+    changer: list[threading.Thread] = []
+
+    class Slow(list):
+        def append(self, waiter):  # the host between its check and its sleep
+            time.sleep(0.05)
+            super().append(waiter)
+
+    def reached() -> bool:
+        done = room.poll() == Poll.SUCCESS
+        if not changer:  # the first check: the change comes right after it, its wake() while the host appends
+            changer.append(threading.Thread(target=room.advance, args=(Poll.SUCCESS,)))
+            changer[0].start()
+        return done
+
+    changes._waiters = Slow()
+    host = threading.Thread(target=changes.wait_for, args=(reached, None), daemon=True)
+    host.start()
+    host.join(10.0)
+    changer[0].join(10.0)
+    asleep = host.is_alive()
+    changes.wake()  # a host that slept through the change: let it go
+    assert not asleep, "the host slept through a change made after its check"
+    assert room.poll() == Poll.SUCCESS and not changes._waiters
