@@ -240,3 +240,13 @@ def test_unit_runs_of_regions_apart_copied_through_one_view_reach_the_bytes_the_
         assert len(merged) == (len(runs) if apart else 1), f"seed {seed}"
         host_device.scatter_units(slot.ctypes.data, merged, 0)
         np.testing.assert_array_equal(mem, want, err_msg=f"seed {seed}")
+
+
+def test_a_staged_message_naming_no_room_is_refused() -> None:
+    """Decode scatters a window only while every room it names is live there (``DecodeManager._on_staged``): a
+    ``Staged`` naming none would pass that check vacuously and be scattered into whatever the pages hold now.
+    Prefill names the window's one room (``sessions/writes.announce``); a message naming none is refused."""
+    run = P.StagedRegion(region=0, unit=256, offsets=np.zeros(1, "<u4").tobytes())
+    with pytest.raises(P.ProtocolError, match="malformed 'staged' message.*rooms"):
+        P.decode(P.encode(P.Staged(rooms=(), slot=0, pieces=(run,))))
+    assert isinstance(P.decode(P.encode(P.Staged(rooms=(7,), slot=0, pieces=(run,)))), P.Staged)

@@ -263,7 +263,8 @@ class Staged(_Msg, tag="staged", frozen=True):
     order) only while every room is live there, then answers :class:`Unstaged`. Sent before those
     rooms' ``Done``, on the same connection: decode scatters before it can count a room's SUCCESS."""
 
-    rooms: tuple[int, ...]
+    #: At least one: decode scatters only while every room named is live there, which no room would pass vacuously.
+    rooms: Annotated[tuple[int, ...], msgspec.Meta(min_length=1)]
     slot: int
     pieces: Annotated[tuple[StagedRegion, ...], msgspec.Meta(max_length=MAX_STAGED_RUNS)]
 
