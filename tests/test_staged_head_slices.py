@@ -103,6 +103,18 @@ def test_head_slices_into_strided_rows_are_said_by_their_size_and_scattered_into
     np.testing.assert_array_equal(dst, want)
 
 
+def test_a_run_of_more_units_than_the_slice_holds_is_refused_and_nothing_is_written() -> None:
+    # numpy.put repeats the values it is given where there are fewer than indices: the scatter must not.
+    src, dst = _pool(8, 4), np.zeros((PAGES, ROWS, HEADS, HEAD), np.uint8)
+    addr = (dst.ctypes.data + np.arange(48)[:, None] * dst[0].nbytes + np.arange(ROWS)[None, :] * HEADS * HEAD).ravel()
+    regions = [_region(dst)]
+    pieces = region_pieces(addr, np.full(addr.size, 4 * HEAD, np.int64), RegionTable(regions))
+    assert pieces is not None
+    with pytest.raises(ValueError, match="passes the end of a slice"):
+        put_units(src[:47].ravel(), unit_runs(pieces, regions))  # a page's worth short
+    assert not dst.any()
+
+
 @pytest.mark.parametrize("where, want", [
     ([(0, 64), (4096 - 64, 64)], 0),   # both ends inside the first region
     ([(8192, 64), (12288 - 1, 1)], 1),  # the second region, to its last byte
