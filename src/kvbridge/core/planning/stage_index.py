@@ -4,7 +4,7 @@ A staged window is a list of pieces (address, bytes) packed back to back in a
 staging slice. Both the gather on prefill (pieces -> slice) and the scatter on
 decode (slice -> pieces) move whole *units*: per region, the greatest size
 dividing every piece's size and offset, so that a copy is one ``numpy.take`` or
-one fancy assignment per region (host memory) or one indexed copy (GPU memory:
+one ``numpy.put`` per region (host memory) or one indexed copy (GPU memory:
 the device seam, ``kvbridge.core.transfer.device``), never a loop per piece.
 Pieces continuing each other in memory are one piece to both (:func:`merged`),
 and pieces of one size at multiples of it have that size as their unit without a

@@ -8,7 +8,7 @@ pieces go: per run of pieces in one of this rank's regions, the region's place
 in its ``KVArgs.regions``, a unit and each piece's unit offset from the
 region's start (4 bytes a piece). Decode checks them with bounds arithmetic
 (the region is one of this buffer's memory, every piece ends inside it, the
-pieces fit the slot), scatters the slot into place (one fancy assignment per
+pieces fit the slot), scatters the slot into place (one ``numpy.put`` per
 run over a view of the region, :func:`kvbridge.core.planning.stage_index.put_units`)
 and answers ``Unstaged`` so the slot may be written again. ``Staged`` travels before the rooms' ``Done`` on the
 same connection, so every scatter happens before a room can reach SUCCESS; it
