@@ -46,7 +46,7 @@ import numpy as np
 
 from ..description.layout import Region
 from ..planning.transferplan import TransferPlan
-from ..planning.stage_index import gather_into, pack, region_pieces, unit_runs
+from ..planning.stage_index import gather_into, merged, pack, region_pieces, unit_runs
 from .device import Buffer, OnDevice
 
 __all__ = ["Staging", "Staged", "wanted", "device_slices", "SLICES", "SLICE_BYTES", "DEVICE_SLICES", "DEVICE_SLICE_BYTES",
@@ -123,10 +123,9 @@ class Staging:
             return None
 
         def runs_of(addr: int, packed: TransferPlan) -> TransferPlan:
-            dst, nbytes = packed.dst_addr, packed.nbytes
-            starts = np.flatnonzero(np.concatenate(([True], dst[:-1] + nbytes[:-1] != dst[1:])))
-            offsets = np.cumsum(nbytes) - nbytes
-            return TransferPlan(addr + offsets[starts], dst[starts].copy(), np.add.reduceat(nbytes, starts))
+            # The runs contiguous in the destination follow each other in the slice too: one descriptor each.
+            dst, sizes = merged(packed.dst_addr, packed.nbytes)
+            return TransferPlan(addr + np.cumsum(sizes) - sizes, dst, sizes)
         return self._gather(window, runs_of)
 
     def stage_to(self, window: TransferPlan, dst_addr: int) -> Staged | None:
