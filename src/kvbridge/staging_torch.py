@@ -59,22 +59,14 @@ def _copy(addr: IntArray, nbytes: IntArray, slice_addr: int, device: int, to_sli
     table = kernels.unit_table(addr, np.cumsum(nbytes) - nbytes, nbytes)
     base = int(table.far.min())
     offset = table.far - base
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream()
-        if (offset % table.unit).any():  # units at odd distances from each other: the kernel reads addresses
+    if (offset % table.unit).any():  # units at odd distances from each other: the kernel reads addresses
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream()
             (kernels.gather if to_slice else kernels.scatter)(table, slice_addr, stream)
-        else:  # rows of one view: torch's own indexed copy, packed rows in the order of the pieces
-            where = f"cuda:{device}"
-            width = min(table.width, 8, slice_addr & -slice_addr or 8)
-            row = offset // table.unit
-            memory = _rows(base, int(row.max()) + 1, table.unit, width, where)
-            packed = _rows(slice_addr, len(row), table.unit, width, where)
-            index = torch.from_numpy(row).to(where, non_blocking=True)
-            if to_slice:
-                torch.index_select(memory, 0, index, out=packed)
-            else:
-                memory.index_copy_(0, index, packed)
-        stream.synchronize()
+            stream.synchronize()
+    else:  # rows of one view from the lowest unit, packed in the order of the pieces: one unit run
+        row = offset // table.unit
+        _units([UnitRun(base, table.unit, row, 0, int(row.max()) + 1)], slice_addr, device, to_slice)
 
 
 def _one_view(runs: Sequence[UnitRun]) -> list[UnitRun]:
