@@ -28,6 +28,7 @@ from kvbridge.core.transfer.backend import BackendConfig, TransferError, Transfe
 from kvbridge.core.description.layout import Region  # noqa: E402
 from kvbridge.core.description.plugins import get_registry  # noqa: E402
 from kvbridge.core.description.records import OptionError  # noqa: E402
+from kvbridge.core.transfer.pipeline import FENCE_BATCHES_IN_FLIGHT  # noqa: E402
 from kvbridge.core.transfer.transport import FENCE_BATCH_BYTES, Transport  # noqa: E402
 from kvbridge.testing import pair  # noqa: E402
 from kvbridge.testing.pair import SENTINEL, Destination, pattern, pattern_buffers, region, standard_layout  # noqa: E402
@@ -346,13 +347,16 @@ def test_a_deadline_that_passes_between_requests_stops_the_write_there():
         assert big.stop() == 0
 
 
-def test_a_larger_descriptor_is_cut_into_requests_of_core_s_16_mib_fence_bound(source):
-    # nixl declares 64 MiB; core's fence bound (FENCE_BATCH_BYTES) is tighter.
-    assert FENCE_BATCH_BYTES == 16 << 20
+def test_a_larger_descriptor_is_cut_into_requests_of_half_core_s_64_mib_fence_bound(source):
+    # nixl declares 64 MiB a request and 2 in flight; core keeps 64 MiB in flight to a peer at most
+    # (FENCE_BATCHES_IN_FLIGHT x FENCE_BATCH_BYTES), so each request is 32 MiB.
+    assert FENCE_BATCHES_IN_FLIGHT * FENCE_BATCH_BYTES == 64 << 20
+    transport = Transport.of(source.backends["descs"], "nixl")
+    assert transport.lanes[0].in_flight == 2
     one_gib = TransferPlan(np.array([0], np.int64), np.array([1 << 40], np.int64), np.array([1 << 30], np.int64))
-    batches = Transport.of(source.backends["descs"], "nixl").batches(one_gib)  # split only, never written
-    assert [b.total_bytes for b in batches] == [16 << 20] * 64
-    assert [int(b.src_addr[0]) for b in batches] == [i * (16 << 20) for i in range(64)]
+    batches = transport.batches(one_gib)  # split only, never written
+    assert [b.total_bytes for b in batches] == [32 << 20] * 32
+    assert [int(b.src_addr[0]) for b in batches] == [i * (32 << 20) for i in range(32)]
 
 
 def test_close_is_idempotent_and_later_writes_fail():

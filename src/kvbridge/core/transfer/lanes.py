@@ -25,7 +25,7 @@ from ..planning.regions import RegionTable
 from ..planning.transferplan import Memory, TransferPlan
 from ..description.plugins import SAME_HOST_LANES, get_registry
 from ..description.records import BackendCapabilities, BackendSpec
-from .pipeline import in_flight
+from .pipeline import FENCE_BATCHES_IN_FLIGHT, in_flight
 from .staging import Staging
 
 __all__ = [
@@ -34,10 +34,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Every batch stays within these, whatever the backend allows: the fence is
-#: checked between batches, so they bound what a prefill frozen inside an engine
-#: call can still write when it resumes after decode reported FAILED
-#: (docs/failures.md). Measured cost on nixl: within noise (docs/failures.md).
+#: A batch of a lane keeping the most batches in flight (``FENCE_BATCHES_IN_FLIGHT``) stays within these,
+#: whatever the backend allows: the fence is checked before every batch, so what is in flight to a peer, at
+#: most ``FENCE_BATCHES_IN_FLIGHT`` times these (64 MiB, 4096 descriptors), is what a prefill frozen inside an
+#: engine call can still write when it resumes after decode reported FAILED (docs/failures.md). A lane keeping
+#: fewer in flight gets batches as much larger as keeps that bound (:meth:`Lane.__post_init__`).
 #: A backend that declares ``whole_plans`` checks the fence between its own posts instead.
 FENCE_BATCH_DESCRIPTORS = 1024
 FENCE_BATCH_BYTES = 16 << 20
@@ -66,9 +67,10 @@ class Lane:
         if caps.whole_plans:  # the backend checks the fence between its own posts (backend.checkpoint)
             self.batch_descriptors = caps.batch_descriptors or 1 << 62
             self.batch_bytes = caps.max_bytes_per_batch or 1 << 62
-        else:
-            self.batch_descriptors = min(caps.batch_descriptors or FENCE_BATCH_DESCRIPTORS, FENCE_BATCH_DESCRIPTORS)
-            self.batch_bytes = min(caps.max_bytes_per_batch or FENCE_BATCH_BYTES, FENCE_BATCH_BYTES)
+        else:  # the same bound in flight however the backend keeps it: 4 x 16 MiB, 2 x 32 MiB or 1 x 64 MiB
+            share = FENCE_BATCHES_IN_FLIGHT // self.in_flight
+            self.batch_descriptors = min(caps.batch_descriptors or 1 << 62, share * FENCE_BATCH_DESCRIPTORS)
+            self.batch_bytes = min(caps.max_bytes_per_batch or 1 << 62, share * FENCE_BATCH_BYTES)
 
     def batches(self, plan: TransferPlan) -> list[TransferPlan]:
         """``plan`` as the backend will receive it: cut and split within the declared limits (views)."""

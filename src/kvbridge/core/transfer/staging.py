@@ -33,7 +33,7 @@ GPU memory (``device=``): the same slices in a buffer on the GPU, gathered by th
 (:mod:`kvbridge.core.transfer.device`: one copy a window, from the sources' unit offsets in their
 regions where they are pages of a pool, else from their addresses) and only ever staged on both
 sides (:meth:`Staging.stage_to`), into a GPU landing buffer decode lent; slices of
-:data:`DEVICE_SLICE_BYTES` (a window is two fence batches, ``FENCE_BATCH_BYTES``, each checked by the fence).
+:data:`DEVICE_SLICE_BYTES` (posted in batches of the lane, each checked by the fence).
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ DEVICE_SLICES = 4
 SLICE_BYTES = 4 << 20
 #: The same on GPU memory: a window's fixed costs (a launch, a synchronise, ``Staged``, the scatter and
 #: ``Unstaged``: hundreds of microseconds end to end) are paid once per slice, and at 200 GB/s 16 MiB moves in
-#: 80 us, so a window is two fence batches (``FENCE_BATCH_BYTES``, each checked by the fence): two windows in
-#: flight are the fence's 4 batches (``FENCE_BATCHES_IN_FLIGHT``).
+#: 80 us, so a window is 32 MiB: two windows in flight are the fence's bound on what is in flight to a peer
+#: (64 MiB: ``FENCE_BATCHES_IN_FLIGHT`` x ``FENCE_BATCH_BYTES``; nixl posts each window as one 32 MiB batch).
 DEVICE_SLICE_BYTES = 32 << 20
 #: GPU memory one prefill rank's staging buffer may hold: :data:`DEVICE_SLICES` slices of the default size. A larger
 #: slice (``SessionConfig.gpu_staging_slice_bytes``) gets fewer slices (:func:`device_slices`), at least 2.

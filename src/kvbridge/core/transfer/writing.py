@@ -243,7 +243,7 @@ class LaneWrites:
                 else:
                     into_place()
                 flying.append((staged, slot, pieces))
-                batches = lane.batches(staged.runs)  # a window of two fence batches (GPU) is posted as two
+                batches = lane.batches(staged.runs)  # a window larger than the lane's batch (GPU) goes in several
                 for i, batch in enumerate(batches):  # the slice is reused once the engine reads it no more
                     post(batch, where, then=landed if i == len(batches) - 1 else None)
                 if staged.rest is not None:  # pieces of a region too odd to gather: as planned
@@ -349,7 +349,7 @@ class LaneWrites:
             yield plan  # pieces too large on average to be worth copying: written as planned
             return
         most = relay.REMOTE_WINDOW_DESCRIPTORS if remote else staging.WINDOW_DESCRIPTORS
-        size = stager.slice_bytes  # larger than a fence batch (GPU): its runs go in several batches, each checked
+        size = stager.slice_bytes  # may be larger than a batch (GPU): its runs go in several batches, each checked
         if remote and state.slots is not None:
             size = min(size, state.slots.offer.slice_bytes)
         yield from plan.batches(most, size)

@@ -18,8 +18,8 @@ Behaviour this adapter is built around (measured: docs/engines.md, NIXL):
   the kill). CMA writes into a *stopped* process complete; over TCP they time
   out and the peer works again after SIGCONT. **Releasing does not cancel puts
   UCX has queued** (127 of 128 MiB landed after a timed-out write to a stopped
-  peer over TCP), so core keeps batches within its fence's 16 MiB and 1024
-  descriptors and, over TCP, resets the connections after a failed write
+  peer over TCP), so core keeps what is in flight to a peer within its fence's 64 MiB
+  and 4096 descriptors (2 batches of 32 MiB and 2048) and, over TCP, resets the connections after a failed write
   (``abort_peer``, docs/failures.md); the next write reconnects (below).
 - **The post does the copy.** With CMA, ``transfer()`` copies every byte before it returns (releasing
   the GIL), so a deadline cannot interrupt it: ``max_bytes_per_batch`` is 64 MiB.
