@@ -8,6 +8,8 @@ slicing of the source, independently of the planner.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-pytest.importorskip("ucxx._lib.libucxx")
+# Not imported here: collecting this file (every pytest-xdist worker collects every file) loaded UCXX's UCX
+# into each worker, beside NIXL's own, and before kvbridge kept UCXX's settings out of the environment
+# (test_ucxx_settings_go_to_its_context_not_the_environment) NIXL ran with them on a worker and without alone.
+if importlib.util.find_spec("ucxx") is None:
+    pytest.skip("ucxx is not installed (scripts/setup.sh installs it)", allow_module_level=True)
 
 from kvbridge.core.transfer.backend import BackendConfig, TransferError, TransferTimeout  # noqa: E402
 from kvbridge.core.description.layout import Region  # noqa: E402
@@ -368,3 +374,41 @@ def test_listing_the_plugin_does_not_import_the_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_collecting_this_file_loads_no_ucx():
+    """What pytest runs of this file at collection, in every worker: no UCXX, no UCX library."""
+    code = (
+        "import importlib.util as u, sys; spec = u.spec_from_file_location('t', sys.argv[1]); "
+        "sys.modules['t'] = module = u.module_from_spec(spec); spec.loader.exec_module(module); "
+        "print(sorted(k for k in sys.modules if k.split('.')[0] in ('ucxx', 'libucx', 'libucxx')), "
+        "[line.split()[-1] for line in open('/proc/self/maps') if 'libucp' in line][:1])"
+    )
+    out = subprocess.run([sys.executable, "-c", code, __file__], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] []"
+
+
+def test_ucxx_settings_go_to_its_context_not_the_environment():
+    """Importing UCXX writes UCX settings for its contexts into os.environ (UCX_RNDV_THRESH=8192, ...), which
+    NIXL's UCX in the same process and every process started from it read too: NIXL's agent keeps its own
+    RNDV_THRESH=inf only where the environment names none. A backend leaves the environment as it was and
+    gives them to its own context instead, under a variable set in the environment."""
+    code = (
+        "import json, os, sys; from kvbridge.core.transfer.backend import BackendConfig; "
+        "from kvbridge.core.description.plugins import get_registry; "
+        "from kvbridge.plugins.ucx.backend import UcxBackend; "
+        "env = lambda: {k: v for k, v in os.environ.items() if k.startswith('UCX_')}; before = env(); "
+        "b = UcxBackend(BackendConfig(host='127.0.0.1', name='p', options=get_registry().backend_spec('ucx').parse_options({}))); "
+        "config = b._context.config; b.close(); "
+        "print(json.dumps([before, env(), {k: config.get(k) for k in ('RNDV_THRESH', 'MAX_RNDV_RAILS')}]))"
+    )
+    for theirs, rndv in ((None, "intra:8K,inter:8K"), ("16384", "intra:16K,inter:16K")):
+        environ = {k: v for k, v in os.environ.items() if k != "UCX_RNDV_THRESH"}
+        if theirs is not None:
+            environ["UCX_RNDV_THRESH"] = theirs
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=environ)
+        assert out.returncode == 0, out.stderr
+        before, after, context = json.loads(out.stdout.splitlines()[-1])
+        assert after == before, f"the backend changed the environment: {set(after.items()) ^ set(before.items())}"
+        assert context == {"RNDV_THRESH": rndv, "MAX_RNDV_RAILS": "1"}, context

@@ -53,9 +53,10 @@ from __future__ import annotations
 import ctypes
 import os
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
+from typing import Any
 
 __all__ = [
-    "UcpError", "lib", "status_string", "ptr_status", "check", "worker_thread_mode",
+    "UCXX_SETTINGS", "UcpError", "lib", "ucxx", "status_string", "ptr_status", "check", "worker_thread_mode",
     "mem_map", "rkey_pack", "rkey_unpack", "MemMapParams", "RequestParam",
 ]
 
@@ -146,9 +147,30 @@ def _open(stem: str) -> ctypes.CDLL:
     return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
 
 
-def _bind() -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    import ucxx._lib.libucxx  # type: ignore[import-untyped]  # noqa: F401  (loads libucp from the libucx wheel)
+def _import_ucxx() -> tuple[Any, dict[str, str]]:
+    """Import UCXX, leaving the process environment as it was; the module and the UCX settings its import made.
 
+    UCXX's import writes settings meant for its own contexts into ``os.environ`` (ucxx 0.52:
+    ``UCX_MEMTYPE_CACHE=n``, ``UCX_RNDV_THRESH=8192``, ``UCX_RNDV_FRAG_MEM_TYPE=cuda``, ``UCX_MAX_RNDV_RAILS=1``).
+    Every other UCX in the process reads them as well, and so does every process started from it: NIXL's
+    bundled UCX, which sets ``RNDV_THRESH=inf`` only where the environment names none, ran with UCXX's 8192.
+    They are taken out again here and handed (as :data:`UCXX_SETTINGS`) to the backend's own UCXX
+    context. Where something imported UCXX before kvbridge, what it set stays in the environment.
+    """
+    before = {key: value for key, value in os.environ.items() if key.startswith("UCX_")}
+    import ucxx._lib.libucxx as ucx  # type: ignore[import-untyped]  # (loads libucp from the libucx wheel)
+
+    # Empty where UCXX was imported before: importing it again runs nothing.
+    made = {key: value for key, value in os.environ.items() if key.startswith("UCX_") and before.get(key) != value}
+    for key in made:
+        if key in before:
+            os.environ[key] = before[key]
+        else:
+            del os.environ[key]
+    return ucx, {key[len("UCX_"):]: value for key, value in made.items()}
+
+
+def _bind() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     ucp, ucs = _open("ucp"), _open("ucs")
     sig = {
         "ucp_mem_map": (c_int, [c_void_p, POINTER(MemMapParams), POINTER(c_void_p)]),
@@ -171,6 +193,8 @@ def _bind() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     return ucp, ucs
 
 
+#: ``ucxx._lib.libucxx``, and the UCX settings its import made (keys without ``UCX_``): :func:`_import_ucxx`.
+ucxx, UCXX_SETTINGS = _import_ucxx()
 lib, _ucs = _bind()
 
 

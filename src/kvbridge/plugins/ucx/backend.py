@@ -94,14 +94,16 @@ class UcxBackend(Backend):
         if not self.error_handling:
             log.warning("ucx: endpoint error handling is off; a put to a dead peer aborts this process")
 
-        # UCXX sets UCX_MEMTYPE_CACHE itself and UCX then prints an "unused
-        # environment variable" warning to stdout, corrupting a host's stdout protocol.
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-        # Imported only now: selecting another backend never loads UCX.
-        import ucxx._lib.libucxx as ucx  # type: ignore[import-untyped]
-
+        # Imported only now: selecting another backend never loads UCX. UCXX's own settings go to this
+        # context, not the environment (_ucp._import_ucxx), where a variable you set still wins.
         from . import _ucp
 
+        ucx = _ucp.ucxx
+        ucx_config = {**{k: v for k, v in _ucp.UCXX_SETTINGS.items() if f"UCX_{k}" not in os.environ}, **ucx_config}
+        # Where something imported UCXX before kvbridge, its UCX_MEMTYPE_CACHE is in the environment and UCX
+        # prints an "unused environment variable" warning to stdout, corrupting a host's stdout protocol.
+        if "UCX_WARN_UNUSED_ENV_VARS" not in os.environ:
+            ucx_config.setdefault("WARN_UNUSED_ENV_VARS", "n")
         self._ucx, self._ucp = ucx, _ucp
         self._lock = threading.Lock()  # guards _peers and _closed
         self._closed = False
