@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = ["Layout", "SENTINEL", "Destination", "region", "start_destination", "
 Layout = list[tuple[str, int, int, str]]
 SENTINEL = 0xA5  # what destination bytes hold until something writes them
 WAIT = 20.0  # bound on every wait for the other process
+IDLE_EXIT = 3600.0  # a destination process given no request this long exits (its parent may be gone)
 
 
 def region(name: str, buf: np.ndarray, item: int, space: str, layer: int) -> Region:
@@ -43,7 +45,16 @@ def _serve(conn: Any, backend: str, layout: Layout, transfer_timeout: float) -> 
     regions = [region(n, b, item, space, i) for i, (b, (n, item, _, space)) in enumerate(zip(bufs, layout))]
     engine.register(regions)
     conn.send((engine.metadata()[backend], regions))  # the named backend's own metadata
-    while conn.poll(60):  # exit on its own if the parent goes away
+    # Serve until told to quit, or exit on its own once the parent is gone or after IDLE_EXIT without a
+    # request. Not after a minute's silence: a test module's tests can be an hour apart on a busy
+    # pytest-xdist worker (the tests that run alone go in between), and a later one then found the pipe broken.
+    parent, idle_since = mp.parent_process(), time.monotonic()
+    while time.monotonic() - idle_since < IDLE_EXIT:
+        if not conn.poll(5):
+            if parent is not None and not parent.is_alive():
+                break
+            continue
+        idle_since = time.monotonic()
         cmd = conn.recv()
         if cmd == "fill":
             for b in bufs:
