@@ -105,10 +105,8 @@ def unit_copy(addr: IntArray, packed: IntArray, nbytes: IntArray, max_units_per_
     units = int(count.sum())
     if units > max_units_per_piece * (n if pieces is None else pieces):
         return None
-    if units == n:
-        far, near = rel // unit, packed // unit
-    else:  # pieces of several units: every unit of every piece, in order
-        far, near = expand(rel // unit, count), expand(packed // unit, count)
+    # Pieces of several units (one unit each, of one size, returned above): every unit of every piece, in order.
+    far, near = expand(rel // unit, count), expand(packed // unit, count)
     return UnitCopy(base, unit, far, near, (int((addr + nbytes).max()) - base) // unit,
                     int((packed + nbytes).max()) // unit)
 

@@ -352,8 +352,6 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
                 rows_in_done[id(w)] = read_row(w.job.meta_plan, req.metadata_row)
     with m.lock:  # failing a room takes the lock too: Done never follows Failed
         live = [w for w in live if m.live(w.sender, peer)]
-        # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
-        # wake-up of decode's host fewer per request).
         for w in live:  # counted before this rank's SUCCESS is visible: a snapshot of its final rooms is whole
             if w.job.totals:  # something was written
                 metrics().transfer(m.backend_name, w.job.totals, w.job.seconds)
@@ -365,6 +363,8 @@ def write_chunks(writes: list[ChunkWrite]) -> None:
         for w in live:
             if w.last and w.sender.peer_landed():
                 finished = m.finish(w.sender, Poll.SUCCESS, wake=False) or finished
+        # The last chunk's Done says it landed too: no ChunkDone before it (one message, one
+        # wake-up of decode's host fewer per request).
         m.notify(peer, *[P.Done(room=w.sender.room, checksum=summaries.get(id(w)), row=rows_in_done.get(id(w)))
                          if w.last else P.ChunkDone(room=w.sender.room, chunk=w.chunk, last=False) for w in live],
                  wake=finished)
